@@ -1,0 +1,295 @@
+"""The typed schema of a ppoflow run configuration.
+
+Defaults live in ``configs/ppo_trainer.yaml`` (one place); this module says what each key means and
+which values are legal. Every model forbids unknown keys and is strict (no ``"yes"`` -> ``True``, no
+``True`` inside a list of ints), so a typo fails before any worker starts. Rules that relate several
+keys live in :func:`cross_field_errors`. Key names follow verl's ``ppo_trainer.yaml`` wherever the
+concept exists.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STAGES_WITH_SKIP = ("rollout", "async_rollout", "reward", "old_log_prob", "ref", "values", "advantage")
+"""Stage names accepted under ``skip.``: ``rollout`` is verl's; the others extend its idea."""
+
+LOGGERS = ("console", "tensorboard")
+
+
+class Section(BaseModel):
+    """Base of every config section: strict types, unknown keys rejected, immutable once built."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+class SyntheticDataConfig(Section):
+    """Built-in synthetic task; when set, missing ``train_files``/``val_files`` are generated from it."""
+
+    task: Literal["copy"] = Field("copy", description="Synthetic task: `copy` = repeat the prompt's digits, then stop.")
+    digits: int = Field(2, ge=1, le=8, description="Digits per prompt.")
+    train_rows: int = Field(3200, ge=1, description="Rows written to the train file.")
+    val_rows: int = Field(100, ge=1, description="Rows written to the validation file.")
+    seed: int = Field(0, description="Seed of the generated rows.")
+
+
+class DataConfig(Section):
+    """Prompts: verl-style parquet/JSONL rows (`prompt`, `data_source`, `reward_model.ground_truth`)."""
+
+    train_files: Union[str, list[str]] = Field(description="Parquet or JSONL file(s), any fsspec URL.")
+    val_files: Optional[Union[str, list[str]]] = Field(description="Validation file(s); needed when `trainer.test_freq` > 0.")
+    prompt_key: str = Field(description="Column holding the prompt (chat messages or text).")
+    train_batch_size: int = Field(ge=1, description="Prompts per training step.")
+    gen_batch_size: Optional[int] = Field(ge=1, description="Prompts per generation; null = train_batch_size (names the cache directory).")
+    val_batch_size: Optional[int] = Field(ge=1, description="Prompts per validation generation; null = the whole validation set.")
+    max_prompt_length: int = Field(ge=1, description="Longest prompt in tokens.")
+    max_response_length: int = Field(ge=1, description="Most tokens generated per response.")
+    filter_overlong_prompts: bool = Field(description="Drop prompts longer than max_prompt_length instead of applying `truncation`.")
+    truncation: Literal["error", "left", "right"] = Field(description="What to do with an overlong prompt that is not filtered.")
+    seed: int = Field(description="Seed of the dataloader's shuffle.")
+    shuffle: bool = Field(description="Shuffle the train set every epoch.")
+    synthetic: Optional[SyntheticDataConfig] = Field(description="Generate the data files from a built-in task when they are missing.")
+
+
+# ---------------------------------------------------------------------------------------- models
+
+
+class TinyModelConfig(Section):
+    """A random-init Llama with a character tokenizer, built into `model.path` when it holds no model."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(256, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(64, ge=8)
+    seed: int = Field(0, description="Seed of the random initialisation.")
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Hugging Face causal-LM directory (local path or fsspec URL).")
+    tokenizer_path: Optional[str] = Field(description="Tokenizer directory; null = `path`.")
+    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+    build: Optional[TinyModelConfig] = Field(description="Build a tiny model into `path` when it holds none (demo and tests).")
+
+
+class ResourcesConfig(Section):
+    """What one Ray actor of a role reserves, and how many torch threads it uses."""
+
+    num_cpus: float = Field(ge=0, description="Ray CPUs reserved by the role's actor.")
+    num_gpus: float = Field(ge=0, description="Ray GPUs reserved by the role's actor.")
+    num_threads: int = Field(ge=1, description="torch.set_num_threads inside the actor.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(gt=0, description="AdamW learning rate.")
+    betas: list[float] = Field(min_length=2, max_length=2, description="AdamW betas.")
+    weight_decay: float = Field(ge=0, description="AdamW weight decay.")
+    lr_warmup_steps: int = Field(ge=0, description="Linear warm-up of the learning rate over this many updates.")
+
+
+class ActorConfig(Section):
+    ppo_mini_batch_size: int = Field(ge=1, description="Prompts per optimizer step (times rollout.n trajectories).")
+    ppo_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per forward/backward; null = whole mini-batch.")
+    ppo_epochs: int = Field(ge=1, description="Passes over the step's batch.")
+    shuffle: bool = Field(description="Shuffle trajectories between mini-batches.")
+    clip_ratio_low: float = Field(ge=0, description="PPO clip: lower bound 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(ge=0, description="PPO clip: upper bound 1 + clip_ratio_high (DAPO clip-higher when larger).")
+    clip_ratio_c: float = Field(gt=1, description="Dual-clip constant for negative advantages.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        description="How per-token losses are reduced.")
+    entropy_coeff: float = Field(ge=0, description="Entropy bonus coefficient.")
+    use_kl_loss: bool = Field(description="Add a KL-to-reference loss (needs the ref worker).")
+    kl_loss_coef: float = Field(ge=0, description="Coefficient of the KL loss.")
+    kl_loss_type: str = Field(description="KL estimator of the KL loss: kl|abs|mse|low_var_kl (k1/k2/k3, `+` suffix = k2 gradient).")
+    grad_clip: float = Field(gt=0, description="Gradient-norm clip.")
+    optim: OptimConfig
+    resources: ResourcesConfig
+
+
+class RefConfig(Section):
+    log_prob_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per reference forward; null = all.")
+    resources: ResourcesConfig
+
+
+class ValSamplingConfig(Section):
+    n: int = Field(ge=1, description="Samples per validation prompt.")
+    do_sample: bool = Field(description="Sample (true) or greedy (false) during validation.")
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(ge=-1)
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = Field(description="Generation engine: `hf` (transformers/torch, CPU or GPU) or `vllm` (GPU).")
+    n: int = Field(ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(ge=-1, description="Top-k sampling; -1 or 0 = off.")
+    do_sample: bool = Field(description="false = greedy decoding.")
+    seed: int = Field(description="Base seed of the rollout sampler (mixed with the step).")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per old-log-prob forward; null = all.")
+    gpu_memory_utilization: float = Field(gt=0, le=1, description="vLLM: fraction of GPU memory for the engine.")
+    tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
+    val_kwargs: ValSamplingConfig
+    resources: ResourcesConfig
+
+
+class ActorRolloutRefConfig(Section):
+    model: ModelConfig
+    actor: ActorConfig
+    ref: RefConfig
+    rollout: RolloutConfig
+
+
+class CriticConfig(Section):
+    enable: Optional[bool] = Field(description="Run a critic; null = only when algorithm.adv_estimator needs one (gae).")
+    model: ModelConfig
+    ppo_mini_batch_size: int = Field(ge=1)
+    ppo_micro_batch_size_per_gpu: Optional[int] = Field(ge=1)
+    forward_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per value forward; null = all.")
+    ppo_epochs: int = Field(ge=1)
+    shuffle: bool
+    cliprange_value: float = Field(gt=0, description="Value clipping range around the old values.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    grad_clip: float = Field(gt=0)
+    optim: OptimConfig
+    resources: ResourcesConfig
+
+
+# ------------------------------------------------------------------------------ reward, algorithm
+
+
+class CustomRewardConfig(Section):
+    path: Optional[str] = Field(description="`module:function`, `module`, or a .py file; null = built-in scorers by data_source.")
+    name: str = Field(description="Function name when `path` names a module or file.")
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = Field(description="In-reward KL coefficient controller.")
+    kl_coef: float = Field(ge=0, description="(Initial) KL coefficient.")
+    horizon: int = Field(gt=0, description="Adaptive controller horizon.")
+    target_kl: float = Field(gt=0, description="Adaptive controller target KL.")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    gamma: float = Field(ge=0, le=1, description="Discount factor.")
+    lam: float = Field(ge=0, le=1, description="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = Field(description="Divide GRPO advantages by the group std (false = Dr.GRPO).")
+    use_kl_in_reward: bool = Field(description="Subtract a KL-to-reference penalty from the token rewards (needs the ref worker).")
+    kl_penalty: str = Field(description="KL estimator of the in-reward penalty: kl|abs|mse|low_var_kl.")
+    kl_ctrl: KLControlConfig
+
+
+# ------------------------------------------------------------------------------- trainer, ray, skip
+
+
+class TrainerConfig(Section):
+    project_name: str = Field(min_length=1)
+    experiment_name: str = Field(min_length=1)
+    total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
+    total_training_steps: Optional[int] = Field(ge=1, description="Steps to run; null = total_epochs x steps per epoch.")
+    test_freq: int = Field(ge=-1, description="Validate every N steps (and after the last); -1 or 0 = never.")
+    val_before_train: bool = Field(description="Validate once before the first step (when test_freq > 0).")
+    default_local_dir: str = Field(description="Run directory: metrics.jsonl, TensorBoard events, checkpoints.")
+    logger: list[str] = Field(description="Where metrics go besides metrics.jsonl: console, tensorboard.")
+
+
+class RayConfig(Section):
+    address: Optional[str] = Field(description="Ray cluster to join (or env RAY_ADDRESS); null = start a local Ray inside the run.")
+    num_cpus: Optional[float] = Field(ge=1, description="CPUs of the local Ray; null = enough for every role.")
+
+
+class SkipStageConfig(Section):
+    """verl's SkipManager role config: cache (or repeat) a stage's result per training step."""
+
+    enable: bool = Field(False, description="Turn caching of this stage on.")
+    dump_dir: str = Field("~/.verl/rollout_dump", description="Cache root, any fsspec URL (`~` expanded).")
+    steps: list[int] = Field(default_factory=list, description="Training steps whose result may be loaded or dumped.")
+    action: Literal["cache", "repeat"] = Field("cache", description="cache = this step's own dump; repeat = the nearest dumped step.")
+    storage_options: dict = Field(default_factory=dict, description="fsspec options (endpoint, credentials) for dump_dir.")
+
+
+class PPOConfig(Section):
+    """A whole run."""
+
+    data: DataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    critic: CriticConfig
+    custom_reward_function: CustomRewardConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    ray: RayConfig
+    skip: dict[Literal[STAGES_WITH_SKIP], SkipStageConfig] = Field(  # type: ignore[valid-type]
+        description="Per-stage result caching, keyed by stage name.")
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a critic worker runs: explicit `critic.enable`, else only for GAE."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether a reference worker runs: only when a KL term needs reference log-probs."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def gen_batch_size(self) -> int:
+        """Prompts per generation (verl: gen_batch_size, else train_batch_size)."""
+        return self.data.gen_batch_size or self.data.train_batch_size
+
+
+def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """Rules that relate several keys, as ``(key, message)`` pairs; empty when the config is coherent."""
+    from tasks.algorithms.kl import KL_PENALTY_KINDS
+
+    errors: list[tuple[str, str]] = []
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    trajectories = data.train_batch_size * rollout.n
+    mini = actor.ppo_mini_batch_size * rollout.n
+    if trajectories % mini:
+        errors.append(("actor_rollout_ref.actor.ppo_mini_batch_size",
+                       f"data.train_batch_size * rollout.n = {trajectories} trajectories is not divisible by "
+                       f"ppo_mini_batch_size * rollout.n = {mini}"))
+    if actor.ppo_micro_batch_size_per_gpu and mini % actor.ppo_micro_batch_size_per_gpu:
+        errors.append(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                       f"{actor.ppo_micro_batch_size_per_gpu} does not divide the mini-batch of {mini} trajectories"))
+    if cfg.use_critic:
+        critic_mini = cfg.critic.ppo_mini_batch_size * rollout.n
+        if trajectories % critic_mini:
+            errors.append(("critic.ppo_mini_batch_size",
+                           f"{trajectories} trajectories per step are not divisible by critic mini-batch {critic_mini}"))
+        if cfg.critic.ppo_micro_batch_size_per_gpu and critic_mini % cfg.critic.ppo_micro_batch_size_per_gpu:
+            errors.append(("critic.ppo_micro_batch_size_per_gpu",
+                           f"{cfg.critic.ppo_micro_batch_size_per_gpu} does not divide the critic mini-batch of {critic_mini}"))
+    if data.gen_batch_size is not None and data.gen_batch_size != data.train_batch_size:
+        errors.append(("data.gen_batch_size",
+                       f"{data.gen_batch_size} != data.train_batch_size {data.train_batch_size}: dynamic sampling "
+                       "(generating more prompts than are trained on) is not supported; leave it null"))
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.use_critic:
+        errors.append(("critic.enable", "algorithm.adv_estimator=gae needs a critic; set critic.enable=true or null"))
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
+        errors.append(("actor_rollout_ref.rollout.n",
+                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses of one prompt "
+                       f"and needs n >= 2, got {rollout.n}"))
+    for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
+                      ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        if kind not in KL_PENALTY_KINDS:
+            errors.append((key, f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_PENALTY_KINDS)}"))
+    if cfg.trainer.test_freq > 0 and data.val_files is None:
+        errors.append(("data.val_files", f"trainer.test_freq={cfg.trainer.test_freq} needs validation files"))
+    for name in cfg.trainer.logger:
+        if name not in LOGGERS:
+            errors.append(("trainer.logger", f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}"))
+    for stage, skip in cfg.skip.items():
+        if skip.enable and not skip.steps:
+            errors.append((f"skip.{stage}.steps", "caching is enabled but no step is listed"))
+    return errors

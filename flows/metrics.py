@@ -1,0 +1,30 @@
+"""Per-step data metrics with verl's names, computed from the finished step batch."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+
+def data_metrics(batch: TensorDict) -> dict[str, float]:
+    """``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, lengths and clip ratios."""
+    mask = batch["response_mask"]
+    valid = mask.bool()
+    metrics: dict[str, float] = {}
+
+    def summarize(name: str, values: torch.Tensor) -> None:
+        metrics[f"{name}/mean"] = float(values.float().mean())
+        metrics[f"{name}/max"] = float(values.max())
+        metrics[f"{name}/min"] = float(values.min())
+
+    summarize("critic/score", batch["token_level_scores"].sum(dim=1))
+    summarize("critic/rewards", batch["token_level_rewards"].sum(dim=1))
+    summarize("critic/advantages", batch["advantages"][valid])
+    summarize("critic/returns", batch["returns"][valid])
+    if "values" in batch.keys():
+        summarize("critic/values", batch["values"][valid])
+    response_length = mask.sum(dim=1).float()
+    summarize("response_length", response_length)
+    metrics["response_length/clip_ratio"] = float((response_length == mask.shape[1]).float().mean())
+    summarize("prompt_length", batch["prompt_mask"].sum(dim=1).float())
+    return metrics

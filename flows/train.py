@@ -1,0 +1,204 @@
+"""The PPO/GRPO training flow.
+
+One step, read top to bottom in :func:`ppo_step`, is the algorithm::
+
+    1. generate      sample rollout.n responses per prompt            (rollout worker)
+    2. reward        score each response, on its last token           (driver)
+    3. old_log_prob  log-probs of the pre-update policy               (actor worker)
+       ref_log_prob  log-probs of the reference policy, for KL terms  (ref worker, when needed)
+       values        V(s_t) for GAE                                   (critic worker, when needed)
+    4. advantage     KL-penalised rewards, then the advantage estimator (driver)
+    5. update        critic, then actor: PPO epochs over mini-batches (critic / actor workers)
+    6. weight_sync   the rollout worker takes the new actor weights
+
+Every stage is a Prefect task (``tasks/``) whose heavy work runs in a long-lived Ray actor
+(``workers/``). :func:`train` runs the same steps without Prefect or Ray when asked (the overhead
+benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import flow, get_run_logger
+from tensordict import TensorDict
+
+import tasks
+from configs import load_config
+from configs.schema import PPOConfig
+from flows.metrics import data_metrics
+from flows.tracking import Tracker
+from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
+from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
+from tasks.algorithms.kl import make_kl_controller
+from tasks.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
+from tasks.reward import decode_responses
+from workers.group import Workers, start_local_workers, start_workers
+from workers.models import ensure_model, load_tokenizer
+from workers.rollout import SamplingParams
+
+
+class BareStages:
+    """The stage tasks' plain functions: a step without any Prefect task run (benchmark baseline)."""
+
+    def __getattr__(self, name: str):
+        return getattr(tasks, name).fn
+
+
+@dataclass
+class Run:
+    """Everything the steps of one run share, built once by :func:`start_run`."""
+
+    cfg: PPOConfig
+    tokenizer: Any
+    train_set: PromptDataset
+    val_set: PromptDataset | None
+    loader: PromptLoader
+    total_steps: int
+    custom_scorer: Scorer | None
+    kl_controller: Any
+    workers: Workers
+    stages: Any
+    sampling: SamplingParams
+
+
+def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
+    """Prepare data, tokenizer and scorers (cheap, so bad input fails first), then start the workers."""
+    data = cfg.data
+    ensure_model(cfg.actor_rollout_ref.model)
+    if cfg.use_critic:
+        ensure_model(cfg.critic.model)
+    ensure_datasets(data)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    train_set = load_prompt_dataset(data.train_files, data, tokenizer, key="data.train_files")
+    val_set = load_prompt_dataset(data.val_files, data, tokenizer, key="data.val_files") if data.val_files else None
+    custom = cfg.custom_reward_function
+    custom_scorer = load_custom_scorer(custom.path, custom.name) if custom.path else None
+    for dataset in filter(None, (train_set, val_set)):
+        for source in sorted(set(dataset.data_sources)):
+            scorer_for(source, custom_scorer)  # every data source has a scorer, or fail now
+    loader = PromptLoader(len(train_set), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
+    ctrl = cfg.algorithm.kl_ctrl
+    kl_controller = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    workers = start_workers(cfg) if orchestrated else start_local_workers(cfg)
+    return Run(cfg, tokenizer, train_set, val_set, loader, total_steps, custom_scorer, kl_controller, workers,
+               stages=tasks if orchestrated else BareStages(), sampling=SamplingParams.for_training(cfg))
+
+
+@contextmanager
+def timed(timing: dict[str, float], name: str):
+    """Add the wall time of the block to ``timing[name]`` (reported as ``timing_s/<name>``)."""
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def ppo_step(run: Run, step: int, prompts: TensorDict) -> dict[str, float]:
+    """One PPO step on one prompt batch; returns the step's metrics."""
+    cfg, workers, stages = run.cfg, run.workers, run.stages
+    metrics: dict[str, float] = {}
+    timing: dict[str, float] = {}
+    with timed(timing, "step"):
+        # 1. generate
+        with timed(timing, "gen"):
+            batch = stages.generate(workers, prompts, step, run.sampling)
+        # 2. reward
+        with timed(timing, "reward"):
+            scores, reward_metrics = stages.reward(batch, run.tokenizer, run.custom_scorer)
+        batch.update(scores)
+        metrics.update(reward_metrics)
+        batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))  # one copy, read by every role below
+        # 3. log-probs of the pre-update policy; reference log-probs and values when configured
+        with timed(timing, "old_log_prob"):
+            batch.update(stages.old_log_prob(workers, batch_ref))
+        if cfg.use_reference:
+            with timed(timing, "ref"):
+                batch.update(stages.ref_log_prob(workers, batch_ref))
+        if cfg.use_critic:
+            with timed(timing, "values"):
+                batch.update(stages.values(workers, batch_ref))
+        # 4. advantage
+        with timed(timing, "adv"):
+            advantages, advantage_metrics = stages.advantage(batch, cfg.algorithm, run.kl_controller)
+        batch.update(advantages)
+        metrics.update(advantage_metrics)
+        batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))
+        # 5. update the critic, then the actor
+        if cfg.use_critic:
+            with timed(timing, "update_critic"):
+                metrics.update(stages.update_critic(workers, batch_ref, step))
+        with timed(timing, "update_actor"):
+            metrics.update(stages.update_actor(workers, batch_ref, step))
+        # 6. the rollout worker takes the new weights
+        with timed(timing, "update_weights"):
+            stages.weight_sync(workers)
+    metrics.update(data_metrics(batch))
+    metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+    return metrics
+
+
+def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
+    """Generate on the validation set with ``rollout.val_kwargs`` and score it.
+
+    Returns ``val-core/{data_source}/reward/mean@{n}`` (verl's names) and a few decoded samples.
+    """
+    sampling = SamplingParams.for_validation(run.cfg)
+    val_set = run.val_set
+    rows = list(range(len(val_set)))
+    size = run.cfg.data.val_batch_size or len(rows)
+    per_source: dict[str, list[float]] = {}
+    samples: list[str] = []
+    for start in range(0, len(rows), size):
+        chunk = rows[start:start + size]
+        prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
+        batch = run.stages.generate(run.workers, prompts, step, sampling)
+        scores, _ = run.stages.reward(batch, run.tokenizer, run.custom_scorer)
+        sequence_scores = scores["token_level_scores"].sum(dim=1).tolist()
+        for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
+            per_source.setdefault(source, []).append(score)
+        if not samples:
+            prompts_text = run.tokenizer.batch_decode(batch["prompts"][:3], skip_special_tokens=True)
+            responses = decode_responses(batch[:3], run.tokenizer)
+            samples = [f"{p!r} -> {r!r} ({s:.2f})" for p, r, s in zip(prompts_text, responses, sequence_scores)]
+    metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(values) / len(values)
+               for source, values in per_source.items()}
+    return metrics, samples
+
+
+def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
+    """Run the whole training loop; returns the last step's metrics."""
+    run = start_run(cfg, orchestrated=orchestrated)
+    tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps)
+    test_freq = cfg.trainer.test_freq if run.val_set is not None else 0
+    metrics: dict[str, float] = {}
+    try:
+        if test_freq > 0 and cfg.trainer.val_before_train:
+            val_metrics, samples = validate(run, step=0)
+            tracker.note(f"step 0 validation {val_metrics}; samples: {samples}")
+        batches = iter(run.loader)
+        for step in range(1, run.total_steps + 1):
+            epoch, rows = next(batches)
+            prompts = run.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], run.tokenizer.pad_token_id)
+            metrics = ppo_step(run, step, prompts)
+            metrics.update({"training/global_step": step, "training/epoch": epoch})
+            if test_freq > 0 and (step % test_freq == 0 or step == run.total_steps):
+                val_metrics, samples = validate(run, step)
+                metrics.update(val_metrics)
+                tracker.note(f"step {step} validation {val_metrics}; samples: {samples}")
+            tracker.log(step, metrics)
+    finally:
+        tracker.close()
+        run.workers.shutdown()
+    return metrics
+
+
+@flow(name="ppo-train", log_prints=True)
+def ppo_train(config: str = "grpo_tiny", overrides: list[str] = []) -> dict[str, float]:  # noqa: B006 (Prefect: a default list keeps the parameter optional)
+    """Train a policy with PPO/GRPO: ``config`` is a preset name or YAML path, ``overrides`` are ``key=value`` words."""
+    cfg = load_config(config, overrides)
+    get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
+    return train(cfg)

@@ -1,0 +1,116 @@
+"""The step batch: one TensorDict per training step, its schema, and its safe byte encoding.
+
+Every stage reads and extends the same batch, and the rollout cache stores it, so its fields are
+fixed here. ``N`` is the number of trajectories (prompts x ``rollout.n``), ``P`` the padded prompt
+length and ``R`` the padded response length of the step.
+
+Written by the rollout (the part the rollout cache persists):
+
+============================  ==========  ========  ============================================
+field                         dtype       shape     meaning
+============================  ==========  ========  ============================================
+``prompts``                   int64       [N, P]    prompt token ids, left-padded
+``prompt_mask``               bool        [N, P]    True on real prompt tokens
+``responses``                 int64       [N, R]    sampled token ids, right-padded
+``response_mask``             bool        [N, R]    True up to and including the first EOS
+``rollout_log_probs``         float32     [N, R]    log-prob of each sampled token under the
+                                                    sampling policy (logits / temperature)
+``weight_version``            int64       [N]       actor update count of the weights that
+                                                    generated the sample
+``group_index``               int64       [N]       position of the sample's prompt in the step
+                                                    (samples of one prompt share it)
+``uid``                       str         [N]       prompt uid (verl's group key)
+``data_source``               str         [N]       dataset name; selects the reward scorer
+``ground_truth``              JSON value  [N]       ``reward_model.ground_truth`` of the row
+                                                    (tuples come back from storage as lists)
+============================  ==========  ========  ============================================
+
+Added by later stages: ``token_level_scores`` / ``token_level_rewards`` (reward, [N, R]),
+``old_log_probs``, ``ref_log_probs``, ``values`` (forward passes, [N, R]), ``advantages`` and
+``returns`` ([N, R]).
+
+The encoding is safetensors: tensors are raw little-endian buffers, and the non-tensor columns and
+the batch size travel as JSON in the safetensors header. Decoding never unpickles anything, so a
+cache read from shared storage cannot execute code.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+ROLLOUT_FIELDS = (
+    "prompts",
+    "prompt_mask",
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "weight_version",
+    "group_index",
+    "uid",
+    "data_source",
+    "ground_truth",
+)
+NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
+
+_NON_TENSOR_KEY = "ppoflow.non_tensor"
+_BATCH_SIZE_KEY = "ppoflow.batch_size"
+
+
+def non_tensor_column(batch: TensorDict, name: str) -> list:
+    """Return a per-sample non-tensor field (``uid``, ``data_source``, ...) as a plain list."""
+    return list(batch.get(name).tolist())
+
+
+def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> TensorDict:
+    """Attach per-sample non-tensor columns to ``batch`` (in place) and return it."""
+    for name, values in columns.items():
+        if len(values) != batch.batch_size[0]:
+            raise ValueError(f"column {name!r} has {len(values)} values for a batch of {batch.batch_size[0]}")
+        # Wrap each value so that list/dict values stay opaque instead of being stacked.
+        batch.set(name, NonTensorStack(*[NonTensorData(data=value) for value in values]))
+    return batch
+
+
+def encode_batch(batch: TensorDict) -> bytes:
+    """Encode a flat step batch as safetensors bytes (non-tensor columns as JSON in the header)."""
+    tensors: dict[str, torch.Tensor] = {}
+    columns: dict[str, list] = {}
+    for name in batch.keys():
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.contiguous()
+        elif isinstance(value, NonTensorStack):
+            columns[name] = list(value.tolist())
+        else:
+            raise TypeError(f"batch field {name!r} has unsupported type {type(value).__name__}")
+    metadata = {
+        _NON_TENSOR_KEY: json.dumps(columns),
+        _BATCH_SIZE_KEY: json.dumps(list(batch.batch_size)),
+    }
+    return safetensors_save(tensors, metadata=metadata)
+
+
+def decode_batch(payload: bytes) -> TensorDict:
+    """Decode bytes written by :func:`encode_batch`; raises ``ValueError`` on anything else."""
+    try:
+        metadata = _read_safetensors_metadata(payload)
+        columns = json.loads(metadata[_NON_TENSOR_KEY])
+        batch_size = json.loads(metadata[_BATCH_SIZE_KEY])
+        batch = TensorDict(safetensors_load(payload), batch_size=batch_size)
+        return with_non_tensor_columns(batch, columns)
+    except Exception as error:  # safetensors, json and tensordict raise their own types; normalise them
+        raise ValueError(f"not a ppoflow batch payload: {error}") from error
+
+
+def _read_safetensors_metadata(payload: bytes) -> dict[str, str]:
+    """Read the ``__metadata__`` of a safetensors buffer (8-byte little-endian header length + JSON)."""
+    header_length = int.from_bytes(payload[:8], "little")
+    if len(payload) < 8 + header_length:
+        raise ValueError("truncated safetensors header")
+    header = json.loads(payload[8 : 8 + header_length])
+    return header.get("__metadata__") or {}

@@ -1,0 +1,218 @@
+"""Prompt datasets: verl-style parquet/JSONL rows read through fsspec, the built-in synthetic task,
+and a resumable, epoch-crossing prompt loader.
+
+A row follows verl's layout::
+
+    {"data_source": "synthetic/copy",
+     "prompt": [{"role": "user", "content": "60>"}],      # chat messages, or a plain string
+     "reward_model": {"style": "rule", "ground_truth": "60"},
+     "extra_info": {"split": "train", "index": 0}}
+
+Chat-message prompts go through the tokenizer's chat template (with the generation prompt); plain
+strings are tokenized as they are.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from tensordict import TensorDict
+
+from configs.schema import DataConfig, SyntheticDataConfig
+from storage.batch import with_non_tensor_columns
+from storage.fs import atomic_write, open_fs
+
+SYNTHETIC_SOURCES = {"copy": "synthetic/copy"}
+
+
+def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: str | None) -> None:
+    """Write the synthetic task's train (and validation) rows as parquet files.
+
+    ``copy``: the prompt is ``digits`` random digits followed by ``>``; the answer repeats them and
+    stops. The validation rows are drawn with a different stream of the same seed.
+    """
+    rng = random.Random(spec.seed)
+    for url, rows, split in ((train_url, spec.train_rows, "train"), (val_url, spec.val_rows, "test")):
+        if url is None:
+            continue
+        records = []
+        for index in range(rows):
+            digits = "".join(rng.choice("0123456789") for _ in range(spec.digits))
+            records.append({"data_source": SYNTHETIC_SOURCES[spec.task],
+                            "prompt": [{"role": "user", "content": f"{digits}>"}],
+                            "reward_model": {"style": "rule", "ground_truth": digits},
+                            "extra_info": {"split": split, "index": index}})
+        write_rows(url, records)
+
+
+def ensure_datasets(data: DataConfig) -> None:
+    """Generate the configured synthetic files when ``data.synthetic`` is set and they are missing."""
+    if data.synthetic is None:
+        return
+    train = _single_file(data.train_files, "data.train_files")
+    val = _single_file(data.val_files, "data.val_files") if data.val_files is not None else None
+    missing = [url for url in (train, val) if url is not None and not _exists(url)]
+    if missing:
+        write_synthetic_dataset(data.synthetic, train if train in missing else None,
+                                val if val in missing else None)
+
+
+def write_rows(url: str, rows: list[dict]) -> None:
+    """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``/``.json``), atomically."""
+    fs, path = open_fs(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        atomic_write(fs, path, buffer.getvalue())
+    else:
+        atomic_write(fs, path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+
+
+def read_rows(files: str | Sequence[str], *, key: str) -> list[dict]:
+    """Read every row of the parquet/JSONL ``files``; errors name ``key`` and the file."""
+    rows: list[dict] = []
+    for url in [files] if isinstance(files, str) else files:
+        if not _exists(url):
+            raise FileNotFoundError(f"{key}: no such file {url!r}")
+        with fsspec.open(os.path.expanduser(url), "rb") as handle:
+            data = handle.read()
+        if url.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            rows += pq.read_table(io.BytesIO(data)).to_pylist()
+        elif url.endswith((".jsonl", ".json")):
+            rows += [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+        else:
+            raise ValueError(f"{key}: {url!r} is neither .parquet nor .jsonl")
+    if not rows:
+        raise ValueError(f"{key}: {files!r} holds no rows")
+    return rows
+
+
+@dataclass(frozen=True)
+class PromptDataset:
+    """Tokenized prompts plus the per-row fields the reward needs."""
+
+    prompt_ids: list[list[int]]
+    data_sources: list[str]
+    ground_truths: list
+    row_indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def batch(self, rows: Sequence[int], uids: Sequence[str], pad_token_id: int) -> TensorDict:
+        """A prompt batch (one row per prompt): left-padded ``prompts``/``prompt_mask`` plus columns."""
+        width = max(len(self.prompt_ids[row]) for row in rows)
+        prompts = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for position, row in enumerate(rows):
+            ids = self.prompt_ids[row]
+            prompts[position, width - len(ids):] = torch.tensor(ids, dtype=torch.int64)
+            mask[position, width - len(ids):] = True
+        batch = TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[len(rows)])
+        return with_non_tensor_columns(batch, {
+            "uid": list(uids),
+            "data_source": [self.data_sources[row] for row in rows],
+            "ground_truth": [self.ground_truths[row] for row in rows],
+        })
+
+
+def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
+    """Read and tokenize a dataset, filtering or truncating prompts longer than ``max_prompt_length``."""
+    prompt_ids, sources, truths, indices = [], [], [], []
+    for index, row in enumerate(read_rows(files, key=key)):
+        for column in (data.prompt_key, "data_source", "reward_model"):
+            if column not in row:
+                raise ValueError(f"{key}: row {index} has no {column!r} column (columns: {sorted(row)})")
+        ids = _tokenize_prompt(row[data.prompt_key], tokenizer)
+        if len(ids) > data.max_prompt_length:
+            if data.filter_overlong_prompts:
+                continue
+            if data.truncation == "error":
+                raise ValueError(f"{key}: row {index} prompt has {len(ids)} tokens > data.max_prompt_length="
+                                 f"{data.max_prompt_length} (set data.filter_overlong_prompts=true or data.truncation)")
+            ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
+        prompt_ids.append(ids)
+        sources.append(row["data_source"])
+        truths.append(row["reward_model"].get("ground_truth"))
+        indices.append(index)
+    if not prompt_ids:
+        raise ValueError(f"{key}: every prompt is longer than data.max_prompt_length={data.max_prompt_length}")
+    return PromptDataset(prompt_ids, sources, truths, indices)
+
+
+class PromptLoader:
+    """Batches of dataset row indices, epoch after epoch, reproducible from ``(seed, epoch)``.
+
+    Only full batches are yielded (verl drops the last partial batch). The position is a plain
+    ``(epoch, batch_in_epoch)`` pair, so a checkpoint can resume mid-epoch exactly.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, seed: int):
+        if num_rows < batch_size:
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the {num_rows} train prompts")
+        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+        self.epoch, self.batch_in_epoch = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_rows // self.batch_size
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        """Yield ``(epoch, row_indices)`` forever, crossing epoch boundaries without a pause."""
+        while True:
+            order = self._epoch_order(self.epoch)
+            while self.batch_in_epoch < self.batches_per_epoch:
+                start = self.batch_in_epoch * self.batch_size
+                self.batch_in_epoch += 1
+                yield self.epoch, order[start:start + self.batch_size]
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+
+def _tokenize_prompt(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat_template")
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    else:
+        raise ValueError(f"a prompt must be a string or a list of {{role, content}} messages, got {prompt!r:.80}")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _single_file(files: str | list[str], key: str) -> str:
+    if isinstance(files, list):
+        if len(files) != 1:
+            raise ValueError(f"{key}: data.synthetic writes one file, got {len(files)}")
+        return files[0]
+    return files
+
+
+def _exists(url: str) -> bool:
+    fs, path = open_fs(url)
+    return fs.exists(path)

@@ -1,0 +1,84 @@
+"""Small fsspec helpers shared by the rollout cache (and, later, checkpoints).
+
+Why they exist:
+
+* Local paths are normalised once (``~`` expanded, made absolute) so that a relative ``dump_dir``
+  does not silently change meaning with the process's working directory, as it does in verl.
+* s3fs caches directory listings per filesystem instance; a key written by another process can
+  then stay invisible. :func:`open_fs` turns that cache off for S3 unless the caller asks for it.
+* ``LocalFileSystem`` writes straight into the target file, so a crash (or a concurrent reader)
+  can see half a file. :func:`atomic_write` makes local writes atomic; an object-store PUT already is.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+_LOCAL_PROTOCOLS = (None, "file", "local")
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def normalize_url(url: str) -> str:
+    """Return ``url`` with local paths made absolute (``~`` expanded); other URLs unchanged.
+
+    ``file://`` URLs become plain absolute paths, so a local location has one spelling.
+    """
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in _LOCAL_PROTOCOLS:
+        return str(Path(path).expanduser().resolve())
+    return url.rstrip("/")
+
+
+def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
+    """Return the filesystem for ``url`` and the path inside it.
+
+    For S3 the listings cache is off (``use_listings_cache=False``) unless ``storage_options``
+    sets it explicitly.
+    """
+    url = normalize_url(url)
+    options = dict(storage_options or {})
+    if fsspec.core.split_protocol(url)[0] in _S3_PROTOCOLS:
+        options.setdefault("use_listings_cache", False)
+    return fsspec.core.url_to_fs(url, **options)
+
+
+def join(*parts: str) -> str:
+    """Join URL or path parts with single ``/`` separators (``join("s3://b/", "x")`` is ``s3://b/x``)."""
+    head, *tail = parts
+    return "/".join([head.rstrip("/"), *(part.strip("/") for part in tail)])
+
+
+def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one.
+
+    Local: write a hidden sibling temp file, fsync it, rename it over ``path`` and fsync the
+    directory (so the rename survives a power loss). Any other filesystem: one ``pipe`` (a PUT,
+    which object stores apply atomically).
+    """
+    if not isinstance(fs, LocalFileSystem):
+        fs.pipe_file(path, data)
+        return
+    directory, name = os.path.split(fs._strip_protocol(path))
+    fs.makedirs(directory, exist_ok=True)
+    temp_path = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with fs.open(temp_path, "wb") as temp_file:
+            temp_file.write(data)
+            temp_file.flush()
+            os.fsync(temp_file.fileno())
+        os.replace(temp_path, os.path.join(directory, name))
+    except BaseException:
+        if os.path.exists(temp_path):
+            os.remove(temp_path)
+        raise
+    directory_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)

@@ -1,0 +1,31 @@
+"""Stage 4, advantage: token rewards (scores minus an optional KL penalty) and the configured
+advantage estimator. Cheap tensor math on the driver; the formulas are in ``tasks.algorithms``."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tensordict import TensorDict
+
+from configs.schema import AlgorithmConfig
+from tasks.algorithms.advantages import compute_advantage
+from tasks.algorithms.kl import apply_kl_penalty
+
+
+@task(name="advantage", cache_policy=NO_CACHE)
+def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> tuple[TensorDict, dict[str, float]]:
+    """``token_level_rewards``, ``advantages`` and ``returns`` [N, R]; updates the adaptive KL controller."""
+    metrics: dict[str, float] = {}
+    rewards = batch["token_level_scores"]
+    if algorithm.use_kl_in_reward:
+        rewards, current_kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                               batch["response_mask"], kl_controller.value, algorithm.kl_penalty)
+        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_controller.value}
+        kl_controller.update(current_kl, n_steps=batch.batch_size[0])
+    advantages, returns = compute_advantage(
+        algorithm.adv_estimator, token_level_rewards=rewards, response_mask=batch["response_mask"],
+        index=batch["group_index"], values=batch.get("values", None), gamma=algorithm.gamma, lam=algorithm.lam,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
+    out = TensorDict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
+                     batch_size=batch.batch_size)
+    return out, metrics

@@ -1,0 +1,95 @@
+"""Rule-based reward scorers, chosen per sample by its ``data_source``, and custom scorers from config.
+
+A scorer has verl's signature ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
+and returns a float, or a dict with a ``"score"`` float plus any extra numbers to log. ``solution_str``
+is the decoded response up to (not including) its EOS token, with other special tokens kept, so a
+policy cannot hide junk tokens from a rule checker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+Scorer = Callable[..., "float | dict"]
+
+
+def copy_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> dict:
+    """The synthetic copy task: one point per correct leading character, one for stopping right.
+
+    ``score = (sum_i [solution[i] == truth[i]] + [len(solution) == len(truth)]) / (len(truth) + 1)``;
+    scoring the stop separately is what lets a from-scratch model learn to emit EOS.
+    """
+    matches = sum(a == b for a, b in zip(solution_str, ground_truth))
+    stopped = len(solution_str) == len(ground_truth)
+    return {"score": (matches + stopped) / (len(ground_truth) + 1), "exact": float(solution_str == ground_truth)}
+
+
+_GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """GSM8K in verl's strict format: the number after ``#### `` must equal the ground truth."""
+    found = _GSM8K_ANSWER.findall(solution_str)
+    if not found:
+        return 0.0
+    return float(found[-1].replace(",", "").rstrip(".") == str(ground_truth).replace(",", ""))
+
+
+BUILTIN_SCORERS: dict[str, Scorer] = {
+    "synthetic/copy": copy_score,
+    "openai/gsm8k": gsm8k_score,
+}
+
+
+def load_custom_scorer(path: str, name: str) -> Scorer:
+    """Import a scorer from ``module:function``, from ``module`` + ``name``, or from a ``.py`` file + ``name``."""
+    key = "custom_reward_function.path"
+    if path.endswith(".py"):
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"{key}: no such file {path!r}")
+        spec = importlib.util.spec_from_file_location(f"ppoflow_custom_reward_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module_name, _, attribute = path.partition(":")
+        name = attribute or name
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"{key}: cannot import {module_name!r}: {error}") from None
+    scorer = getattr(module, name, None)
+    if not callable(scorer):
+        raise ValueError(f"{key}: {path!r} has no callable {name!r}")
+    return scorer
+
+
+def scorer_for(data_source: str, custom: Scorer | None) -> Scorer:
+    """The custom scorer when configured, else the built-in one registered for ``data_source``."""
+    if custom is not None:
+        return custom
+    if data_source not in BUILTIN_SCORERS:
+        raise ValueError(f"no reward scorer for data_source {data_source!r}; built-ins: "
+                         f"{', '.join(BUILTIN_SCORERS)}; or set custom_reward_function.path")
+    return BUILTIN_SCORERS[data_source]
+
+
+def score_responses(data_sources: list[str], solutions: list[str], ground_truths: list,
+                    custom: Scorer | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Score each response; returns the scores and any extra per-sample values the scorers reported."""
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for source, solution, truth in zip(data_sources, solutions, ground_truths):
+        result = scorer_for(source, custom)(source, solution, truth)
+        if isinstance(result, dict):
+            scores.append(float(result["score"]))
+            for name, value in result.items():
+                if name != "score":
+                    extras.setdefault(name, []).append(float(value))
+        else:
+            scores.append(float(result))
+    return scores, extras

@@ -1,0 +1,172 @@
+"""Starting the run's workers, and the small interface the Prefect tasks use to call them.
+
+Each role (rollout, actor, and when the config needs them ref and critic) is one long-lived Ray
+actor that reserves the role's ``resources`` from config. Tasks never touch Ray directly: they call
+``role.submit("method", ...)``, which returns a reference, and ``workers.get(reference)``; a batch that
+several roles read is placed once with ``workers.put`` and handed over by reference, so it is copied
+into Ray's object store once, not once per role.
+
+:func:`start_local_workers` builds the same roles as plain objects in this process, with the same
+interface; the overhead benchmark runs the very same step through it to measure what Ray and
+Prefect cost.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from configs.schema import PPOConfig, ResourcesConfig
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Environment of every worker process: one OpenMP thread unless a role asks for more, quiet logs."""
+
+
+class RayRole:
+    """A role served by a Ray actor; ``submit`` returns an ``ObjectRef``."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def submit(self, method: str, *args, **kwargs):
+        return getattr(self.handle, method).remote(*args, **kwargs)
+
+
+class LocalRole:
+    """A role served by an object in this process; ``submit`` runs the call and returns its value."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def submit(self, method: str, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+@dataclass
+class Workers:
+    """The run's roles plus how to place and fetch data for them."""
+
+    rollout: Any
+    actor: Any
+    ref: Any = None
+    critic: Any = None
+    uses_ray: bool = True
+    started_ray: bool = False
+    _handles: list = field(default_factory=list)
+
+    def put(self, value):
+        """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""
+        if not self.uses_ray:
+            return value
+        import ray
+
+        return ray.put(value)
+
+    def get(self, reference):
+        """The value behind a reference returned by ``submit`` or ``put`` (lists fetched together)."""
+        if not self.uses_ray:
+            return reference
+        import ray
+
+        return ray.get(reference)
+
+    def shutdown(self) -> None:
+        """Stop the actors, and Ray itself when this run started it."""
+        if not self.uses_ray:
+            return
+        import ray
+
+        for handle in self._handles:
+            ray.kill(handle)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
+    """The resources of every role this config runs, keyed by the config key that sets them."""
+    roles = {"actor_rollout_ref.rollout": cfg.actor_rollout_ref.rollout.resources,
+             "actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.resources}
+    if cfg.use_reference:
+        roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.resources
+    if cfg.use_critic:
+        roles["critic"] = cfg.critic.resources
+    return roles
+
+
+def start_workers(cfg: PPOConfig) -> Workers:
+    """Join (or start) Ray, check the roles fit, start one actor per role and wait until all loaded."""
+    import ray
+
+    from workers.critic import CriticWorker
+    from workers.policy import ActorWorker, ReferenceWorker
+    from workers.rollout import HFRolloutWorker
+
+    roles = role_resources(cfg)
+    started_ray = _connect_ray(cfg, roles)
+    _check_fits(roles)
+
+    def actor_of(cls, key):
+        resources = roles[key]
+        env = {**WORKER_ENV, "OMP_NUM_THREADS": str(resources.num_threads)}
+        return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                                       runtime_env={"env_vars": env}).remote(cfg)
+
+    handles = {"rollout": actor_of(HFRolloutWorker, "actor_rollout_ref.rollout"),
+               "actor": actor_of(ActorWorker, "actor_rollout_ref.actor")}
+    if cfg.use_reference:
+        handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref")
+    if cfg.use_critic:
+        handles["critic"] = actor_of(CriticWorker, "critic")
+    ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors
+    return Workers(**{role: RayRole(handle) for role, handle in handles.items()}, uses_ray=True,
+                   started_ray=started_ray, _handles=list(handles.values()))
+
+
+def start_local_workers(cfg: PPOConfig) -> Workers:
+    """The same roles as plain in-process objects (no Ray): the baseline of the overhead benchmark."""
+    from workers.critic import CriticWorker
+    from workers.policy import ActorWorker, ReferenceWorker
+    from workers.rollout import HFRolloutWorker
+
+    return Workers(rollout=LocalRole(HFRolloutWorker(cfg)), actor=LocalRole(ActorWorker(cfg)),
+                   ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
+                   critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, uses_ray=False)
+
+
+def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
+    """Join ``ray.address`` / ``RAY_ADDRESS``, reuse a running Ray, or start a local one; True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+        return False
+    needed = sum(resources.num_cpus for resources in roles.values())
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
+    ray.init(num_cpus=num_cpus, num_gpus=_local_gpu_count(), include_dashboard=False,
+             runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+    return True
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _check_fits(roles: dict[str, ResourcesConfig]) -> None:
+    """Fail now, naming the keys, rather than leave an actor pending forever on an impossible request."""
+    import ray
+
+    available = ray.cluster_resources()
+    for unit, attribute in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        needed = sum(getattr(resources, attribute) for resources in roles.values())
+        if needed > available.get(unit, 0):
+            detail = ", ".join(f"{key}.resources.{attribute}={getattr(r, attribute)}" for key, r in roles.items())
+            raise RuntimeError(f"the roles need {needed:g} {unit} but the Ray cluster has "
+                               f"{available.get(unit, 0):g} ({detail}); lower them or set ray.num_cpus")

@@ -1,0 +1,109 @@
+"""Loading Hugging Face models and tokenizers (from a local path or any fsspec URL), and building the
+demo's tiny model.
+
+Nothing can be downloaded from a model hub on our CI machines, so the demo and the tests build a
+random-initialised Llama and a character-level tokenizer from a config, ``save_pretrained`` them, and
+then load them back through :func:`load_tokenizer` / :func:`load_causal_lm` exactly like any other
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import fsspec
+import torch
+
+from configs.schema import ModelConfig, TinyModelConfig
+
+TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+TINY_CHARACTERS = "0123456789+-=>:,|?abcdefghij"
+TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""Concatenates message contents: lets verl-style chat-message datasets run on the tiny tokenizer."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def holds_model(path: str) -> bool:
+    """Whether ``path`` (local or fsspec URL) contains a Hugging Face model (a ``config.json``)."""
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(path))
+    return fs.exists(f"{root.rstrip('/')}/config.json")
+
+
+def ensure_model(model: ModelConfig) -> None:
+    """Build the tiny model into ``model.path`` when ``model.build`` is set and the path holds none."""
+    if model.build is not None and not holds_model(model.path):
+        build_tiny_model(model.path, model.build)
+    if not holds_model(model.path):
+        raise FileNotFoundError(f"actor_rollout_ref.model.path={model.path!r} holds no Hugging Face model "
+                                "(no config.json); point it at a model directory or set model.build")
+
+
+def build_tiny_model(path: str, spec: TinyModelConfig) -> None:
+    """Write a random-init Llama and its character tokenizer to a local directory ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(TINY_SPECIAL_TOKENS + tuple(TINY_CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                         num_attention_heads=spec.num_attention_heads,
+                         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(Path(path).expanduser())
+    tokenizer.save_pretrained(Path(path).expanduser())
+
+
+def local_model_dir(path: str) -> str:
+    """A local directory holding the files of ``path``; remote URLs are copied once into a cache."""
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(path))
+    if "file" in fs.protocol:
+        return root
+    cache_root = Path(os.environ.get("PPOFLOW_MODEL_CACHE", "~/.cache/ppoflow/models")).expanduser()
+    local = cache_root / hashlib.sha256(path.encode()).hexdigest()[:16]
+    if not (local / "config.json").exists():
+        staging = local.with_suffix(".partial")
+        fs.get(root.rstrip("/") + "/", str(staging), recursive=True)
+        staging.rename(local)
+    return str(local)
+
+
+def load_tokenizer(model: ModelConfig):
+    """Load the tokenizer of ``model`` (``tokenizer_path`` or ``path``), left-padding, with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model_dir(model.tokenizer_path or model.path),
+                                              trust_remote_code=model.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(model: ModelConfig):
+    """Load ``model.path`` as a causal LM in ``model.dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(local_model_dir(model.path), dtype=_DTYPES[model.dtype],
+                                                trust_remote_code=model.trust_remote_code)
+
+
+def load_value_model(model: ModelConfig):
+    """Load ``model.path`` with a fresh scalar head per token (verl's critic: token classification, 1 label)."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(local_model_dir(model.path), num_labels=1,
+                                                           dtype=_DTYPES[model.dtype],
+                                                           trust_remote_code=model.trust_remote_code)

@@ -1,0 +1,109 @@
+"""The actor and reference workers: the policy's log-probs, its PPO update, and its weights.
+
+Both hold a causal LM in a long-lived Ray actor; the reference is a frozen copy of the initial
+policy that only computes log-probs (for KL terms). The update follows verl's actor: for each PPO
+epoch, for each mini-batch, accumulate the loss of its micro-batches (normalised by the whole
+mini-batch, so micro-batching does not change the gradient), clip, step.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from configs.schema import PPOConfig, ResourcesConfig
+from tasks.algorithms.kl import kl_penalty
+from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from workers.models import load_causal_lm
+from workers.training import clipped_step, make_optimizer, mean_metrics, micro_batches, mini_batches, response_logits
+
+
+class PolicyModel:
+    """A causal LM on its device that computes response log-probs at the rollout temperature."""
+
+    def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None):
+        torch.set_num_threads(resources.num_threads)
+        self.device = torch.device("cuda" if resources.num_gpus > 0 else "cpu")
+        rollout = cfg.actor_rollout_ref.rollout
+        self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
+        self.micro_batch_size = micro_batch_size
+        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device)
+
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
+        """Per-token ``log_probs`` of the responses, [N, R]; no gradient."""
+        self.model.eval()
+        parts = []
+        with torch.no_grad():
+            for micro in micro_batches(batch, self.micro_batch_size):
+                logits = response_logits(self.model, micro.to(self.device)) / self.temperature
+                parts.append(log_probs_from_logits(logits, micro["responses"].to(self.device)).float().cpu())
+        return TensorDict({"log_probs": torch.cat(parts)}, batch_size=batch.batch_size)
+
+
+class ReferenceWorker(PolicyModel):
+    """A frozen copy of the initial policy, for KL terms."""
+
+    def __init__(self, cfg: PPOConfig):
+        ref = cfg.actor_rollout_ref.ref
+        super().__init__(cfg, resources=ref.resources, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu)
+
+
+class ActorWorker(PolicyModel):
+    """The trained policy: log-probs, the PPO update, and weight export for the rollout workers."""
+
+    def __init__(self, cfg: PPOConfig):
+        actor = cfg.actor_rollout_ref.actor
+        super().__init__(cfg, resources=actor.resources,
+                         micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        self.cfg = actor
+        self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
+        self.seed = cfg.data.seed
+        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim)
+        self.weight_version = 0
+
+    def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
+        """PPO epochs over ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs`` for a KL loss)."""
+        cfg = self.cfg
+        self.model.train()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        rows = []
+        for _ in range(cfg.ppo_epochs):
+            for mini in mini_batches(batch, self.mini_batch_size, shuffle=cfg.shuffle, generator=generator):
+                num_tokens = float(mini["response_mask"].sum())
+                num_seqs = float(mini["response_mask"].any(dim=1).sum())
+                totals: dict[str, float] = {}
+                for micro in micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu):
+                    micro = micro.to(self.device)
+                    share = micro.batch_size[0] / mini.batch_size[0]
+                    mask = micro["response_mask"]
+                    logits = response_logits(self.model, micro) / self.temperature
+                    log_probs = log_probs_from_logits(logits, micro["responses"])
+                    pg_loss, pg_metrics = compute_policy_loss(
+                        micro["old_log_probs"], log_probs, micro["advantages"], mask,
+                        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+                        rollout_is_weights=micro.get("rollout_is_weights", None),
+                        num_tokens=num_tokens, num_seqs=num_seqs)
+                    entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode,
+                                       num_tokens=num_tokens, num_seqs=num_seqs)
+                    loss = pg_loss - cfg.entropy_coeff * entropy
+                    parts = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
+                    if cfg.use_kl_loss:
+                        kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type), mask,
+                                      cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                        loss = loss + cfg.kl_loss_coef * kl
+                        parts["actor/kl_loss"] = kl
+                    loss.backward()
+                    for name, value in parts.items():
+                        totals[name] = totals.get(name, 0.0) + float(value.detach())
+                    for name, value in pg_metrics.items():
+                        totals[f"actor/{name}"] = totals.get(f"actor/{name}", 0.0) + float(value) * share
+                totals["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.scheduler, cfg.grad_clip)
+                totals["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+                rows.append(totals)
+        self.weight_version += 1
+        return mean_metrics(rows)
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The current weights (on CPU) and their version, for the rollout workers."""
+        return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}, self.weight_version

@@ -1,0 +1,116 @@
+"""The rollout worker: holds a copy of the policy and samples responses with transformers' ``generate``.
+
+It lives in a long-lived Ray actor (see :mod:`workers.group`). Each call returns the rollout part of
+the step batch (see :mod:`storage.batch`): response tokens, the response mask (up to and including the
+first EOS), the log-probability of every sampled token under the sampling distribution
+``softmax(logits / temperature)`` (verl's convention: top-k/top-p truncation is not folded in, so the
+actor recomputes exactly the same quantity), and the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from configs.schema import PPOConfig
+from workers.models import load_causal_lm, load_tokenizer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``n`` responses per prompt, at most ``max_new_tokens`` each."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    do_sample: bool
+    max_new_tokens: int
+    seed: int
+
+    @classmethod
+    def for_training(cls, cfg: PPOConfig) -> "SamplingParams":
+        rollout = cfg.actor_rollout_ref.rollout
+        return cls(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k, rollout.do_sample,
+                   cfg.data.max_response_length, rollout.seed)
+
+    @classmethod
+    def for_validation(cls, cfg: PPOConfig) -> "SamplingParams":
+        val = cfg.actor_rollout_ref.rollout.val_kwargs
+        return cls(val.n, val.temperature, val.top_p, val.top_k, val.do_sample, cfg.data.max_response_length,
+                   cfg.actor_rollout_ref.rollout.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A sampling seed that depends only on ``(seed, step)``: replays and resumes sample identically."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}".encode()).digest()[:8], "little") % (2**63)
+
+
+class HFRolloutWorker:
+    """Sampling with a transformers causal LM (CPU or GPU)."""
+
+    def __init__(self, cfg: PPOConfig):
+        torch.set_num_threads(cfg.actor_rollout_ref.rollout.resources.num_threads)
+        self.device = torch.device("cuda" if cfg.actor_rollout_ref.rollout.resources.num_gpus > 0 else "cpu")
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
+        self.weight_version = 0
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
+        """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
+        repeated = prompts[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
+        eos_token_id = self.tokenizer.eos_token_id
+        torch.manual_seed(step_seed(sampling.seed, step))
+        with torch.no_grad():
+            output = self.model.generate(
+                input_ids=repeated["prompts"].to(self.device),
+                attention_mask=repeated["prompt_mask"].long().to(self.device),
+                do_sample=not sampling.greedy,
+                temperature=sampling.temperature if not sampling.greedy else None,
+                top_p=sampling.top_p if not sampling.greedy else None,
+                top_k=max(sampling.top_k, 0) if not sampling.greedy else None,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        prompt_length = repeated["prompts"].shape[1]
+        generated = output.sequences[:, prompt_length:].cpu()
+        logits = torch.stack(output.logits, dim=1).float().cpu()  # [N, generated, vocab], before warpers
+        log_probs = torch.log_softmax(logits / (sampling.temperature if sampling.temperature > 0 else 1.0), dim=-1)
+        token_log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+
+        rows, width = generated.shape[0], sampling.max_new_tokens
+        responses = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.int64)
+        responses[:, :generated.shape[1]] = generated
+        is_eos = responses == eos_token_id
+        after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+        response_mask = ~after_eos
+        response_mask[:, generated.shape[1]:] = False
+        rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
+        rollout_log_probs[:, :generated.shape[1]] = token_log_probs
+        rollout_log_probs = rollout_log_probs * response_mask
+
+        repeated.update({
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": rollout_log_probs,
+            "weight_version": torch.full((rows,), self.weight_version, dtype=torch.int64),
+            "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
+        })
+        return repeated
+
+    def load_weights(self, exported: tuple[dict[str, torch.Tensor], int]) -> int:
+        """Replace the weights with ``ActorWorker.export_weights()``'s and stamp their version (a full copy)."""
+        state, version = exported
+        self.model.load_state_dict(state, strict=True)
+        self.weight_version = version
+        return version
