@@ -10,14 +10,18 @@ offending key and value, with the closest known key suggested for typos.
 from __future__ import annotations
 
 import difflib
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
 from configs.schema import STAGES_WITH_SKIP, PPOConfig, SkipStageConfig, cross_field_errors
+from storage.fs import normalize_url
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULTS_NAME = "ppo_trainer"
@@ -43,13 +47,17 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     merged = OmegaConf.merge(_read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml"),
                              _read_yaml(_preset_path(config or DEMO_NAME)),
                              _parse_overrides(overrides))
+    # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
+    # with "cannot resolve" and hide which key the user has to set.
+    problems = [(key, f"is required; set it with {key}=...")
+                for key in _missing_keys(OmegaConf.to_container(merged, resolve=False))]
+    if problems:
+        raise ConfigError(problems)
     try:
         container = OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
-    problems = [(key, f"is required; set it with {key}=...") for key in _missing_keys(container)]
-    if problems:
-        raise ConfigError(problems)
+    _make_paths_absolute(container)
     try:
         cfg = PPOConfig.model_validate(container)
     except ValidationError as error:
@@ -85,14 +93,50 @@ def _read_yaml(path: Path):
         raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
 
 
+_YAML_11_BOOLEANS = {"yes", "no", "on", "off", "y", "n"}
+
+
 def _parse_overrides(overrides: Sequence[str]):
+    """Parse ``key=value`` words one by one, so that an error names the word that caused it.
+
+    Values are YAML (``[1,2,3]``, ``null``, ``1e-3``), except that YAML 1.1's ``yes``/``no``/``on``/``off``
+    stay strings: the strict schema then rejects them for a bool key instead of guessing.
+    """
+    parsed = []
     for word in overrides:
-        if "=" not in word or word.startswith("="):
+        key, separator, value = word.partition("=")
+        if not separator or not key:
             raise ConfigError([(word, "an override must look like key=value (lists as key=[1,2,3])")])
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except Exception as error:
-        raise ConfigError([("overrides", f"cannot parse {list(overrides)}: {error}")]) from None
+        if value.strip().lower() in _YAML_11_BOOLEANS:
+            word = f"{key}='{value}'"
+        try:
+            parsed.append(OmegaConf.from_dotlist([word]))
+        except Exception as error:
+            raise ConfigError([(key, f"cannot parse override {word!r}: {error}")]) from None
+    return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
+
+
+PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path",
+             "actor_rollout_ref.model.tokenizer_path", "critic.model.path", "critic.model.tokenizer_path",
+             "trainer.default_local_dir")
+"""Keys holding local paths or URLs; relative local paths are resolved against the caller's working
+directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
+
+
+def _make_paths_absolute(container: dict) -> None:
+    keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = container
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or node.get(leaf) is None:
+            continue
+        value = node[leaf]
+        if isinstance(value, str):
+            node[leaf] = normalize_url(value)
+        elif isinstance(value, list):
+            node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:
@@ -102,6 +146,10 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if node == "???" else []
 
 
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
+"""How pydantic names the member of a ``Union`` in an error location (no config key is spelled so)."""
+
+
 def _describe(issue: dict) -> tuple[str, str]:
     """Turn one pydantic error into ``(dotted key, message)``, suggesting a known key for typos."""
     if issue["loc"][:1] == ("skip",) and issue["loc"][2:3] == ("[key]",):
@@ -109,7 +157,10 @@ def _describe(issue: dict) -> tuple[str, str]:
         close = difflib.get_close_matches(stage, STAGES_WITH_SKIP, n=1)
         hint = f"; did you mean 'skip.{close[0]}'?" if close else f"; stages: {', '.join(STAGES_WITH_SKIP)}"
         return f"skip.{stage}", f"unknown stage{hint}"
-    key = ".".join(str(part) for part in issue["loc"])
+    loc = issue["loc"]
+    if issue["type"] != "extra_forbidden":  # drop pydantic's union-member tags: data.train_files.str
+        loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]
+    key = ".".join(str(part) for part in loc)
     if issue["type"] == "extra_forbidden":
         return key, f"unknown key{_suggestion(key)}"
     if issue["type"] == "missing":
@@ -140,3 +191,34 @@ def _section_type(annotation) -> type[BaseModel] | None:
     """The config section class inside an annotation such as ``Optional[TinyModelConfig]``."""
     candidates = [annotation, *getattr(annotation, "__args__", ())]
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def reference_table() -> str:
+    """A markdown table of every config key: its type, its default in ``ppo_trainer.yaml``, its meaning."""
+    defaults = OmegaConf.to_container(_read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml"), resolve=False)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str, default_node) -> None:
+        for name, field in model.model_fields.items():
+            key, default = f"{prefix}{name}", (default_node or {}).get(name) if isinstance(default_node, dict) else None
+            if field.default is not PydanticUndefined and default is None:
+                default = field.get_default(call_default_factory=True)
+            section = _section_type(field.annotation)
+            if section is not None and name != "skip":
+                if field.description:  # an optional section: null, or a mapping of the keys below
+                    rows.append(f"| `{key}` | null or section | `{json.dumps(default)}` | {field.description} |")
+                walk(section, f"{key}.", default)
+                continue
+            if name == "skip":
+                walk(SkipStageConfig, "skip.<stage>.", default.get("rollout") if isinstance(default, dict) else None)
+                continue
+            type_name = _type_name(field.annotation)
+            rows.append(f"| `{key}` | {type_name} | `{json.dumps(default)}` | {field.description or ''} |")
+
+    walk(PPOConfig, "", defaults)
+    return "\n".join(rows)
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
+    return text.replace("<class '", "").replace("'>", "").replace("|", "\\|")

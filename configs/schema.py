@@ -62,11 +62,11 @@ class DataConfig(Section):
 class TinyModelConfig(Section):
     """A random-init Llama with a character tokenizer, built into `model.path` when it holds no model."""
 
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(256, ge=8)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    max_position_embeddings: int = Field(64, ge=8)
+    hidden_size: int = Field(128, ge=8, description="Llama hidden size.")
+    intermediate_size: int = Field(256, ge=8, description="Llama MLP size.")
+    num_hidden_layers: int = Field(2, ge=1, description="Llama layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads (must divide hidden_size).")
+    max_position_embeddings: int = Field(64, ge=8, description="Longest prompt + response the model accepts.")
     seed: int = Field(0, description="Seed of the random initialisation.")
 
 
@@ -120,9 +120,9 @@ class RefConfig(Section):
 class ValSamplingConfig(Section):
     n: int = Field(ge=1, description="Samples per validation prompt.")
     do_sample: bool = Field(description="Sample (true) or greedy (false) during validation.")
-    temperature: float = Field(ge=0)
-    top_p: float = Field(gt=0, le=1)
-    top_k: int = Field(ge=-1)
+    temperature: float = Field(ge=0, description="Validation sampling temperature; 0 = greedy.")
+    top_p: float = Field(gt=0, le=1, description="Validation nucleus sampling mass.")
+    top_k: int = Field(ge=-1, description="Validation top-k; -1 or 0 = off.")
 
 
 class RolloutConfig(Section):
@@ -150,14 +150,15 @@ class ActorRolloutRefConfig(Section):
 class CriticConfig(Section):
     enable: Optional[bool] = Field(description="Run a critic; null = only when algorithm.adv_estimator needs one (gae).")
     model: ModelConfig
-    ppo_mini_batch_size: int = Field(ge=1)
-    ppo_micro_batch_size_per_gpu: Optional[int] = Field(ge=1)
+    ppo_mini_batch_size: int = Field(ge=1, description="Prompts per critic optimizer step (times rollout.n).")
+    ppo_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per critic forward/backward; null = whole mini-batch.")
     forward_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per value forward; null = all.")
-    ppo_epochs: int = Field(ge=1)
-    shuffle: bool
+    ppo_epochs: int = Field(ge=1, description="Critic passes over the step's batch.")
+    shuffle: bool = Field(description="Shuffle trajectories between critic mini-batches.")
     cliprange_value: float = Field(gt=0, description="Value clipping range around the old values.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-    grad_clip: float = Field(gt=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        description="How per-token value losses are reduced.")
+    grad_clip: float = Field(gt=0, description="Critic gradient-norm clip.")
     optim: OptimConfig
     resources: ResourcesConfig
 
@@ -178,7 +179,8 @@ class KLControlConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        description="Advantage estimator (gae needs a critic).")
     gamma: float = Field(ge=0, le=1, description="Discount factor.")
     lam: float = Field(ge=0, le=1, description="GAE lambda.")
     norm_adv_by_std_in_grpo: bool = Field(description="Divide GRPO advantages by the group std (false = Dr.GRPO).")
@@ -191,8 +193,8 @@ class AlgorithmConfig(Section):
 
 
 class TrainerConfig(Section):
-    project_name: str = Field(min_length=1)
-    experiment_name: str = Field(min_length=1)
+    project_name: str = Field(min_length=1, description="Project name (run directory, cache directory).")
+    experiment_name: str = Field(min_length=1, description="Experiment name (run directory, cache directory).")
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
     total_training_steps: Optional[int] = Field(ge=1, description="Steps to run; null = total_epochs x steps per epoch.")
     test_freq: int = Field(ge=-1, description="Validate every N steps (and after the last); -1 or 0 = never.")

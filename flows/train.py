@@ -18,34 +18,43 @@ benchmark's baseline).
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from prefect import flow, get_run_logger
 from tensordict import TensorDict
 
-import tasks
 from configs import load_config
 from configs.schema import PPOConfig
 from flows.metrics import data_metrics
 from flows.tracking import Tracker
 from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
 from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
+from tasks.advantage import advantage
 from tasks.algorithms.kl import make_kl_controller
 from tasks.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
-from tasks.reward import decode_responses
+from tasks.generate import generate
+from tasks.log_prob import old_log_prob, ref_log_prob
+from tasks.reward import decode_responses, reward
+from tasks.update import update_actor, update_critic
+from tasks.values import values
+from tasks.weight_sync import weight_sync
 from workers.group import Workers, start_local_workers, start_workers
-from workers.models import ensure_model, load_tokenizer
+from workers.models import check_context_length, ensure_model, load_tokenizer
 from workers.rollout import SamplingParams
 
 
-class BareStages:
-    """The stage tasks' plain functions: a step without any Prefect task run (benchmark baseline)."""
+STAGES = SimpleNamespace(generate=generate, reward=reward, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob,
+                         values=values, advantage=advantage, update_critic=update_critic,
+                         update_actor=update_actor, weight_sync=weight_sync)
+"""The stage tasks a step calls; each call is a Prefect task run."""
 
-    def __getattr__(self, name: str):
-        return getattr(tasks, name).fn
+BARE_STAGES = SimpleNamespace(**{name: stage.fn for name, stage in vars(STAGES).items()})
+"""The same stages as plain functions: a step without any Prefect task run (benchmark baseline)."""
 
 
 @dataclass
@@ -68,9 +77,12 @@ class Run:
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
     """Prepare data, tokenizer and scorers (cheap, so bad input fails first), then start the workers."""
     data = cfg.data
-    ensure_model(cfg.actor_rollout_ref.model)
+    context = data.max_prompt_length + data.max_response_length
+    ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
+    check_context_length(cfg.actor_rollout_ref.model, context, "actor_rollout_ref.model.path")
     if cfg.use_critic:
-        ensure_model(cfg.critic.model)
+        ensure_model(cfg.critic.model, "critic.model.path")
+        check_context_length(cfg.critic.model, context, "critic.model.path")
     ensure_datasets(data)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     train_set = load_prompt_dataset(data.train_files, data, tokenizer, key="data.train_files")
@@ -86,7 +98,7 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
     kl_controller = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
     workers = start_workers(cfg) if orchestrated else start_local_workers(cfg)
     return Run(cfg, tokenizer, train_set, val_set, loader, total_steps, custom_scorer, kl_controller, workers,
-               stages=tasks if orchestrated else BareStages(), sampling=SamplingParams.for_training(cfg))
+               stages=STAGES if orchestrated else BARE_STAGES, sampling=SamplingParams.for_training(cfg))
 
 
 @contextmanager
@@ -164,8 +176,8 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
             prompts_text = run.tokenizer.batch_decode(batch["prompts"][:3], skip_special_tokens=True)
             responses = decode_responses(batch[:3], run.tokenizer)
             samples = [f"{p!r} -> {r!r} ({s:.2f})" for p, r, s in zip(prompts_text, responses, sequence_scores)]
-    metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(values) / len(values)
-               for source, values in per_source.items()}
+    metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
+               for source, scores in per_source.items()}
     return metrics, samples
 
 
@@ -190,6 +202,9 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                 metrics.update(val_metrics)
                 tracker.note(f"step {step} validation {val_metrics}; samples: {samples}")
             tracker.log(step, metrics)
+        final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"
+        run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
+        tracker.note(f"trained policy written to {final_model}")
     finally:
         tracker.close()
         run.workers.shutdown()
@@ -201,4 +216,7 @@ def ppo_train(config: str = "grpo_tiny", overrides: list[str] = []) -> dict[str,
     """Train a policy with PPO/GRPO: ``config`` is a preset name or YAML path, ``overrides`` are ``key=value`` words."""
     cfg = load_config(config, overrides)
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
+    # Each task run's "Finished in state Completed()" line costs ~3 ms of console rendering and buries
+    # the progress bar; task states still reach the Prefect API and UI without it.
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     return train(cfg)

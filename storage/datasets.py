@@ -36,12 +36,12 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
     """Write the synthetic task's train (and validation) rows as parquet files.
 
     ``copy``: the prompt is ``digits`` random digits followed by ``>``; the answer repeats them and
-    stops. The validation rows are drawn with a different stream of the same seed.
+    stops. The validation rows are drawn after the train rows from the same seeded stream; the train
+    rows are drawn even when only ``val_url`` is written, so the validation file is the same whether
+    or not the train file already existed (it never restarts the stream and repeats the train rows).
     """
     rng = random.Random(spec.seed)
     for url, rows, split in ((train_url, spec.train_rows, "train"), (val_url, spec.val_rows, "test")):
-        if url is None:
-            continue
         records = []
         for index in range(rows):
             digits = "".join(rng.choice("0123456789") for _ in range(spec.digits))
@@ -49,7 +49,8 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
                             "prompt": [{"role": "user", "content": f"{digits}>"}],
                             "reward_model": {"style": "rule", "ground_truth": digits},
                             "extra_info": {"split": split, "index": index}})
-        write_rows(url, records)
+        if url is not None:
+            write_rows(url, records)
 
 
 def ensure_datasets(data: DataConfig) -> None:
@@ -66,6 +67,8 @@ def ensure_datasets(data: DataConfig) -> None:
 
 def write_rows(url: str, rows: list[dict]) -> None:
     """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``/``.json``), atomically."""
+    if not url.endswith((".parquet", ".jsonl", ".json")):
+        raise ValueError(f"{url!r}: write .parquet or .jsonl files")
     fs, path = open_fs(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     if path.endswith(".parquet"):
@@ -134,8 +137,11 @@ def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer,
     prompt_ids, sources, truths, indices = [], [], [], []
     for index, row in enumerate(read_rows(files, key=key)):
         for column in (data.prompt_key, "data_source", "reward_model"):
-            if column not in row:
-                raise ValueError(f"{key}: row {index} has no {column!r} column (columns: {sorted(row)})")
+            if row.get(column) is None:
+                raise ValueError(f"{key}: row {index} has no {column!r} value (columns: {sorted(row)})")
+        if not isinstance(row["reward_model"], dict):
+            raise ValueError(f"{key}: row {index} reward_model must be a mapping with ground_truth, "
+                             f"got {row['reward_model']!r:.80}")
         ids = _tokenize_prompt(row[data.prompt_key], tokenizer)
         if len(ids) > data.max_prompt_length:
             if data.filter_overlong_prompts:

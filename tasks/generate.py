@@ -6,10 +6,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
+from storage.batch import NON_TENSOR_FIELDS
 from workers.rollout import SamplingParams
 
 
 @task(name="generate", cache_policy=NO_CACHE)
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> TensorDict:
-    """The rollout part of the step batch (see ``storage.batch``) for one prompt batch."""
-    return workers.get(workers.rollout.submit("generate", prompts, step=step, sampling=sampling))
+    """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
+
+    Only tensors travel to the rollout worker; the per-prompt columns (uid, data_source,
+    ground_truth) stay here and are repeated onto the prompt's ``n`` responses.
+    """
+    rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
+                                                 sampling=sampling))
+    columns = prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]
+    return rollout.update(columns)

@@ -1,10 +1,29 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures: real servers (S3 via moto, Prefect), a local Ray, and a tiny model.
+
+Every server binds to 127.0.0.1 on a free port and is stopped when the session ends.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
+
+TEST_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+os.environ.update(TEST_ENV)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 # --- s3_server: an in-process S3 (moto server mode) for fsspec/s3fs tests ----------------------
 # Self-contained: it needs nothing else from this file. Server mode (a real HTTP endpoint) rather
@@ -25,9 +44,7 @@ def s3_server():
     import boto3
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as probe:  # ask the OS for a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint_url = f"http://127.0.0.1:{port}"
@@ -48,3 +65,95 @@ def s3_server():
             yield endpoint_url, storage_options
     finally:
         server.stop()
+
+
+# --- prefect_server: a real `prefect server start` for the session ------------------------------
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """Start ``prefect server start`` on a free port with its own PREFECT_HOME; yield its API URL.
+
+    The URL is also exported as PREFECT_API_URL so that subprocesses (CLI runs, serve processes)
+    report to the same server. Tests running flows in this process use :func:`prefect_api`.
+    """
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_API_URL": url}
+    log = open(home / "server.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start; see {home / 'server.log'}")
+            time.sleep(0.5)
+        with pytest.MonkeyPatch.context() as environment:
+            environment.setenv("PREFECT_API_URL", url)
+            yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture
+def prefect_api(prefect_server):
+    """Point this test's Prefect client at the session server, with flow heartbeats off (they add
+    ~1 s per flow run and only matter for crash detection of deployed runs)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield prefect_server
+
+
+# --- ray_local: one local Ray for the whole session ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray shared by every test that needs one (runs reuse it instead of starting their own)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+# --- tiny_model: the demo's model, built once per session -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random-init tiny Llama + character tokenizer written with ``save_pretrained``."""
+    from configs.schema import TinyModelConfig
+    from workers.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny_llama"
+    build_tiny_model(str(path), TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64, seed=0))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_overrides(tiny_model, tmp_path) -> list[str]:
+    """Overrides that make the grpo_tiny preset small and self-contained under ``tmp_path``."""
+    return [f"actor_rollout_ref.model.path={tiny_model}",
+            f"data.train_files={tmp_path}/data/train.parquet", f"data.val_files={tmp_path}/data/val.parquet",
+            "data.synthetic.train_rows=64", "data.synthetic.val_rows=8",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2", "trainer.test_freq=2",
+            "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run"]

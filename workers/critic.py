@@ -11,7 +11,7 @@ from configs.schema import PPOConfig
 from tasks.algorithms.advantages import masked_mean
 from tasks.algorithms.losses import compute_value_loss
 from workers.models import load_value_model
-from workers.training import clipped_step, make_optimizer, mean_metrics, micro_batches, mini_batches, sequence_inputs
+from workers.training import Learner, micro_batches, sequence_inputs
 
 
 class CriticWorker:
@@ -25,7 +25,7 @@ class CriticWorker:
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.seed = cfg.data.seed
         self.model = load_value_model(critic.model).to(self.device)
-        self.optimizer, self.scheduler = make_optimizer(self.model, critic.optim)
+        self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device)
 
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS."""
@@ -38,31 +38,20 @@ class CriticWorker:
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
         """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``)."""
         cfg = self.cfg
-        self.model.train()
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        rows = []
-        for _ in range(cfg.ppo_epochs):
-            for mini in mini_batches(batch, self.mini_batch_size, shuffle=cfg.shuffle, generator=generator):
-                num_tokens = float(mini["response_mask"].sum())
-                num_seqs = float(mini["response_mask"].any(dim=1).sum())
-                totals: dict[str, float] = {}
-                for micro in micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu):
-                    micro = micro.to(self.device)
-                    share = micro.batch_size[0] / mini.batch_size[0]
-                    vpreds = self._values(micro)
-                    vf_loss, vf_clipfrac = compute_value_loss(
-                        vpreds, micro["returns"], micro["values"], micro["response_mask"],
-                        cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode,
-                        num_tokens=num_tokens, num_seqs=num_seqs)
-                    vf_loss.backward()
-                    totals["critic/vf_loss"] = totals.get("critic/vf_loss", 0.0) + float(vf_loss.detach())
-                    totals["critic/vf_clipfrac"] = totals.get("critic/vf_clipfrac", 0.0) + float(vf_clipfrac) * share
-                    totals["critic/vpred_mean"] = totals.get("critic/vpred_mean", 0.0) + float(
-                        masked_mean(vpreds.detach(), micro["response_mask"])) * share
-                totals["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.scheduler, cfg.grad_clip)
-                totals["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-                rows.append(totals)
-        return mean_metrics(rows)
+
+        def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
+            vpreds = self._values(micro)
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds, micro["returns"], micro["values"], micro["response_mask"], cliprange_value=cfg.cliprange_value,
+                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            averaged = {"critic/vf_clipfrac": vf_clipfrac,
+                        "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"])}
+            return vf_loss, {"critic/vf_loss": vf_loss}, averaged
+
+        return self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
+                                  micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
+                                  generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
+                                  prefix="critic")
 
     def _values(self, batch: TensorDict) -> torch.Tensor:
         input_ids, attention_mask, position_ids = sequence_inputs(batch)

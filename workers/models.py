@@ -32,13 +32,37 @@ def holds_model(path: str) -> bool:
     return fs.exists(f"{root.rstrip('/')}/config.json")
 
 
-def ensure_model(model: ModelConfig) -> None:
+def ensure_model(model: ModelConfig, key: str) -> None:
     """Build the tiny model into ``model.path`` when ``model.build`` is set and the path holds none."""
     if model.build is not None and not holds_model(model.path):
         build_tiny_model(model.path, model.build)
     if not holds_model(model.path):
-        raise FileNotFoundError(f"actor_rollout_ref.model.path={model.path!r} holds no Hugging Face model "
-                                "(no config.json); point it at a model directory or set model.build")
+        raise FileNotFoundError(f"{key}={model.path!r} holds no Hugging Face model (no config.json); "
+                                "point it at a model directory or set model.build")
+
+
+def save_pretrained(model, tokenizer, url: str) -> None:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face directory at ``url`` (local path or fsspec URL)."""
+    import tempfile
+
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(url))
+    with tempfile.TemporaryDirectory() as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        fs.makedirs(root, exist_ok=True)
+        for name in os.listdir(staging):
+            fs.put_file(os.path.join(staging, name), f"{root.rstrip('/')}/{name}")
+
+
+def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
+    """Fail early when prompt + response would exceed the model's ``max_position_embeddings``."""
+    import json
+
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(model.path))
+    limit = json.loads(fs.cat_file(f"{root.rstrip('/')}/config.json")).get("max_position_embeddings")
+    if limit is not None and needed > limit:
+        raise ValueError(f"{key}: data.max_prompt_length + data.max_response_length = {needed} exceeds the "
+                         f"model's max_position_embeddings={limit} ({model.path})")
 
 
 def build_tiny_model(path: str, spec: TinyModelConfig) -> None:

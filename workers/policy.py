@@ -14,8 +14,8 @@ from tensordict import TensorDict
 from configs.schema import PPOConfig, ResourcesConfig
 from tasks.algorithms.kl import kl_penalty
 from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
-from workers.models import load_causal_lm
-from workers.training import clipped_step, make_optimizer, mean_metrics, micro_batches, mini_batches, response_logits
+from workers.models import load_causal_lm, load_tokenizer, save_pretrained
+from workers.training import Learner, micro_batches, response_logits
 
 
 class PolicyModel:
@@ -56,53 +56,46 @@ class ActorWorker(PolicyModel):
         super().__init__(cfg, resources=actor.resources,
                          micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
         self.cfg = actor
+        self.model_config = cfg.actor_rollout_ref.model
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.seed = cfg.data.seed
-        self.optimizer, self.scheduler = make_optimizer(self.model, actor.optim)
+        self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device)
         self.weight_version = 0
 
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
         """PPO epochs over ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs`` for a KL loss)."""
         cfg = self.cfg
-        self.model.train()
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        rows = []
-        for _ in range(cfg.ppo_epochs):
-            for mini in mini_batches(batch, self.mini_batch_size, shuffle=cfg.shuffle, generator=generator):
-                num_tokens = float(mini["response_mask"].sum())
-                num_seqs = float(mini["response_mask"].any(dim=1).sum())
-                totals: dict[str, float] = {}
-                for micro in micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu):
-                    micro = micro.to(self.device)
-                    share = micro.batch_size[0] / mini.batch_size[0]
-                    mask = micro["response_mask"]
-                    logits = response_logits(self.model, micro) / self.temperature
-                    log_probs = log_probs_from_logits(logits, micro["responses"])
-                    pg_loss, pg_metrics = compute_policy_loss(
-                        micro["old_log_probs"], log_probs, micro["advantages"], mask,
-                        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-                        rollout_is_weights=micro.get("rollout_is_weights", None),
-                        num_tokens=num_tokens, num_seqs=num_seqs)
-                    entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode,
-                                       num_tokens=num_tokens, num_seqs=num_seqs)
-                    loss = pg_loss - cfg.entropy_coeff * entropy
-                    parts = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
-                    if cfg.use_kl_loss:
-                        kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type), mask,
-                                      cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-                        loss = loss + cfg.kl_loss_coef * kl
-                        parts["actor/kl_loss"] = kl
-                    loss.backward()
-                    for name, value in parts.items():
-                        totals[name] = totals.get(name, 0.0) + float(value.detach())
-                    for name, value in pg_metrics.items():
-                        totals[f"actor/{name}"] = totals.get(f"actor/{name}", 0.0) + float(value) * share
-                totals["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.scheduler, cfg.grad_clip)
-                totals["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-                rows.append(totals)
+
+        def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
+            mask = micro["response_mask"]
+            logits = response_logits(self.model, micro) / self.temperature
+            log_probs = log_probs_from_logits(logits, micro["responses"])
+            pg_loss, pg_metrics = compute_policy_loss(
+                micro["old_log_probs"], log_probs, micro["advantages"], mask,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.get("rollout_is_weights", None),
+                num_tokens=num_tokens, num_seqs=num_seqs)
+            entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode,
+                               num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = pg_loss - cfg.entropy_coeff * entropy
+            summed = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
+            if cfg.use_kl_loss:
+                kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type), mask,
+                              cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss = loss + cfg.kl_loss_coef * kl
+                summed["actor/kl_loss"] = kl
+            return loss, summed, {f"actor/{name}": value for name, value in pg_metrics.items()}
+
+        metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
+                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
+                                     generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
+                                     prefix="actor")
         self.weight_version += 1
-        return mean_metrics(rows)
+        return metrics
+
+    def save_pretrained(self, url: str) -> None:
+        """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
+        save_pretrained(self.model, load_tokenizer(self.model_config), url)
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The current weights (on CPU) and their version, for the rollout workers."""

@@ -1,11 +1,11 @@
 """What the actor and critic workers share: building model inputs from a step batch, walking
-mini- and micro-batches, and one optimizer step with gradient clipping.
+mini- and micro-batches, and the optimizer loop of a PPO update (:class:`Learner`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tensordict import TensorDict
@@ -48,23 +48,54 @@ def mini_batches(batch: TensorDict, size: int, *, shuffle: bool, generator: torc
         yield batch[order[start:start + size]]
 
 
-def make_optimizer(model: torch.nn.Module, optim: OptimConfig):
-    """AdamW with a linear warm-up to ``optim.lr`` over ``optim.lr_warmup_steps`` updates."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                  weight_decay=optim.weight_decay)
-    warmup = optim.lr_warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0)
-    return optimizer, scheduler
+MicroLoss = Callable[[TensorDict, float, float], tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+"""``(micro_batch, num_tokens, num_seqs) -> (loss, summed, averaged)``: the loss to backpropagate,
+metrics that are already normalised by the whole mini-batch (summed over micro-batches), and
+per-micro-batch means (averaged, weighted by micro-batch size)."""
 
 
-def clipped_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> float:
-    """Clip gradients, then step; a non-finite gradient norm skips the step (as verl does)."""
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return grad_norm
+class Learner:
+    """A model with its AdamW optimizer and warm-up schedule, trained by verl's PPO update loop."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, grad_clip: float, device: torch.device):
+        self.model, self.grad_clip, self.device = model, grad_clip, device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
+        warmup = optim.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0)
+
+    def train(self, batch: TensorDict, micro_loss: MicroLoss, *, epochs: int, mini_batch_size: int,
+              micro_batch_size: int | None, shuffle: bool, generator: torch.Generator, prefix: str) -> dict[str, float]:
+        """For each epoch and mini-batch: accumulate the micro-batch losses, clip, step; mean metrics."""
+        self.model.train()
+        rows = []
+        for _ in range(epochs):
+            for mini in mini_batches(batch, mini_batch_size, shuffle=shuffle, generator=generator):
+                num_tokens = float(mini["response_mask"].sum())
+                num_seqs = float(mini["response_mask"].any(dim=1).sum())
+                totals: dict[str, float] = {}
+                for micro in micro_batches(mini, micro_batch_size):
+                    share = micro.batch_size[0] / mini.batch_size[0]
+                    loss, summed, averaged = micro_loss(micro.to(self.device), num_tokens, num_seqs)
+                    loss.backward()
+                    for name, value in summed.items():
+                        totals[name] = totals.get(name, 0.0) + float(value.detach())
+                    for name, value in averaged.items():
+                        totals[name] = totals.get(name, 0.0) + float(value.detach()) * share
+                totals[f"{prefix}/grad_norm"] = self._step()
+                totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
+                rows.append(totals)
+        return mean_metrics(rows)
+
+    def _step(self) -> float:
+        """Clip gradients, then step; a non-finite gradient norm skips the step (as verl does)."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

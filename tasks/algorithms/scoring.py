@@ -60,7 +60,7 @@ def load_custom_scorer(path: str, name: str) -> Scorer:
         name = attribute or name
         try:
             module = importlib.import_module(module_name)
-        except ImportError as error:
+        except (ImportError, ValueError) as error:  # ValueError: an empty module name (":function")
             raise ValueError(f"{key}: cannot import {module_name!r}: {error}") from None
     scorer = getattr(module, name, None)
     if not callable(scorer):
@@ -83,7 +83,7 @@ def score_responses(data_sources: list[str], solutions: list[str], ground_truths
     """Score each response; returns the scores and any extra per-sample values the scorers reported."""
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
-    for source, solution, truth in zip(data_sources, solutions, ground_truths):
+    for source, solution, truth in zip(data_sources, solutions, ground_truths, strict=True):
         result = scorer_for(source, custom)(source, solution, truth)
         if isinstance(result, dict):
             scores.append(float(result["score"]))

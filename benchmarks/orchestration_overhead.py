@@ -1,0 +1,103 @@
+"""What Prefect and Ray cost per PPO step, measured against the same step run bare.
+
+The same steps (same config, seed and prompts) run four ways, all in this process:
+
+* bare            — the workers are plain objects and the stages are the tasks' plain functions;
+* ray             — the workers are Ray actors, the stages plain functions;
+* prefect         — in-process workers, every stage a Prefect task run inside a flow;
+* prefect + ray   — what ``ppoflow train`` does.
+
+For each workload it reports the median step time after a warm-up and the ratio to bare.
+
+    python benchmarks/orchestration_overhead.py [--steps 30] [--workload demo|larger|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORKLOADS = {
+    "demo": [],  # grpo_tiny as shipped: 16 prompts x 8 samples, 3-token responses, 332k parameters
+    "larger": ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
+               "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
+               "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
+}
+
+
+def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
+    """Median wall time of ``ppo_step`` over ``steps`` steps after ``warmup`` untimed ones."""
+    from prefect import flow
+
+    from flows.train import BARE_STAGES, STAGES, ppo_step, start_run
+
+    run = start_run(cfg, orchestrated=ray_workers)
+    run.stages = STAGES if prefect_tasks else BARE_STAGES
+    rows = list(range(cfg.data.train_batch_size))
+    prompts = run.train_set.batch(rows, [str(row) for row in rows], run.tokenizer.pad_token_id)
+
+    def loop() -> list[float]:
+        times = []
+        for step in range(1, warmup + steps + 1):
+            start = time.perf_counter()
+            ppo_step(run, step, prompts)
+            times.append(time.perf_counter() - start)
+        return times[warmup:]
+
+    try:
+        times = flow(name="overhead-benchmark")(loop)() if prefect_tasks else loop()
+    finally:
+        run.workers.shutdown()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    args = parser.parse_args()
+
+    import logging
+
+    import ray
+
+    from configs import load_config
+
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in WORKLOADS if args.workload == "all" else [args.workload]:
+            overrides = WORKLOADS[name] + [f"actor_rollout_ref.model.path={scratch}/{name}-model",
+                                           f"data.train_files={scratch}/{name}-train.parquet",
+                                           f"data.val_files={scratch}/{name}-val.parquet",
+                                           f"trainer.default_local_dir={scratch}/{name}-run"]
+            cfg = load_config("grpo_tiny", overrides)
+            modes = {"bare": (False, False), "ray": (True, False), "prefect": (False, True), "prefect+ray": (True, True)}
+            times = {mode: measure(cfg, ray_workers=r, prefect_tasks=p, steps=args.steps, warmup=args.warmup)
+                     for mode, (r, p) in modes.items()}
+            results[name] = {mode: {"ms_per_step": round(seconds * 1000, 1),
+                                    "ratio_to_bare": round(seconds / times["bare"], 2),
+                                    "overhead_ms": round((seconds - times["bare"]) * 1000, 1)}
+                             for mode, seconds in times.items()}
+    ray.shutdown()
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median of {args.steps} steps")
+    print("| workload | mode | ms/step | x bare | overhead ms/step |\n|---|---|---|---|---|")
+    for name, modes in results.items():
+        for mode, row in modes.items():
+            print(f"| {name} | {mode} | {row['ms_per_step']} | {row['ratio_to_bare']} | {row['overhead_ms']} |")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""configs/: YAML defaults and presets, key=value overrides, typed validation, cross-field rules."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from configs import CONFIG_DIR, ConfigError, load_config, preset_names, reference_table
+
+DEMO_PATHS = ["data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet"]
+
+
+def problems_of(config: str | None, overrides: list[str]) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, overrides)
+    assert len(caught.value.problems) >= 1
+    # the message of the exception lists every problem as "key: message"
+    for key, message in caught.value.problems:
+        assert f"  {key}: {message}" in str(caught.value)
+    return caught.value.problems
+
+
+def only_problem(overrides: list[str], config: str | None = "grpo_tiny") -> tuple[str, str]:
+    problems = problems_of(config, overrides)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def test_demo_preset_loads_with_its_values():
+    cfg = load_config("grpo_tiny")
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1.0e-3
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.9, 0.99]
+    assert cfg.data.max_prompt_length == 8 and cfg.data.max_response_length == 3
+    assert cfg.data.synthetic.digits == 2 and cfg.data.synthetic.train_rows == 3200
+    assert cfg.actor_rollout_ref.model.build.hidden_size == 128
+    assert cfg.trainer.total_training_steps == 200 and cfg.trainer.test_freq == 20
+    # keys the preset does not set come from ppo_trainer.yaml
+    assert cfg.actor_rollout_ref.actor.clip_ratio_c == 3.0
+    assert cfg.critic.optim.lr == 1.0e-5
+    # no config name = the demo
+    assert load_config(None) == cfg
+    assert preset_names() == ["grpo_tiny", "ppo_trainer"]
+
+
+def test_yaml_file_path_is_merged_over_the_defaults(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("data:\n  train_files: /d/t.jsonl\n  train_batch_size: 8\n"
+                    "actor_rollout_ref:\n  model:\n    path: /models/m\n  actor:\n    ppo_mini_batch_size: 4\n")
+    cfg = load_config(str(path), ["actor_rollout_ref.rollout.temperature=0.7"])
+    assert cfg.data.train_files == "/d/t.jsonl"
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.7
+    assert cfg.algorithm.adv_estimator == "gae"  # ppo_trainer default
+    assert cfg.critic.model.path == "/models/m"  # interpolation of actor_rollout_ref.model.path
+    assert cfg.critic.ppo_mini_batch_size == 4  # interpolation of the actor's mini-batch
+
+
+def test_missing_yaml_file_and_unknown_preset(tmp_path):
+    key, message = problems_of(str(tmp_path / "nope.yaml"), [])[0]
+    assert key == "--config" and "no such file" in message and "nope.yaml" in message
+    key, message = problems_of("grpo_tinyy", [])[0]
+    assert key == "--config"
+    assert "unknown preset 'grpo_tinyy'" in message
+    assert "grpo_tiny, ppo_trainer" in message
+
+
+def test_unreadable_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("data: [unclosed\n")
+    key, message = problems_of(str(path), [])[0]
+    assert key == str(path) and message.startswith("unreadable YAML")
+
+
+# ------------------------------------------------------------------------------ verl defaults
+
+VERL_KEYS = (
+    [f"data.{k}" for k in ("train_files", "val_files", "train_batch_size", "gen_batch_size", "max_prompt_length",
+                            "max_response_length", "seed", "shuffle")]
+    + ["actor_rollout_ref.model.path"]
+    + [f"actor_rollout_ref.actor.{k}" for k in ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio_low",
+                                                 "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
+                                                 "use_kl_loss", "kl_loss_coef", "kl_loss_type", "optim.lr",
+                                                 "grad_clip")]
+    + [f"actor_rollout_ref.rollout.{k}" for k in ("name", "n", "temperature", "top_p", "top_k")]
+    + [f"critic.{k}" for k in ("enable", "model.path", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+                                "ppo_epochs", "cliprange_value", "loss_agg_mode", "grad_clip", "optim.lr")]
+    + [f"algorithm.{k}" for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward",
+                                   "kl_penalty", "kl_ctrl.type", "kl_ctrl.kl_coef", "kl_ctrl.horizon",
+                                   "kl_ctrl.target_kl")]
+    + [f"trainer.{k}" for k in ("project_name", "experiment_name", "total_epochs", "total_training_steps",
+                                 "test_freq", "default_local_dir", "logger")]
+    + [f"skip.rollout.{k}" for k in ("enable", "dump_dir", "steps", "action")]
+)
+
+
+def test_defaults_hold_every_verl_key():
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"), resolve=False)
+    absent = []
+    for key in VERL_KEYS:
+        node = defaults
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is KeyError or isinstance(node, dict):
+            absent.append(key)
+    assert absent == []
+    # 8 data + 1 model + 12 actor + 5 rollout + 9 critic + 10 algorithm + 7 trainer + 4 skip
+    assert len(VERL_KEYS) == 56
+
+
+def test_verl_default_values():
+    cfg = load_config("grpo_tiny")
+    skip = cfg.skip["rollout"]
+    assert skip.enable is False
+    assert skip.dump_dir == os.path.join(os.path.expanduser("~"), ".verl", "rollout_dump")
+    assert skip.steps == []
+    assert skip.action == "cache"
+    assert list(cfg.skip) == ["rollout"]
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.2, 3.0)
+    assert actor.loss_agg_mode == "token-mean" and actor.kl_loss_type == "low_var_kl"
+    assert actor.use_kl_loss is False and actor.kl_loss_coef == 0.001
+    assert cfg.algorithm.kl_penalty == "kl" and cfg.algorithm.kl_ctrl.type == "fixed"
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.001
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 1.0)
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.rollout.top_k == -1
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.project_name == "ppoflow"
+
+
+# --------------------------------------------------------------------------------- overrides
+
+
+def test_interpolation_follows_overrides(tmp_path):
+    cfg = load_config("grpo_tiny", ["trainer.experiment_name=foo"])
+    assert cfg.trainer.default_local_dir == str(Path.cwd() / "checkpoints" / "ppoflow" / "foo")
+    cfg = load_config("grpo_tiny", ["trainer.project_name=p", "trainer.experiment_name=e"])
+    assert cfg.trainer.default_local_dir.endswith("/checkpoints/p/e")
+
+
+def test_lists_on_the_command_line():
+    cfg = load_config("grpo_tiny", ["skip.rollout.steps=[1,2,3]", "trainer.logger=[console,tensorboard]",
+                                    "actor_rollout_ref.actor.optim.betas=[0.5,0.75]", "skip.rollout.enable=true"])
+    assert cfg.skip["rollout"].steps == [1, 2, 3]
+    assert cfg.skip["rollout"].enable is True
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.5, 0.75]
+    assert load_config("grpo_tiny", ["trainer.logger=[]"]).trainer.logger == []
+
+
+def test_relative_paths_are_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_config("grpo_tiny", ["skip.rollout.dump_dir=cache/dir", "actor_rollout_ref.model.path=~/m",
+                                    "data.train_files=[a.parquet,s3://bucket/b.parquet]",
+                                    "data.val_files=file://" + str(tmp_path / "v.parquet")])
+    root = str(tmp_path.resolve())
+    assert cfg.skip["rollout"].dump_dir == f"{root}/cache/dir"
+    assert cfg.actor_rollout_ref.model.path == f"{tmp_path}/home/m"
+    assert cfg.critic.model.path == f"{tmp_path}/home/m"
+    assert cfg.data.train_files == [f"{root}/a.parquet", "s3://bucket/b.parquet"]
+    assert cfg.data.val_files == f"{root}/v.parquet"
+    assert cfg.trainer.default_local_dir == f"{root}/checkpoints/ppoflow/grpo_tiny"
+    assert cfg.skip["rollout"].dump_dir.startswith("/")
+
+
+def test_use_critic_and_use_reference():
+    demo = load_config("grpo_tiny")
+    assert demo.use_critic is False and demo.use_reference is False
+    gae = load_config("grpo_tiny", ["algorithm.adv_estimator=gae"])
+    assert gae.use_critic is True
+    forced = load_config("grpo_tiny", ["critic.enable=true"])
+    assert forced.use_critic is True
+    assert load_config("grpo_tiny", ["actor_rollout_ref.actor.use_kl_loss=true"]).use_reference is True
+    assert load_config("grpo_tiny", ["algorithm.use_kl_in_reward=true"]).use_reference is True
+    assert demo.gen_batch_size == 16
+
+
+def test_config_is_frozen():
+    cfg = load_config("grpo_tiny")
+    with pytest.raises(Exception):
+        cfg.data.train_batch_size = 3
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_unknown_key_suggests_the_closest_known_key():
+    assert only_problem(["actor_rollout_ref.actor.lr=0.1"]) == (
+        "actor_rollout_ref.actor.lr", "unknown key; did you mean 'actor_rollout_ref.actor.optim.lr'?")
+    assert only_problem(["actor_rollout_ref.rollout.temprature=0.5"]) == (
+        "actor_rollout_ref.rollout.temprature", "unknown key; did you mean 'actor_rollout_ref.rollout.temperature'?")
+    assert only_problem(["critic.optim.learning_rate=1"])[0] == "critic.optim.learning_rate"
+    assert only_problem(["skip.rollout.stpes=[1]"]) == ("skip.rollout.stpes",
+                                                         "unknown key; did you mean 'skip.rollout.steps'?")
+
+
+def test_unknown_skip_stage_suggests_a_stage():
+    assert only_problem(["skip.rolout.enable=true"]) == ("skip.rolout", "unknown stage; did you mean 'skip.rollout'?")
+    key, message = only_problem(["skip.zzz.enable=true"])
+    assert key == "skip.zzz"
+    assert message == ("unknown stage; stages: rollout, async_rollout, reward, old_log_prob, ref, values, advantage")
+
+
+@pytest.mark.parametrize("override, key, got", [
+    ("data.train_batch_size=true", "data.train_batch_size", "True"),
+    ("data.gen_batch_size=true", "data.gen_batch_size", "True"),
+    ("trainer.total_epochs=2.5", "trainer.total_epochs", "2.5"),
+    ("actor_rollout_ref.rollout.temperature=hot", "actor_rollout_ref.rollout.temperature", "'hot'"),
+    ("actor_rollout_ref.rollout.temperature=true", "actor_rollout_ref.rollout.temperature", "True"),
+    ("skip.rollout.steps=[1,x]", "skip.rollout.steps.1", "'x'"),
+    ("skip.rollout.steps=[1,true]", "skip.rollout.steps.1", "True"),
+    ("skip.rollout.enable=1", "skip.rollout.enable", "1"),
+    ("data.shuffle=maybe", "data.shuffle", "'maybe'"),
+    ("data.shuffle='true'", "data.shuffle", "'true'"),
+])
+def test_wrong_types_name_the_key_and_the_value(override, key, got):
+    problem_key, message = only_problem([override])
+    assert problem_key == key
+    assert message.endswith(f"(got {got})")
+    assert message.startswith("Input should be a valid")
+
+
+def test_union_type_error_names_the_key_not_the_union_member():
+    problems = problems_of("grpo_tiny", ["data.val_files=5"])
+    assert {key for key, _ in problems} == {"data.val_files"}
+    assert all(message.endswith("(got 5)") for _, message in problems)
+
+
+@pytest.mark.parametrize("override, key, message", [
+    ("data.train_batch_size=0", "data.train_batch_size", "Input should be greater than or equal to 1 (got 0)"),
+    ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p",
+     "Input should be less than or equal to 1 (got 1.5)"),
+    ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p", "Input should be greater than 0 (got 0)"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1", "actor_rollout_ref.actor.clip_ratio_c",
+     "Input should be greater than 1 (got 1)"),
+    ("algorithm.gamma=-0.1", "algorithm.gamma", "Input should be greater than or equal to 0 (got -0.1)"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", "actor_rollout_ref.actor.optim.betas",
+     "List should have at least 2 items after validation, not 1 (got [0.9])"),
+])
+def test_out_of_range_values(override, key, message):
+    assert only_problem([override]) == (key, message)
+
+
+def test_literal_violations_list_the_choices():
+    assert only_problem(["algorithm.adv_estimator=ppo"]) == (
+        "algorithm.adv_estimator",
+        "Input should be 'gae', 'grpo', 'rloo', 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline' (got 'ppo')")
+    assert only_problem(["skip.rollout.action=random"]) == (
+        "skip.rollout.action", "Input should be 'cache' or 'repeat' (got 'random')")
+    assert only_problem(["data.truncation=middle"])[0] == "data.truncation"
+
+
+def test_several_problems_are_reported_at_once():
+    problems = problems_of("grpo_tiny", ["data.train_batch_size=0", "actor_rollout_ref.rollout.top_p=1.5",
+                                         "algorithm.adv_estimator=ppo", "actor_rollout_ref.actor.lr=1"])
+    assert [key for key, _ in problems] == ["data.train_batch_size", "actor_rollout_ref.actor.lr",
+                                            "actor_rollout_ref.rollout.top_p", "algorithm.adv_estimator"]
+    with pytest.raises(ConfigError, match=r"invalid configuration \(4 problems\)"):
+        load_config("grpo_tiny", ["data.train_batch_size=0", "actor_rollout_ref.rollout.top_p=1.5",
+                                  "algorithm.adv_estimator=ppo", "actor_rollout_ref.actor.lr=1"])
+    with pytest.raises(ConfigError, match=r"invalid configuration \(1 problem\):"):
+        load_config("grpo_tiny", ["data.train_batch_size=0"])
+
+
+def test_missing_required_keys():
+    assert problems_of("ppo_trainer", []) == [
+        ("data.train_files", "is required; set it with data.train_files=..."),
+        ("actor_rollout_ref.model.path", "is required; set it with actor_rollout_ref.model.path=..."),
+    ]
+    assert problems_of("ppo_trainer", ["actor_rollout_ref.model.path=/m"]) == [
+        ("data.train_files", "is required; set it with data.train_files=...")]
+    cfg = load_config("ppo_trainer", ["actor_rollout_ref.model.path=/m", "data.train_files=/t.parquet"])
+    assert cfg.critic.model.path == "/m" and cfg.algorithm.adv_estimator == "gae" and cfg.use_critic
+
+
+@pytest.mark.parametrize("word", ["data.train_batch_size", "=5", "actor_rollout_ref.rollout.n"])
+def test_malformed_override_word(word):
+    assert only_problem([word]) == (word, "an override must look like key=value (lists as key=[1,2,3])")
+
+
+def test_unparsable_override_value_names_its_key_and_word():
+    key, message = only_problem(["trainer.experiment_name=ok", "skip.rollout.steps=[1,"])
+    assert key == "skip.rollout.steps" and "skip.rollout.steps=[1," in message
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "OFF"])
+def test_yaml_11_boolean_words_are_not_guessed(word):
+    key, message = only_problem([f"data.shuffle={word}"])
+    assert key == "data.shuffle" and f"(got '{word}')" in message
+
+
+def test_unresolvable_interpolation():
+    key, message = only_problem(["trainer.experiment_name=${nope}"])
+    assert key == "trainer.experiment_name" and message.startswith("cannot resolve")
+
+
+# ------------------------------------------------------------------------- cross-field rules
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], "actor_rollout_ref.actor.ppo_mini_batch_size",
+     "data.train_batch_size * rollout.n = 128 trajectories is not divisible by ppo_mini_batch_size * rollout.n = 24"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "7 does not divide the mini-batch of 128 trajectories"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size",
+     "128 trajectories per step are not divisible by critic mini-batch 24"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=48"], "critic.ppo_micro_batch_size_per_gpu",
+     "48 does not divide the critic mini-batch of 128"),
+    (["data.gen_batch_size=32"], "data.gen_batch_size",
+     "32 != data.train_batch_size 16: dynamic sampling (generating more prompts than are trained on) is not "
+     "supported; leave it null"),
+    (["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable",
+     "algorithm.adv_estimator=gae needs a critic; set critic.enable=true or null"),
+    (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n",
+     "algorithm.adv_estimator=grpo compares responses of one prompt and needs n >= 2, got 1"),
+    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n",
+     "algorithm.adv_estimator=rloo compares responses of one prompt and needs n >= 2, got 1"),
+    (["algorithm.kl_penalty=k4"], "algorithm.kl_penalty",
+     "unknown KL estimator 'k4'; choose one of kl, k1, abs, mse, k2, low_var_kl, k3, kl+, k1+, abs+, mse+, k2+, "
+     "low_var_kl+, k3+"),
+    (["actor_rollout_ref.actor.kl_loss_type=full"], "actor_rollout_ref.actor.kl_loss_type",
+     "unknown KL estimator 'full'; choose one of kl, k1, abs, mse, k2, low_var_kl, k3, kl+, k1+, abs+, mse+, k2+, "
+     "low_var_kl+, k3+"),
+    (["data.val_files=null"], "data.val_files", "trainer.test_freq=20 needs validation files"),
+    (["trainer.logger=[console,wandb]"], "trainer.logger", "unknown logger 'wandb'; choose from console, tensorboard"),
+    (["skip.rollout.enable=true"], "skip.rollout.steps", "caching is enabled but no step is listed"),
+    (["skip.ref.enable=true", "skip.ref.steps=[]"], "skip.ref.steps", "caching is enabled but no step is listed"),
+])
+def test_cross_field_rules(overrides, key, message):
+    assert only_problem(overrides) == (key, message)
+
+
+def test_cross_field_rules_hold_when_the_values_fit():
+    # 16 prompts x 8 = 128 trajectories; mini-batch 4 x 8 = 32 divides it; micro 16 divides 32
+    cfg = load_config("grpo_tiny", ["actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                                    "data.gen_batch_size=16", "algorithm.kl_penalty=low_var_kl+",
+                                    "data.val_files=null", "trainer.test_freq=0",
+                                    "skip.rollout.enable=true", "skip.rollout.steps=[1]"])
+    assert cfg.gen_batch_size == 16 and cfg.data.val_files is None
+    # the critic rules are not checked when no critic runs
+    load_config("grpo_tiny", ["critic.ppo_mini_batch_size=3"])
+
+
+def test_several_cross_field_problems_at_once():
+    problems = problems_of("grpo_tiny", ["actor_rollout_ref.rollout.n=1", "trainer.logger=[a,b]"])
+    assert problems == [
+        ("actor_rollout_ref.rollout.n", "algorithm.adv_estimator=grpo compares responses of one prompt and needs "
+                                        "n >= 2, got 1"),
+        ("trainer.logger", "unknown logger 'a'; choose from console, tensorboard"),
+        ("trainer.logger", "unknown logger 'b'; choose from console, tensorboard"),
+    ]
+
+
+# ---------------------------------------------------------------------------- reference table
+
+
+def _leaf_keys(node, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [key for name, value in node.items() for key in _leaf_keys(value, f"{prefix}{name}.")]
+    return [prefix[:-1]]
+
+
+def test_reference_table_mentions_every_key_once():
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"), resolve=False)
+    demo = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "grpo_tiny.yaml"), resolve=False)
+    expected = set(_leaf_keys(defaults))
+    # optional sections (null in the defaults) get a row of their own plus one per key inside them
+    sections = {"data.synthetic": demo["data"]["synthetic"],
+                "actor_rollout_ref.model.build": demo["actor_rollout_ref"]["model"]["build"],
+                "critic.model.build": demo["actor_rollout_ref"]["model"]["build"]}
+    for section, inner in sections.items():
+        assert section in expected
+        expected |= {f"{section}.{name}" for name in inner}
+    # skip is keyed by stage name: documented once as skip.<stage>.*
+    expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
+    assert len(expected) == 125
+
+    table = reference_table()
+    rows = table.splitlines()
+    assert rows[0] == "| key | type | default | meaning |"
+    keys = [re.match(r"\| `([^`]+)` \|", row).group(1) for row in rows[2:]]
+    assert len(keys) == len(set(keys)), "a key is listed twice"
+    assert set(keys) == expected
+    for key in expected:
+        assert table.count(f"| `{key}` |") == 1, key
+    by_key = dict(zip(keys, rows[2:]))
+    assert "| int | `16` |" in by_key["data.train_batch_size"]
+    assert '`"~/.verl/rollout_dump"`' in by_key["skip.<stage>.dump_dir"]
+    assert "| `[]` |" in by_key["skip.<stage>.steps"]

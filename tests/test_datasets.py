@@ -1,0 +1,347 @@
+"""storage/datasets.py: verl-style rows, the synthetic task, tokenized prompts and the prompt loader."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
+from storage.batch import non_tensor_column
+from storage.datasets import (PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset, read_rows,
+                              write_rows, write_synthetic_dataset)
+
+# The tiny character tokenizer (workers/models.py): <pad>=0 <s>=1 </s>=2 <unk>=3, then one id per
+# character of "0123456789+-=>:,|?abcdefghij" from 4: digit d -> 4 + d, '>' -> 17, ':' -> 18, '|' -> 20, 'a' -> 22.
+
+
+def data_config(**changes) -> DataConfig:
+    values = dict(train_files="unused.parquet", val_files=None, prompt_key="prompt", train_batch_size=4,
+                  gen_batch_size=None, val_batch_size=None, max_prompt_length=16, max_response_length=4,
+                  filter_overlong_prompts=False, truncation="error", seed=1, shuffle=True, synthetic=None)
+    values.update(changes)
+    return DataConfig(**values)
+
+
+def chat_row(content: str, truth, source: str = "synthetic/copy") -> dict:
+    return {"data_source": source, "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"style": "rule", "ground_truth": truth}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from workers.models import load_tokenizer
+
+    return load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
+                                      dtype="float32", build=None))
+
+
+# ---------------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_rows_layout(tmp_path):
+    spec = SyntheticDataConfig(task="copy", digits=3, train_rows=20, val_rows=5, seed=7)
+    write_synthetic_dataset(spec, str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"))
+    train = read_rows(str(tmp_path / "train.parquet"), key="k")
+    val = read_rows(str(tmp_path / "val.parquet"), key="k")
+    assert len(train) == 20 and len(val) == 5
+    for rows, split in ((train, "train"), (val, "test")):
+        for index, row in enumerate(rows):
+            assert set(row) == {"data_source", "prompt", "reward_model", "extra_info"}
+            assert row["data_source"] == "synthetic/copy"
+            [message] = row["prompt"]
+            assert message["role"] == "user"
+            content = message["content"]
+            assert len(content) == 4 and content.endswith(">") and content[:3].isdigit()
+            assert row["reward_model"] == {"style": "rule", "ground_truth": content[:3]}
+            assert row["extra_info"] == {"split": split, "index": index}
+    # 20 three-digit draws: not all the same
+    assert len({row["reward_model"]["ground_truth"] for row in train}) > 1
+
+
+def test_synthetic_rows_are_deterministic_per_seed_and_val_continues_the_stream(tmp_path):
+    spec = SyntheticDataConfig(task="copy", digits=4, train_rows=30, val_rows=10, seed=3)
+    write_synthetic_dataset(spec, str(tmp_path / "a/train.parquet"), str(tmp_path / "a/val.parquet"))
+    write_synthetic_dataset(spec, str(tmp_path / "b/train.jsonl"), str(tmp_path / "b/val.jsonl"))
+    train_a = read_rows(str(tmp_path / "a/train.parquet"), key="k")
+    val_a = read_rows(str(tmp_path / "a/val.parquet"), key="k")
+    assert read_rows(str(tmp_path / "b/train.jsonl"), key="k") == train_a
+    assert read_rows(str(tmp_path / "b/val.jsonl"), key="k") == val_a
+
+    def truths(rows):
+        return [row["reward_model"]["ground_truth"] for row in rows]
+
+    # the validation rows are not the first train rows again
+    assert truths(val_a) != truths(train_a)[:10]
+    # writing only one of the files gives the same rows as writing both
+    write_synthetic_dataset(spec, None, str(tmp_path / "c/val.parquet"))
+    assert read_rows(str(tmp_path / "c/val.parquet"), key="k") == val_a
+    assert not (tmp_path / "c/train.parquet").exists()
+    write_synthetic_dataset(spec, str(tmp_path / "d/train.parquet"), None)
+    assert read_rows(str(tmp_path / "d/train.parquet"), key="k") == train_a
+    # another seed, other rows
+    other = SyntheticDataConfig(task="copy", digits=4, train_rows=30, val_rows=10, seed=4)
+    write_synthetic_dataset(other, str(tmp_path / "e/train.parquet"), None)
+    assert truths(read_rows(str(tmp_path / "e/train.parquet"), key="k")) != truths(train_a)
+
+
+def test_ensure_datasets_only_writes_missing_files(tmp_path):
+    train, val = str(tmp_path / "d/train.parquet"), str(tmp_path / "d/val.parquet")
+    spec = SyntheticDataConfig(task="copy", digits=2, train_rows=12, val_rows=4, seed=0)
+    data = data_config(train_files=train, val_files=val, synthetic=spec)
+    ensure_datasets(data)
+    first_val = read_rows(val, key="k")
+    assert len(read_rows(train, key="k")) == 12 and len(first_val) == 4
+
+    marker = [chat_row("7>", "7", source="marker")]
+    write_rows(train, marker)
+    (tmp_path / "d/val.parquet").unlink()
+    ensure_datasets(data)
+    assert read_rows(train, key="k") == marker  # kept: it existed
+    assert read_rows(val, key="k") == first_val  # regenerated, same rows as before
+
+    ensure_datasets(data)  # nothing missing: nothing written
+    assert read_rows(train, key="k") == marker
+
+    # without `synthetic` nothing is generated
+    ensure_datasets(data_config(train_files=str(tmp_path / "x.parquet"), val_files=None))
+    assert not (tmp_path / "x.parquet").exists()
+    # a val-less config writes the train file only
+    ensure_datasets(data_config(train_files=str(tmp_path / "y/t.parquet"), synthetic=spec))
+    assert [p.name for p in (tmp_path / "y").iterdir()] == ["t.parquet"]
+    with pytest.raises(ValueError, match=r"^data.train_files: data.synthetic writes one file, got 2$"):
+        ensure_datasets(data_config(train_files=[train, val], synthetic=spec))
+
+
+# ------------------------------------------------------------------------------- rows on disk
+
+ROWS = [
+    {"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": "12>"}],
+     "reward_model": {"style": "rule", "ground_truth": "12"}, "extra_info": {"split": "train", "index": 0}},
+    {"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+     "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"split": "train", "index": 1}},
+]
+
+
+@pytest.mark.parametrize("name", ["rows.parquet", "rows.jsonl", "rows.json", "deeper/dir/rows.parquet"])
+def test_write_read_round_trip(tmp_path, name):
+    url = str(tmp_path / name)
+    write_rows(url, ROWS)
+    assert read_rows(url, key="data.train_files") == ROWS
+    assert read_rows([url, url], key="data.train_files") == ROWS + ROWS
+    assert [p.name for p in (tmp_path / name).parent.iterdir()] == [name.rsplit("/", 1)[-1]]  # no temp file left
+
+
+def test_jsonl_is_one_json_object_per_line(tmp_path):
+    write_rows(str(tmp_path / "r.jsonl"), ROWS)
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == ROWS
+    (tmp_path / "blank.jsonl").write_text("\n" + lines[0] + "\n\n")
+    assert read_rows(str(tmp_path / "blank.jsonl"), key="k") == ROWS[:1]
+
+
+def test_read_rows_errors(tmp_path):
+    missing = str(tmp_path / "nope.parquet")
+    with pytest.raises(FileNotFoundError) as caught:
+        read_rows(missing, key="data.val_files")
+    assert str(caught.value) == f"data.val_files: no such file {missing!r}"
+    write_rows(str(tmp_path / "exists.jsonl"), ROWS)
+    with pytest.raises(FileNotFoundError, match=r"^data.train_files: no such file"):
+        read_rows([str(tmp_path / "exists.jsonl"), missing], key="data.train_files")
+
+    csv = tmp_path / "rows.csv"
+    csv.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError) as caught:
+        read_rows(str(csv), key="data.train_files")
+    assert str(caught.value) == f"data.train_files: {str(csv)!r} is neither .parquet nor .jsonl"
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError) as caught:
+        read_rows(str(empty), key="data.train_files")
+    assert str(caught.value) == f"data.train_files: {str(empty)!r} holds no rows"
+    write_rows(str(tmp_path / "empty.parquet"), [])
+    with pytest.raises(ValueError, match=r"holds no rows$"):
+        read_rows(str(tmp_path / "empty.parquet"), key="data.train_files")
+
+
+# --------------------------------------------------------------------------- tokenized prompts
+
+
+def test_load_prompt_dataset_chat_and_plain_prompts(tmp_path, tokenizer):
+    rows = [chat_row("60>", "60"),
+            {"data_source": "plain", "prompt": "12>", "reward_model": {"ground_truth": ["a", 1]}},
+            {"data_source": "multi", "prompt": [{"role": "system", "content": "9"}, {"role": "user", "content": "8>"}],
+             "reward_model": {"style": "rule"}}]
+    write_rows(str(tmp_path / "p.jsonl"), rows)
+    dataset = load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert dataset.prompt_ids == [[10, 4, 17], [5, 6, 17], [13, 12, 17]]
+    assert dataset.data_sources == ["synthetic/copy", "plain", "multi"]
+    assert dataset.ground_truths == ["60", ["a", 1], None]
+    assert dataset.row_indices == [0, 1, 2]
+    assert len(dataset) == 3
+
+
+def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model):
+    from workers.models import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
+                                           dtype="float32", build=None))
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+                               "{% if add_generation_prompt %}a:{% endif %}")
+    write_rows(str(tmp_path / "p.jsonl"), [chat_row("12", "12"), {**chat_row("", "3"), "prompt": "3>"}])
+    dataset = load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
+    # "12" -> "12|" + generation prompt "a:"; the plain string is not templated
+    assert dataset.prompt_ids == [[5, 6, 20, 22, 18], [7, 17]]
+
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="a list of chat messages but the tokenizer has no chat_template"):
+        load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
+
+
+def test_prompt_key_and_missing_columns(tmp_path, tokenizer):
+    write_rows(str(tmp_path / "q.jsonl"),
+               [{"data_source": "s", "question": "1>", "reward_model": {"ground_truth": "1"}}])
+    dataset = load_prompt_dataset(str(tmp_path / "q.jsonl"), data_config(prompt_key="question"), tokenizer, key="k")
+    assert dataset.prompt_ids == [[5, 17]]
+
+    with pytest.raises(ValueError) as caught:
+        load_prompt_dataset(str(tmp_path / "q.jsonl"), data_config(), tokenizer, key="data.val_files")
+    assert str(caught.value) == ("data.val_files: row 0 has no 'prompt' value "
+                                 "(columns: ['data_source', 'question', 'reward_model'])")
+
+    write_rows(str(tmp_path / "m.jsonl"), [chat_row("1>", "1"), {"prompt": "2>", "reward_model": {}}])
+    with pytest.raises(ValueError) as caught:
+        load_prompt_dataset(str(tmp_path / "m.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert str(caught.value) == ("data.train_files: row 1 has no 'data_source' value "
+                                 "(columns: ['prompt', 'reward_model'])")
+
+    write_rows(str(tmp_path / "null.jsonl"), [{"data_source": "s", "prompt": "1>", "reward_model": "1"}])
+    with pytest.raises(ValueError, match="row 0 reward_model must be a mapping with ground_truth, got '1'"):
+        load_prompt_dataset(str(tmp_path / "null.jsonl"), data_config(), tokenizer, key="data.train_files")
+
+    write_rows(str(tmp_path / "bad.jsonl"), [{"data_source": "s", "prompt": 5, "reward_model": {}}])
+    with pytest.raises(ValueError, match="a prompt must be a string or a list of {role, content} messages, got 5"):
+        load_prompt_dataset(str(tmp_path / "bad.jsonl"), data_config(), tokenizer, key="data.train_files")
+
+
+@pytest.fixture
+def overlong_file(tmp_path):
+    url = str(tmp_path / "long.jsonl")
+    # token counts: 6, 2, 4, 3 against max_prompt_length=3
+    write_rows(url, [chat_row("12345>", "12345"), chat_row("1>", "1"), chat_row("123>", "123"),
+                     chat_row("99>", "99")])
+    return url
+
+
+def test_overlong_prompts_filtered(overlong_file, tokenizer):
+    dataset = load_prompt_dataset(overlong_file, data_config(max_prompt_length=3, filter_overlong_prompts=True),
+                                  tokenizer, key="data.train_files")
+    assert dataset.prompt_ids == [[5, 17], [13, 13, 17]]
+    assert dataset.row_indices == [1, 3]
+    assert dataset.ground_truths == ["1", "99"]
+
+
+def test_overlong_prompts_truncated(overlong_file, tokenizer):
+    left = load_prompt_dataset(overlong_file, data_config(max_prompt_length=3, truncation="left"), tokenizer, key="k")
+    assert left.prompt_ids == [[8, 9, 17], [5, 17], [6, 7, 17], [13, 13, 17]]  # "45>", "1>", "23>", "99>"
+    right = load_prompt_dataset(overlong_file, data_config(max_prompt_length=3, truncation="right"), tokenizer, key="k")
+    assert right.prompt_ids == [[5, 6, 7], [5, 17], [5, 6, 7], [13, 13, 17]]  # "123", "1>", "123", "99>"
+    assert left.row_indices == right.row_indices == [0, 1, 2, 3]
+
+
+def test_overlong_prompts_error(overlong_file, tokenizer):
+    with pytest.raises(ValueError) as caught:
+        load_prompt_dataset(overlong_file, data_config(max_prompt_length=3), tokenizer, key="data.train_files")
+    assert str(caught.value) == ("data.train_files: row 0 prompt has 6 tokens > data.max_prompt_length=3 "
+                                 "(set data.filter_overlong_prompts=true or data.truncation)")
+    with pytest.raises(ValueError) as caught:
+        load_prompt_dataset(overlong_file, data_config(max_prompt_length=1, filter_overlong_prompts=True),
+                            tokenizer, key="data.val_files")
+    assert str(caught.value) == "data.val_files: every prompt is longer than data.max_prompt_length=1"
+
+
+def test_prompt_batch_is_left_padded():
+    dataset = PromptDataset(prompt_ids=[[5, 6, 17], [13, 17], [4]], data_sources=["a", "b", "c"],
+                            ground_truths=["56", ["x", 2], None], row_indices=[0, 1, 5])
+    batch = dataset.batch([1, 0, 2], ["u1", "u0", "u2"], pad_token_id=0)
+    assert batch.batch_size == torch.Size([3])
+    assert batch["prompts"].dtype == torch.int64
+    assert batch["prompts"].tolist() == [[0, 13, 17], [5, 6, 17], [0, 0, 4]]
+    assert batch["prompt_mask"].dtype == torch.bool
+    assert batch["prompt_mask"].tolist() == [[False, True, True], [True, True, True], [False, False, True]]
+    assert non_tensor_column(batch, "uid") == ["u1", "u0", "u2"]
+    assert non_tensor_column(batch, "data_source") == ["b", "a", "c"]
+    assert non_tensor_column(batch, "ground_truth") == [["x", 2], "56", None]
+
+    single = dataset.batch([2, 2], ["v", "w"], pad_token_id=9)
+    assert single["prompts"].tolist() == [[4], [4]] and single["prompt_mask"].all()
+    padded = dataset.batch([2, 0], ["v", "w"], pad_token_id=9)
+    assert padded["prompts"].tolist() == [[9, 9, 4], [5, 6, 17]]
+    with pytest.raises(ValueError, match="column 'uid' has 1 values for a batch of 2"):
+        dataset.batch([0, 1], ["only-one"], pad_token_id=0)
+
+
+# -------------------------------------------------------------------------------- prompt loader
+
+
+def take(loader: PromptLoader, count: int) -> list[tuple[int, list[int]]]:
+    return list(itertools.islice(iter(loader), count))
+
+
+def test_loader_without_shuffle_keeps_order_and_drops_the_partial_batch():
+    loader = PromptLoader(10, 4, shuffle=False, seed=0)
+    assert loader.batches_per_epoch == 2
+    assert take(loader, 5) == [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]),  # rows 8 and 9 never form a batch
+                               (1, [0, 1, 2, 3]), (1, [4, 5, 6, 7]), (2, [0, 1, 2, 3])]
+    assert loader.state_dict() == {"epoch": 2, "batch_in_epoch": 1}
+
+
+def test_loader_shuffles_deterministically_and_reshuffles_each_epoch():
+    batches = take(PromptLoader(12, 4, shuffle=True, seed=5), 9)
+    assert batches == take(PromptLoader(12, 4, shuffle=True, seed=5), 9)
+    assert [epoch for epoch, _ in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    orders = [sum((rows for _, rows in batches[start:start + 3]), []) for start in (0, 3, 6)]
+    for order in orders:  # every row exactly once per epoch, across the epoch boundary without a gap
+        assert sorted(order) == list(range(12))
+    assert orders[0] != list(range(12))
+    assert orders[0] != orders[1] and orders[1] != orders[2]
+    assert take(PromptLoader(12, 4, shuffle=True, seed=6), 3) != batches[:3]
+    assert all(len(rows) == 4 for _, rows in batches)
+
+
+def test_loader_resumes_exactly_mid_epoch():
+    reference = take(PromptLoader(12, 4, shuffle=True, seed=2), 8)
+
+    first = PromptLoader(12, 4, shuffle=True, seed=2)
+    iterator = iter(first)
+    consumed = [next(iterator) for _ in range(4)]
+    assert consumed == reference[:4]
+    state = first.state_dict()
+    assert state == {"epoch": 1, "batch_in_epoch": 1}
+
+    resumed = PromptLoader(12, 4, shuffle=True, seed=2)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
+    assert take(resumed, 4) == reference[4:8]
+    # the original iterator carries on identically
+    assert [next(iterator) for _ in range(4)] == reference[4:8]
+
+
+def test_loader_resumes_at_an_epoch_end():
+    reference = take(PromptLoader(8, 4, shuffle=True, seed=0), 4)
+    loader = PromptLoader(8, 4, shuffle=True, seed=0)
+    take(loader, 2)
+    assert loader.state_dict() == {"epoch": 0, "batch_in_epoch": 2}
+    resumed = PromptLoader(8, 4, shuffle=True, seed=0)
+    resumed.load_state_dict({"epoch": 0, "batch_in_epoch": 2})
+    assert take(resumed, 2) == reference[2:4]
+    assert [epoch for epoch, _ in reference] == [0, 0, 1, 1]
+
+
+def test_loader_needs_a_full_batch():
+    with pytest.raises(ValueError) as caught:
+        PromptLoader(3, 4, shuffle=True, seed=0)
+    assert str(caught.value) == "data.train_batch_size=4 is larger than the 3 train prompts"
+    assert take(PromptLoader(4, 4, shuffle=False, seed=0), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]

@@ -1,0 +1,108 @@
+"""End to end: the training flow on a real local Ray and a real Prefect server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.tracking import read_metrics
+from flows.train import ppo_train
+
+STEP_METRICS = ["training/global_step", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
+                "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+                "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv",
+                "timing_s/update_actor", "timing_s/update_weights", "timing_s/step"]
+
+
+def _task_runs(flow_run_id, expected: int):
+    """The flow run's task runs as the server records them (task states arrive as events, so wait)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         limit=200)
+            settled = all(run.state is not None and run.state.is_final() for run in runs)
+            if (settled and len(runs) >= expected) or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)
+
+
+def _changed_tensors(before_dir: str, after_dir: str) -> int:
+    before, after = load_file(f"{before_dir}/model.safetensors"), load_file(f"{after_dir}/model.safetensors")
+    assert before.keys() == after.keys()
+    return sum(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_grpo_flow_runs_every_stage_as_a_task(prefect_api, ray_local, tiny_overrides, tiny_model, tmp_path):
+    state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + ["trainer.total_training_steps=3"],
+                      return_state=True)
+    assert state.is_completed(), state
+
+    task_runs = _task_runs(state.state_details.flow_run_id, expected=3 * 6 + 3 * 2)  # 6 stages x 3 steps, 3 validations
+    names = [run.name.rsplit("-", 1)[0] for run in task_runs]
+    assert {run.state.name for run in task_runs} == {"Completed"}
+    for stage in ("reward", "old_log_prob", "advantage", "update_actor", "weight_sync"):
+        assert names.count(stage) >= 3, f"{stage}: {names.count(stage)} task runs"
+    assert names.count("generate") == 3 + 3  # 3 steps; validation before training, at step 2 (test_freq) and at the end
+    assert not {"values", "ref_log_prob", "update_critic"} & set(names)
+
+    rows = read_metrics(f"{tmp_path}/run")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for name in STEP_METRICS:
+        assert all(isinstance(row[name], (int, float)) for row in rows), name
+    assert any(name.startswith("val-core/synthetic/copy/reward/mean@1") for name in rows[1])  # test_freq=2
+    assert _changed_tensors(tiny_model, f"{tmp_path}/run/global_step_3/actor/huggingface") > 0
+
+
+def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tmp_path):
+    overrides = tiny_overrides + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+                                  "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                                  "trainer.test_freq=-1"]
+    state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    names = {run.name.rsplit("-", 1)[0] for run in _task_runs(state.state_details.flow_run_id, expected=2 * 9)}
+    assert {"values", "ref_log_prob", "update_critic"} <= names
+    rows = read_metrics(f"{tmp_path}/run")
+    for name in ("critic/vf_loss", "critic/values/mean", "actor/kl_loss", "actor/reward_kl_penalty",
+                 "timing_s/values", "timing_s/ref", "timing_s/update_critic"):
+        assert name in rows[-1], name
+    assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]  # adaptive
+
+
+def test_cli_joins_an_existing_ray_cluster(prefect_server, ray_local, tiny_overrides, tmp_path):
+    """`ppoflow train` in a fresh process, joining this session's Ray through RAY_ADDRESS."""
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", *tiny_overrides,
+                             "trainer.total_training_steps=1", "trainer.test_freq=-1"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(f"{tmp_path}/run")] == [1]
+
+
+def test_cli_rejects_bad_config_before_starting_anything():
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", "actor_rollout_ref.rollout.temprature=0.5",
+                             "data.train_batch_size=0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "actor_rollout_ref.rollout.temprature: unknown key; did you mean 'actor_rollout_ref.rollout.temperature'" in result.stderr
+    assert "data.train_batch_size" in result.stderr and "(got 0)" in result.stderr
+    assert "Ray" not in result.stderr and "prefect" not in result.stderr.lower()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
+    ("data.max_response_length=80", "max_position_embeddings"),
+])
+def test_impossible_runs_fail_before_training(prefect_api, ray_local, tiny_overrides, override, message):
+    state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + [override], return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=message):
+        state.result()

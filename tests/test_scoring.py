@@ -1,0 +1,178 @@
+"""Rule-based reward scorers, their choice by data_source, and custom scorers from config."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tasks.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
+                                      scorer_for)
+
+KEY = "custom_reward_function.path"
+
+
+# ------------------------------------------------------------------------------------- copy
+
+
+@pytest.mark.parametrize("solution, truth, score, exact", [
+    ("60", "60", 1.0, 1.0),        # (2 digits + stop) / 3
+    ("6", "60", 1 / 3, 0.0),       # first digit only, stopped too early
+    ("61", "60", 2 / 3, 0.0),      # right length, one digit wrong
+    ("06", "60", 1 / 3, 0.0),      # right length, both digits wrong
+    ("601", "60", 2 / 3, 0.0),     # both digits, no stop
+    ("6000", "60", 2 / 3, 0.0),
+    ("", "60", 0.0, 0.0),          # nothing
+    ("x0", "60", 2 / 3, 0.0),
+    ("1234", "1234", 1.0, 1.0),
+    ("1243", "1234", 3 / 5, 0.0),  # 2 leading matches + stop over 5
+    ("", "", 1.0, 1.0),            # empty truth: only the stop counts
+])
+def test_copy_score(solution, truth, score, exact):
+    result = copy_score("synthetic/copy", solution, truth)
+    assert set(result) == {"score", "exact"}
+    assert result["score"] == pytest.approx(score, abs=1e-12)
+    assert result["exact"] == exact
+
+
+# ------------------------------------------------------------------------------------ gsm8k
+
+
+@pytest.mark.parametrize("solution, truth, score", [
+    ("so the answer is\n#### 42", "42", 1.0),
+    ("#### 42", "41", 0.0),
+    ("#### 1,234", "1234", 1.0),     # commas in the answer are ignored
+    ("#### 1234", "1,234", 1.0),     # and in the ground truth
+    ("#### 42.", "42", 1.0),         # a sentence-ending period is not part of the number
+    ("#### -7", "-7", 1.0),
+    ("#### 3.5", "3.5", 1.0),
+    ("#### 7 then #### 8", "8", 1.0),  # the last answer counts
+    ("#### 7 then #### 8", "7", 0.0),
+    ("the answer is 42", "42", 0.0),   # no #### marker
+    ("####42", "42", 0.0),             # strict: a space after ####
+    ("", "42", 0.0),
+    ("#### 42", 42, 1.0),              # a numeric ground truth is compared as text
+])
+def test_gsm8k_score(solution, truth, score):
+    result = gsm8k_score("openai/gsm8k", solution, truth)
+    assert isinstance(result, float)
+    assert result == score
+
+
+# ---------------------------------------------------------------------------- score_responses
+
+
+def test_score_responses_with_builtin_scorers_collects_extras():
+    scores, extras = score_responses(["synthetic/copy", "synthetic/copy", "openai/gsm8k", "synthetic/copy"],
+                                     ["60", "6", "#### 5", "123"], ["60", "60", "5", "12"])
+    assert scores == pytest.approx([1.0, 1 / 3, 1.0, 2 / 3])
+    assert extras == {"exact": [1.0, 0.0, 0.0]}  # only the dict scorer reports `exact`
+
+
+def test_score_responses_with_a_float_custom_scorer():
+    calls = []
+
+    def length_score(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append((data_source, solution_str, ground_truth))
+        return len(solution_str)
+
+    scores, extras = score_responses(["anything", "other"], ["abc", ""], [None, "t"], custom=length_score)
+    assert scores == [3.0, 0.0] and all(isinstance(score, float) for score in scores)
+    assert extras == {}
+    assert calls == [("anything", "abc", None), ("other", "", "t")]
+
+
+def test_score_responses_with_a_dict_custom_scorer():
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5 if solution_str == ground_truth else -0.5, "length": len(solution_str), "flag": True}
+
+    scores, extras = score_responses(["a", "a", "a"], ["x", "yy", ""], ["x", "x", ""], custom=scorer)
+    assert scores == [0.5, -0.5, 0.5]
+    assert extras == {"length": [1.0, 2.0, 0.0], "flag": [1.0, 1.0, 1.0]}
+    assert score_responses([], [], []) == ([], {})
+
+
+def test_unknown_data_source():
+    with pytest.raises(ValueError) as caught:
+        score_responses(["synthetic/copy", "my/task"], ["1", "2"], ["1", "2"])
+    assert str(caught.value) == ("no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, "
+                                 "openai/gsm8k; or set custom_reward_function.path")
+    assert scorer_for("synthetic/copy", None) is copy_score
+    assert scorer_for("openai/gsm8k", None) is gsm8k_score
+    custom = lambda *args, **kwargs: 0.0  # noqa: E731
+    assert scorer_for("my/task", custom) is custom
+    assert scorer_for("synthetic/copy", custom) is custom
+
+
+# ---------------------------------------------------------------------------- custom scorers
+
+MODULE_TEXT = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str == ground_truth else 0.25
+
+def other(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 7.0, "source_length": len(data_source)}
+
+not_callable = 3
+"""
+
+
+@pytest.fixture
+def scorer_module(tmp_path, monkeypatch):
+    """A module ``ppoflow_test_scorers_<id>`` importable from sys.path; returns its name."""
+    name = f"ppoflow_test_scorers_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(MODULE_TEXT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_module_colon_function(scorer_module):
+    scorer = load_custom_scorer(f"{scorer_module}:other", "compute_score")  # the name is ignored
+    assert scorer.__name__ == "other"
+    assert scorer("abc", "x", "y") == {"score": 7.0, "source_length": 3}
+    assert score_responses(["abc"], ["x"], ["y"], custom=scorer) == ([7.0], {"source_length": [3.0]})
+
+
+def test_module_plus_name(scorer_module):
+    scorer = load_custom_scorer(scorer_module, "compute_score")
+    assert scorer("d", "1", "1") == 1.0 and scorer("d", "1", "2") == 0.25
+    assert load_custom_scorer(scorer_module, "other").__name__ == "other"
+
+
+def test_python_file_plus_name(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(MODULE_TEXT)
+    scorer = load_custom_scorer(str(path), "compute_score")
+    assert scorer("d", "a", "a") == 1.0 and scorer("d", "a", "b") == 0.25
+    assert load_custom_scorer(str(path), "other")("xy", "", "")["score"] == 7.0
+
+
+def test_missing_module():
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer("ppoflow_no_such_module_xyz:compute_score", "compute_score")
+    assert str(caught.value).startswith(f"{KEY}: cannot import 'ppoflow_no_such_module_xyz'")
+    with pytest.raises(ValueError, match=f"^{KEY}: cannot import 'ppoflow_no_such_module_xyz'"):
+        load_custom_scorer("ppoflow_no_such_module_xyz", "compute_score")
+    with pytest.raises(ValueError, match=f"^{KEY}: cannot import ''"):
+        load_custom_scorer(":compute_score", "compute_score")
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "absent.py")
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer(missing, "compute_score")
+    assert str(caught.value) == f"{KEY}: no such file {missing!r}"
+
+
+def test_missing_or_uncallable_function(scorer_module, tmp_path):
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer(f"{scorer_module}:nope", "compute_score")
+    assert str(caught.value) == f"{KEY}: '{scorer_module}:nope' has no callable 'nope'"
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer(scorer_module, "not_callable")
+    assert str(caught.value) == f"{KEY}: '{scorer_module}' has no callable 'not_callable'"
+    path = tmp_path / f"{scorer_module}.py"
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer(str(path), "absent")
+    assert str(caught.value) == f"{KEY}: {str(path)!r} has no callable 'absent'"

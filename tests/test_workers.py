@@ -1,0 +1,131 @@
+"""The workers in-process (no Ray): generation contract, log-prob parity, updates, the critic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from configs import load_config
+from storage.datasets import ensure_datasets, load_prompt_dataset
+from workers.critic import CriticWorker
+from workers.models import load_tokenizer
+from workers.policy import ActorWorker, ReferenceWorker
+from workers.rollout import HFRolloutWorker, SamplingParams
+
+
+@pytest.fixture
+def cfg(tiny_overrides):
+    return load_config("grpo_tiny", tiny_overrides)
+
+
+@pytest.fixture
+def prompts(cfg):
+    ensure_datasets(cfg.data)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
+    return dataset.batch([0, 1, 2], ["a", "b", "c"], tokenizer.pad_token_id).exclude("uid", "data_source", "ground_truth")
+
+
+def test_generate_returns_the_rollout_contract(cfg, prompts):
+    worker = HFRolloutWorker(cfg)
+    batch = worker.generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    n, width = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
+    assert batch.batch_size == torch.Size([3 * n])
+    assert batch["responses"].shape == (3 * n, width) and batch["responses"].dtype == torch.int64
+    assert batch["response_mask"].dtype == torch.bool
+    assert torch.equal(batch["group_index"], torch.tensor([0] * n + [1] * n + [2] * n))
+    assert torch.equal(batch["prompts"][::n], prompts["prompts"])  # prompt-major rows
+    assert (batch["weight_version"] == 0).all()
+    eos = worker.tokenizer.eos_token_id
+    for tokens, mask in zip(batch["responses"].tolist(), batch["response_mask"].tolist()):
+        valid = sum(mask)
+        assert mask == [True] * valid + [False] * (width - valid)  # a prefix
+        assert eos not in tokens[:valid - 1]  # nothing valid after the first EOS
+        assert valid == width or tokens[valid - 1] == eos
+    assert (batch["rollout_log_probs"][~batch["response_mask"]] == 0).all()
+    assert (batch["rollout_log_probs"][batch["response_mask"]] < 0).all()
+
+
+def test_sampling_depends_only_on_seed_and_step(cfg, prompts):
+    worker = HFRolloutWorker(cfg)
+    sampling = SamplingParams.for_training(cfg)
+    first = worker.generate(prompts, step=3, sampling=sampling)
+    worker.generate(prompts, step=4, sampling=sampling)  # advances nothing that step 3 depends on
+    again = worker.generate(prompts, step=3, sampling=sampling)
+    assert torch.equal(first["responses"], again["responses"])
+    other = worker.generate(prompts, step=5, sampling=sampling)
+    assert not torch.equal(first["responses"], other["responses"])
+
+
+def test_actor_recomputes_the_sampling_log_probs(cfg, prompts):
+    """With the same weights, the actor's log-probs equal the rollout's: the PPO ratio starts at 1."""
+    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    for worker in (ActorWorker(cfg), ReferenceWorker(cfg)):
+        log_probs = worker.compute_log_prob(batch)["log_probs"]
+        mask = batch["response_mask"]
+        torch.testing.assert_close(log_probs[mask], batch["rollout_log_probs"][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_log_probs_are_position_correct_with_left_padding(cfg, prompts):
+    """A left-padded prompt must score its response exactly as the same prompt unpadded."""
+    rollout = HFRolloutWorker(cfg)
+    batch = rollout.generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    pad = rollout.tokenizer.pad_token_id
+    padded = batch.clone()
+    padded["prompts"] = torch.cat([torch.full((batch.batch_size[0], 2), pad), batch["prompts"]], dim=1)
+    padded["prompt_mask"] = torch.cat([torch.zeros(batch.batch_size[0], 2, dtype=torch.bool), batch["prompt_mask"]], dim=1)
+    actor = ActorWorker(cfg)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(actor.compute_log_prob(padded)["log_probs"][mask],
+                               actor.compute_log_prob(batch)["log_probs"][mask], atol=1e-5, rtol=1e-5)
+
+
+def _trainable_batch(cfg, prompts, actor):
+    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
+    batch["advantages"] = torch.linspace(-1, 1, batch.batch_size[0]).unsqueeze(1).expand_as(batch["old_log_probs"]).clone()
+    return batch
+
+
+def test_update_changes_weights_and_bumps_the_version(cfg, prompts):
+    actor = ActorWorker(cfg)
+    batch = _trainable_batch(cfg, prompts, actor)
+    before = {name: tensor.clone() for name, tensor in actor.model.state_dict().items()}
+    metrics = actor.update(batch, step=1)
+    assert actor.weight_version == 1
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"} <= set(metrics)
+    assert metrics["actor/grad_norm"] > 0
+    assert any(not torch.equal(before[name], tensor) for name, tensor in actor.model.state_dict().items())
+    rollout = HFRolloutWorker(cfg)
+    assert rollout.load_weights(actor.export_weights()) == 1
+    assert all(torch.equal(rollout.model.state_dict()[name], tensor) for name, tensor in actor.model.state_dict().items())
+
+
+def test_micro_batching_does_not_change_the_update(tiny_overrides, prompts):
+    """Micro-batch losses are normalised by the whole mini-batch, so the step is the same."""
+    updates = []
+    for micro in ("null", "4"):
+        cfg = load_config("grpo_tiny", tiny_overrides + [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"])
+        actor = ActorWorker(cfg)
+        metrics = actor.update(_trainable_batch(cfg, prompts, actor), step=1)
+        updates.append((metrics, actor.model.state_dict()))
+    (metrics_a, weights_a), (metrics_b, weights_b) = updates
+    assert metrics_a["actor/pg_loss"] == pytest.approx(metrics_b["actor/pg_loss"], abs=1e-6)
+    assert metrics_a["actor/grad_norm"] == pytest.approx(metrics_b["actor/grad_norm"], rel=1e-4)
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_critic_values_and_update(tiny_overrides, prompts):
+    cfg = load_config("grpo_tiny", tiny_overrides + ["algorithm.adv_estimator=gae"])
+    critic = CriticWorker(cfg)
+    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    values = critic.compute_values(batch)["values"]
+    assert values.shape == batch["responses"].shape
+    assert (values[~batch["response_mask"]] == 0).all()
+    batch["values"] = values
+    batch["returns"] = torch.ones_like(values) * batch["response_mask"]
+    first = critic.update(batch, step=1)["critic/vf_loss"]
+    for step in range(2, 6):
+        last = critic.update(batch, step=step)["critic/vf_loss"]
+    assert last < first  # regressing toward constant returns lowers the loss
