@@ -9,6 +9,7 @@ concept exists.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +18,9 @@ STAGES_WITH_SKIP = ("rollout", "async_rollout", "reward", "old_log_prob", "ref",
 """Stage names accepted under ``skip.``: ``rollout`` is verl's; the others extend its idea."""
 
 LOGGERS = ("console", "tensorboard")
+
+SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+"""fsspec option names that carry credentials (s3fs: key, secret, token)."""
 
 
 class Section(BaseModel):
@@ -291,7 +295,21 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     for name in cfg.trainer.logger:
         if name not in LOGGERS:
             errors.append(("trainer.logger", f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}"))
+    stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic}
     for stage, skip in cfg.skip.items():
-        if skip.enable and not skip.steps:
+        if not skip.enable:
+            continue
+        if not skip.steps:
             errors.append((f"skip.{stage}.steps", "caching is enabled but no step is listed"))
+        if not stage_runs.get(stage, True):
+            errors.append((f"skip.{stage}.enable", f"this run has no {stage} stage to cache"))
+        secrets = sorted(key for key in skip.storage_options if SECRET_OPTION.search(key))
+        if secrets:
+            errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
+                           "Prefect run parameters, so pass credentials through the environment (e.g. "
+                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
+    if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
+            and cfg.algorithm.kl_ctrl.type == "adaptive"):
+        errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
+                       "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
     return errors

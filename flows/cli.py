@@ -2,7 +2,8 @@
 
 ``ppoflow train [--config NAME_OR_PATH] [key=value ...]`` runs the training flow (with no arguments:
 the tiny GRPO demo). ``ppoflow config`` prints the merged, validated config or the key reference.
-``ppoflow build-tiny-model DIR`` writes the demo's random-init model and tokenizer.
+``ppoflow cache ls|show|rm DUMP_DIR`` inspects step caches. ``ppoflow build-tiny-model DIR`` writes
+the demo's random-init model and tokenizer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import os
 import sys
 
 QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
-             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1"}
+             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1",
+             # Without PREFECT_API_URL, Prefect starts a temporary server whose fresh database takes
+             # ~20 s to migrate on a small machine; its default 20 s start-up timeout is too short.
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("--config", default=None, help="preset name or YAML path (default: grpo_tiny)")
     config.add_argument("--reference", action="store_true", help="print every key with its type, default and meaning")
     config.add_argument("overrides", nargs="*")
+
+    cache = commands.add_parser("cache", help="inspect or remove step caches under a dump_dir")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    for name, text in (("ls", "list projects, configs, steps, validity and sizes"),
+                       ("show", "decode a cached step's prompts and responses, with their rewards"),
+                       ("rm", "remove a step's entries (and Prefect's records of them)")):
+        sub = cache_commands.add_parser(name, help=text)
+        sub.add_argument("dump_dir")
+        sub.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, region; no secrets)")
+        if name != "ls":
+            sub.add_argument("--step", type=int, required=True)
+            sub.add_argument("--project", help="{experiment}_{project} directory (needed when there are several)")
+            sub.add_argument("--config", dest="config_dir", help="GBS.._N.._in.._out.. directory (when several)")
+            sub.add_argument("--stage", default="rollout" if name == "show" else None,
+                             help="stage entry (show: default rollout; rm: default every stage)")
+        if name == "show":
+            sub.add_argument("--samples", type=int, default=8, help="how many trajectories to print")
 
     build = commands.add_parser("build-tiny-model", help="write the demo's random-init Llama + char tokenizer")
     build.add_argument("path")
@@ -77,7 +98,91 @@ def _build_tiny_model(args) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "config": _config, "build-tiny-model": _build_tiny_model}
+def _cache(args) -> int:
+    from storage import rollout_cache
+
+    options = json.loads(args.storage_options)
+    entries = rollout_cache.scan(args.dump_dir, options)
+    if args.cache_command == "ls":
+        print(f"{'project':<28} {'config':<24} {'step':>6} {'stage':<14} {'valid':<6} {'bytes':>10}  reason")
+        for entry in entries:
+            print(f"{entry.project:<28} {entry.config:<24} {entry.step:>6} {entry.stage:<14} "
+                  f"{'yes' if entry.valid else 'NO':<6} {entry.nbytes:>10}  {entry.reason}")
+        print(f"{len(entries)} entries, {sum(e.valid for e in entries)} valid, "
+              f"{sum(e.nbytes for e in entries)} payload bytes")
+        return 0
+    matches = [e for e in entries if e.step == args.step and (args.project in (None, e.project))
+               and (args.config_dir in (None, e.config)) and (args.stage in (None, e.stage))]
+    locations = sorted({(e.project, e.config) for e in matches})
+    if len(locations) != 1:
+        found = ", ".join(f"{p}/{c}" for p, c in locations) or "none"
+        print(f"ppoflow: step {args.step} matches {len(locations)} cache directories ({found}); "
+              "narrow it with --project/--config", file=sys.stderr)
+        return 2
+    (project, config_dir), = locations
+    root = f"{args.dump_dir.rstrip('/')}/{project}/{config_dir}"
+    if args.cache_command == "rm":
+        from tasks.caching import PREFECT_KEYS_DIR
+
+        for entry in matches:
+            step_cache = rollout_cache.StepCache(root, stage=entry.stage, storage_options=options)
+            step_cache.remove(args.step)
+            prefect_record = rollout_cache.StepCache(f"{args.dump_dir.rstrip('/')}/{PREFECT_KEYS_DIR}/{project}/{config_dir}",
+                                                     stage=entry.stage, storage_options=options)
+            prefect_record.remove(args.step)
+            print(f"removed {entry.stage} of step {args.step} from {root}")
+        return 0
+    return _show_step(rollout_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples)
+
+
+def _show_step(step_cache, step: int, samples: int) -> int:
+    """Print a cached step's manifest and its first trajectories, decoded and scored."""
+    from storage.batch import non_tensor_column
+    from tasks.algorithms.scoring import BUILTIN_SCORERS
+
+    batch, manifest = step_cache.load(step)
+    print(json.dumps({key: value for key, value in manifest.items() if key != "metrics"}, indent=2))
+    if "responses" not in batch.keys():
+        print(batch)
+        return 0
+    decode = _decoder(manifest.get("tokenizer_path"))
+    sources, truths = non_tensor_column(batch, "data_source"), non_tensor_column(batch, "ground_truth")
+    for row in range(min(samples, batch.batch_size[0])):
+        prompt = decode(batch["prompts"][row][batch["prompt_mask"][row]].tolist())
+        response = decode(batch["responses"][row][batch["response_mask"][row]].tolist())
+        scorer = BUILTIN_SCORERS.get(sources[row])
+        score = scorer(sources[row], response.removesuffix(decode.eos), truths[row]) if scorer and decode.eos else None
+        score = score["score"] if isinstance(score, dict) else score
+        print(f"[{row}] uid={non_tensor_column(batch, 'uid')[row]} prompt={prompt!r} response={response!r} "
+              f"truth={truths[row]!r} reward={'n/a' if score is None else f'{score:.3f}'}")
+    return 0
+
+
+def _decoder(tokenizer_path: str | None):
+    """Token ids -> text with the cached run's tokenizer, or the ids themselves when it is unavailable."""
+    def ids(tokens):
+        return " ".join(map(str, tokens))
+
+    ids.eos = None
+    if tokenizer_path:
+        try:
+            from transformers import AutoTokenizer
+
+            from workers.models import local_model_dir
+
+            tokenizer = AutoTokenizer.from_pretrained(local_model_dir(tokenizer_path))
+        except (OSError, ValueError) as error:
+            print(f"(tokenizer {tokenizer_path} unavailable: {error}; showing token ids)")
+        else:
+            def text(tokens):
+                return tokenizer.decode(tokens, skip_special_tokens=False)
+
+            text.eos = tokenizer.eos_token
+            return text
+    return ids
+
+
+COMMANDS = {"train": _train, "config": _config, "cache": _cache, "build-tiny-model": _build_tiny_model}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,12 +31,14 @@ from tensordict import TensorDict
 from configs import load_config
 from configs.schema import PPOConfig
 from flows.metrics import data_metrics
+from flows.stages import StageResult, call_stage
 from flows.tracking import Tracker
 from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
 from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
 from tasks.advantage import advantage
 from tasks.algorithms.kl import make_kl_controller
 from tasks.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
+from tasks.caching import StageCache, fingerprint, stage_caches
 from tasks.generate import generate
 from tasks.log_prob import old_log_prob, ref_log_prob
 from tasks.reward import decode_responses, reward
@@ -57,6 +59,14 @@ BARE_STAGES = SimpleNamespace(**{name: stage.fn for name, stage in vars(STAGES).
 """The same stages as plain functions: a step without any Prefect task run (benchmark baseline)."""
 
 
+CACHE_STAGE = {"generate": "rollout", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref",
+               "values": "values", "advantage": "advantage"}
+"""The ``skip.<stage>`` key that caches each stage task's result."""
+
+WEIGHTS_OF = {"old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic"}
+"""The worker whose weights a stage's result depends on (part of its cache fingerprint)."""
+
+
 @dataclass
 class Run:
     """Everything the steps of one run share, built once by :func:`start_run`."""
@@ -72,6 +82,28 @@ class Run:
     workers: Workers
     stages: Any
     sampling: SamplingParams
+    caches: dict[str, StageCache]
+
+    def call(self, name: str, step: int, *args, guard: TensorDict | None = None,
+             replay_onto: TensorDict | None = None) -> StageResult:
+        """Call stage task ``name`` for ``step`` through its step cache (when ``skip.<stage>`` covers it).
+
+        ``guard`` is the input a cached result must have been computed from; ``replay_onto`` the
+        prompts a replayed rollout is fitted onto.
+        """
+        cache = self.caches.get(CACHE_STAGE[name])
+        caching = cache is not None and cache.covers(step)
+        meta, guard_fingerprint = {}, None
+        if caching and name == "generate":
+            meta = {"sampling": asdict(self.sampling), "model_path": self.cfg.actor_rollout_ref.model.path,
+                    "tokenizer_path": self.cfg.actor_rollout_ref.model.tokenizer_path or self.cfg.actor_rollout_ref.model.path}
+        if caching and guard is not None:
+            worker = WEIGHTS_OF.get(name)
+            weights = self.workers.get(getattr(self.workers, worker).submit("weights_digest")) if worker else None
+            guard_fingerprint = fingerprint(guard, weights=weights)
+        uids = non_tensor_column(replay_onto, "uid") if replay_onto is not None else None
+        return call_stage(cache, getattr(self.stages, name), step, *args, fingerprint=guard_fingerprint, meta=meta,
+                          prompt_uids=uids, n=self.cfg.actor_rollout_ref.rollout.n)
 
 
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
@@ -96,9 +128,11 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
     ctrl = cfg.algorithm.kl_ctrl
     kl_controller = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    caches = stage_caches(cfg)
     workers = start_workers(cfg) if orchestrated else start_local_workers(cfg)
     return Run(cfg, tokenizer, train_set, val_set, loader, total_steps, custom_scorer, kl_controller, workers,
-               stages=STAGES if orchestrated else BARE_STAGES, sampling=SamplingParams.for_training(cfg))
+               stages=STAGES if orchestrated else BARE_STAGES, sampling=SamplingParams.for_training(cfg),
+               caches=caches)
 
 
 @contextmanager
@@ -115,29 +149,34 @@ def ppo_step(run: Run, step: int, prompts: TensorDict) -> dict[str, float]:
     metrics: dict[str, float] = {}
     timing: dict[str, float] = {}
     with timed(timing, "step"):
-        # 1. generate
+        # 1. generate (or replay a cached step, fitted onto these prompts)
         with timed(timing, "gen"):
-            batch = stages.generate(workers, prompts, step, run.sampling)
+            generated = run.call("generate", step, workers, prompts, step, run.sampling, replay_onto=prompts)
+        batch = generated.fields
+        metrics.update(generated.metrics)
         # 2. reward
         with timed(timing, "reward"):
-            scores, reward_metrics = stages.reward(batch, run.tokenizer, run.custom_scorer)
-        batch.update(scores)
-        metrics.update(reward_metrics)
+            scored = run.call("reward", step, batch, run.tokenizer, run.custom_scorer, guard=batch)
+        batch.update(scored.fields)
+        metrics.update(scored.metrics)
         batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))  # one copy, read by every role below
         # 3. log-probs of the pre-update policy; reference log-probs and values when configured
         with timed(timing, "old_log_prob"):
-            batch.update(stages.old_log_prob(workers, batch_ref))
+            computed = [run.call("old_log_prob", step, workers, batch_ref, guard=batch)]
         if cfg.use_reference:
             with timed(timing, "ref"):
-                batch.update(stages.ref_log_prob(workers, batch_ref))
+                computed.append(run.call("ref_log_prob", step, workers, batch_ref, guard=batch))
         if cfg.use_critic:
             with timed(timing, "values"):
-                batch.update(stages.values(workers, batch_ref))
+                computed.append(run.call("values", step, workers, batch_ref, guard=batch))
+        for result in computed:
+            batch.update(result.fields)
+            metrics.update(result.metrics)
         # 4. advantage
         with timed(timing, "adv"):
-            advantages, advantage_metrics = stages.advantage(batch, cfg.algorithm, run.kl_controller)
-        batch.update(advantages)
-        metrics.update(advantage_metrics)
+            estimated = run.call("advantage", step, batch, cfg.algorithm, run.kl_controller, guard=batch)
+        batch.update(estimated.fields)
+        metrics.update(estimated.metrics)
         batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))
         # 5. update the critic, then the actor
         if cfg.use_critic:
@@ -167,8 +206,8 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
     for start in range(0, len(rows), size):
         chunk = rows[start:start + size]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
-        batch = run.stages.generate(run.workers, prompts, step, sampling)
-        scores, _ = run.stages.reward(batch, run.tokenizer, run.custom_scorer)
+        batch = run.stages.generate(run.workers, prompts, step, sampling).fields  # never cached
+        scores = run.stages.reward(batch, run.tokenizer, run.custom_scorer).fields
         sequence_scores = scores["token_level_scores"].sum(dim=1).tolist()
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)

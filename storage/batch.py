@@ -36,7 +36,9 @@ cache read from shared storage cannot execute code.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -74,6 +76,17 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
         # Wrap each value so that list/dict values stay opaque instead of being stacked.
         batch.set(name, NonTensorStack(*[NonTensorData(data=value) for value in values]))
     return batch
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor], *context: str) -> str:
+    """sha256 of named tensors (names, dtypes, shapes and bytes, in name order) and ``context``:
+    the same values give the same digest whatever the insertion order or memory layout."""
+    digest = hashlib.sha256("\x00".join(context).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def encode_batch(batch: TensorDict) -> bytes:

@@ -341,17 +341,23 @@ class StepCache:
             return earlier[-1]
         return later[0] if later else None
 
-    def load(self, step: int) -> tuple[TensorDict, dict]:
-        """Read, verify (size and sha256) and decode an entry; any problem raises :class:`CacheCorrupt`."""
-        step = _as_step(step)
-        marker_url, payload_url = self.marker_url(step), self.payload_url(step)
+    def manifest(self, step: int) -> dict:
+        """The decoded marker of ``step``; an unreadable or foreign one raises :class:`CacheCorrupt`."""
+        marker_url = self.marker_url(step)
         try:
             manifest = self.decode_manifest(_read(self._fs, marker_url))
         except ValueError as error:
             raise CacheCorrupt(marker_url, f"unreadable {marker_name(self.stage)}: {error}") from error
-        problem = _manifest_mismatch(manifest, step, self.stage)
+        problem = _manifest_mismatch(manifest, _as_step(step), self.stage)
         if problem:
             raise CacheCorrupt(marker_url, problem)
+        return manifest
+
+    def load(self, step: int) -> tuple[TensorDict, dict]:
+        """Read, verify (size and sha256) and decode an entry; any problem raises :class:`CacheCorrupt`."""
+        step = _as_step(step)
+        manifest = self.manifest(step)
+        payload_url = self.payload_url(step)
         payload = _read(self._fs, payload_url)
         if len(payload) != manifest["payload_bytes"]:
             raise CacheCorrupt(payload_url, f"payload size {len(payload)} != {manifest['payload_bytes']} recorded")

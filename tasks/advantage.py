@@ -10,10 +10,12 @@ from tensordict import TensorDict
 from configs.schema import AlgorithmConfig
 from tasks.algorithms.advantages import compute_advantage
 from tasks.algorithms.kl import apply_kl_penalty
+from tasks.caching import StageRecord, StepDump, dump_stage
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
-def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> tuple[TensorDict, dict[str, float]]:
+def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller,
+              dump: StepDump | None = None) -> StageRecord:
     """``token_level_rewards``, ``advantages`` and ``returns`` [N, R]; updates the adaptive KL controller."""
     metrics: dict[str, float] = {}
     rewards = batch["token_level_scores"]
@@ -28,4 +30,4 @@ def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> t
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
     out = TensorDict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
                      batch_size=batch.batch_size)
-    return out, metrics
+    return dump_stage(dump, out, metrics)

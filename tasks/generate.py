@@ -7,11 +7,13 @@ from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from storage.batch import NON_TENSOR_FIELDS
+from tasks.caching import StageRecord, StepDump, dump_stage
 from workers.rollout import SamplingParams
 
 
 @task(name="generate", cache_policy=NO_CACHE)
-def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> TensorDict:
+def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams,
+             dump: StepDump | None = None) -> StageRecord:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
     Only tensors travel to the rollout worker; the per-prompt columns (uid, data_source,
@@ -19,5 +21,6 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
     """
     rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
                                                  sampling=sampling))
-    columns = prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]
-    return rollout.update(columns)
+    batch = rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]])
+    versions = batch["weight_version"]
+    return dump_stage(dump, batch, {}, meta={"weight_version": {"min": int(versions.min()), "max": int(versions.max())}})

@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from storage.batch import non_tensor_column
+from tasks.caching import StageRecord, StepDump, dump_stage
 from tasks.algorithms.scoring import Scorer, score_responses
 
 
@@ -28,7 +29,7 @@ def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
 
 
 @task(name="reward", cache_policy=NO_CACHE)
-def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None) -> tuple[TensorDict, dict[str, float]]:
+def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, dump: StepDump | None = None) -> StageRecord:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported."""
     scores, extras = score_responses(non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
                                      non_tensor_column(batch, "ground_truth"), custom_scorer)
@@ -37,4 +38,5 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None) -> tuple[
     token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)
     token_level_scores[torch.arange(mask.shape[0]), last_token] = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
-    return TensorDict({"token_level_scores": token_level_scores * mask}, batch_size=batch.batch_size), metrics
+    return dump_stage(dump, TensorDict({"token_level_scores": token_level_scores * mask}, batch_size=batch.batch_size),
+                      metrics)

@@ -11,7 +11,7 @@ from configs.schema import PPOConfig
 from tasks.algorithms.advantages import masked_mean
 from tasks.algorithms.losses import compute_value_loss
 from workers.models import load_value_model
-from workers.training import Learner, micro_batches, sequence_inputs
+from workers.training import Learner, micro_batches, sequence_inputs, weights_digest
 
 
 class CriticWorker:
@@ -34,6 +34,10 @@ class CriticWorker:
             values = [self._values(micro.to(self.device)).float().cpu()
                       for micro in micro_batches(batch, self.cfg.forward_micro_batch_size_per_gpu)]
         return TensorDict({"values": torch.cat(values)}, batch_size=batch.batch_size)
+
+    def weights_digest(self) -> str:
+        """Checksum of the current weights (guards a cached value pass)."""
+        return weights_digest(self.model)
 
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
         """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``)."""

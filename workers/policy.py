@@ -15,7 +15,7 @@ from configs.schema import PPOConfig, ResourcesConfig
 from tasks.algorithms.kl import kl_penalty
 from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
 from workers.models import load_causal_lm, load_tokenizer, save_pretrained
-from workers.training import Learner, micro_batches, response_logits
+from workers.training import Learner, micro_batches, response_logits, weights_digest
 
 
 class PolicyModel:
@@ -38,6 +38,10 @@ class PolicyModel:
                 logits = response_logits(self.model, micro.to(self.device)) / self.temperature
                 parts.append(log_probs_from_logits(logits, micro["responses"].to(self.device)).float().cpu())
         return TensorDict({"log_probs": torch.cat(parts)}, batch_size=batch.batch_size)
+
+    def weights_digest(self) -> str:
+        """Checksum of the current weights (guards a cached log-prob pass)."""
+        return weights_digest(self.model)
 
 
 class ReferenceWorker(PolicyModel):

@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from configs.schema import OptimConfig
+from storage.batch import tensors_digest
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,6 +33,11 @@ def response_logits(model, batch: TensorDict) -> torch.Tensor:
                    use_cache=False).logits
     prompt_length, response_length = batch["prompts"].shape[1], batch["responses"].shape[1]
     return logits[:, prompt_length - 1: prompt_length + response_length - 1]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every tensor of the model: names the exact weights a cached forward pass used."""
+    return tensors_digest(model.state_dict())
 
 
 def micro_batches(batch: TensorDict, size: int | None) -> Iterator[TensorDict]:

@@ -1,0 +1,198 @@
+"""Step-keyed caching of stage results, done as Prefect task-result caching (verl's SkipManager).
+
+For a stage with ``skip.<stage>.enable`` and the current step in ``skip.<stage>.steps``, the stage
+task runs with a Prefect cache policy whose key is the step directory's commit marker,
+``{experiment}_{project}/GBS.._N.._in.._out../{step}/meta.json``, and whose result storage is the
+cache root ``dump_dir`` itself:
+
+* the task body writes the stage's tensors as the payload (``storage.rollout_cache.StepCache``) and
+  returns a :class:`StageRecord`; Prefect then persists the record with :class:`ManifestSerializer`,
+  whose bytes *are* the marker ``meta.json`` (a small JSON manifest with the payload's checksum),
+  and Prefect's own ~200-byte metadata under ``{dump_dir}/.prefect/`` (``key_storage``). So the
+  payload is written first and the marker last, and no tensor is ever inflated into a Prefect record;
+* on a later call with the same key, in this run or any other process that reads the store, the
+  task run is ``Cached``, its body does not run, and the record comes back without tensors; the
+  flow then loads (and checksums) the payload through :class:`StepCache`.
+
+The marker is the source of truth. Before calling the task, the flow asks :meth:`StageCache.plan`
+which step to use (verl's ``cache`` / ``repeat`` rules over *valid* entries only); when none is
+usable the call is made with ``refresh_cache=True`` so a stale Prefect record can never shadow a
+regeneration. A damaged entry found at load time is reported and the stage is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+from prefect.results import ResultStore
+from prefect.serializers import Serializer
+from tensordict import TensorDict
+
+from configs.schema import PPOConfig, SkipStageConfig
+from storage.batch import NON_TENSOR_FIELDS, tensors_digest
+from storage.fs import normalize_url
+from storage.rollout_cache import CacheWriteError, StepCache, config_dir, marker_name
+
+logger = logging.getLogger(__name__)
+
+PREFECT_KEYS_DIR = ".prefect"
+"""Folder under ``dump_dir`` that mirrors the step tree with Prefect's record metadata."""
+
+
+@dataclass
+class StageRecord:
+    """What a stage task returns: the fields it adds to the batch and its metrics.
+
+    After a real run ``fields`` holds the tensors; a record read back from the cache has
+    ``fields=None`` and the ``manifest`` of the step entry to load them from. ``manifest`` is None
+    when nothing was dumped (caching off, or the dump failed).
+    """
+
+    fields: TensorDict | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    manifest: dict | None = None
+
+
+class ManifestSerializer(Serializer):
+    """Persists a :class:`StageRecord` as its cache manifest (the ``meta.json`` marker) and nothing else."""
+
+    type: Literal["ppoflow-step-manifest"] = "ppoflow-step-manifest"
+
+    def dumps(self, obj: Any) -> bytes:
+        if not isinstance(obj, StageRecord) or obj.manifest is None:
+            # Refusing leaves Prefect's transaction uncommitted: no marker, no record, nothing valid.
+            raise ValueError("no cache entry to commit (the payload was not written)")
+        return StepCache.encode_manifest(obj.manifest)
+
+    def loads(self, blob: bytes) -> StageRecord:
+        manifest = StepCache.decode_manifest(blob)
+        return StageRecord(fields=None, metrics=manifest.get("metrics", {}), manifest=manifest)
+
+
+@dataclass(frozen=True)
+class StepDump:
+    """Where a stage task body writes its payload, and what else its manifest records."""
+
+    cache: StepCache
+    step: int
+    meta: dict
+
+
+def dump_stage(dump: StepDump | None, fields: TensorDict, metrics: dict[str, float],
+               meta: dict | None = None) -> StageRecord:
+    """The record a stage task returns; with ``dump``, its payload is written first (with retries).
+
+    ``meta`` adds what only the task body knows to the manifest. A write that still fails is
+    logged as a warning and reported as the metric ``skip/<stage>/dump_failed``; training goes on
+    and no entry reads as valid.
+    """
+    if dump is None:
+        return StageRecord(fields, metrics)
+    try:
+        manifest = dump.cache.write_payload(dump.step, fields, meta={**dump.meta, **(meta or {}), "metrics": metrics})
+    except CacheWriteError as error:
+        logger.warning("could not cache %s of step %d: %s", dump.cache.stage, dump.step, error)
+        return StageRecord(fields, {**metrics, f"skip/{dump.cache.stage}/dump_failed": 1.0})
+    return StageRecord(fields, metrics, manifest)
+
+
+def fingerprint(batch: TensorDict, **context: Any) -> str:
+    """A checksum of the batch's tensor fields (and ``context``): a cached stage result is only
+    reused for exactly the input it was computed from."""
+    tensors = batch.exclude(*NON_TENSOR_FIELDS)
+    return tensors_digest({name: tensors[name] for name in tensors.keys()}, repr(sorted(context.items())))
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How one stage call of one step uses the cache."""
+
+    stage: str
+    step: int
+    load_step: int | None  # the entry to replay (``step`` itself or repeat's substitute); None = compute and dump
+    key: str  # Prefect cache key: the marker path relative to dump_dir
+
+    @property
+    def hit_expected(self) -> bool:
+        return self.load_step is not None
+
+
+class StageCache:
+    """One stage's step cache for a run: where it lives, which steps it covers, its Prefect storage."""
+
+    def __init__(self, stage: str, skip: SkipStageConfig, cfg: PPOConfig):
+        self.stage, self.skip = stage, skip
+        self.dump_dir = normalize_url(skip.dump_dir)
+        root = config_dir(self.dump_dir, experiment_name=cfg.trainer.experiment_name,
+                          project_name=cfg.trainer.project_name, gbs=cfg.gen_batch_size,
+                          n=cfg.actor_rollout_ref.rollout.n, max_prompt_length=cfg.data.max_prompt_length,
+                          max_response_length=cfg.data.max_response_length)
+        self.prefix = root[len(self.dump_dir):].strip("/")
+        self.cache = StepCache(root, stage=stage, storage_options=self._options())
+        self.result_storage = self._result_storage()
+        key_root = f"{self.dump_dir}/{PREFECT_KEYS_DIR}"
+        self.key_storage = (LocalFileSystem(basepath=key_root) if self._is_local
+                            else RemoteFileSystem(basepath=key_root, settings=self._options()))
+        self.records = ResultStore(result_storage=self.result_storage, metadata_storage=self.key_storage,
+                                   serializer=ManifestSerializer(), cache_result_in_memory=False)
+
+    @property
+    def _is_local(self) -> bool:
+        return "://" not in self.dump_dir
+
+    def _options(self) -> dict:
+        options = dict(self.skip.storage_options)
+        if self.dump_dir.startswith(("s3://", "s3a://")):
+            options.setdefault("use_listings_cache", False)  # see reference: another process's keys
+        return options
+
+    def _result_storage(self):
+        """A saved storage block rooted at ``dump_dir``: saved, so Prefect records relative keys and the
+        cache stays valid when the folder is mounted elsewhere; named after its location."""
+        block = (LocalFileSystem(basepath=self.dump_dir) if self._is_local
+                 else RemoteFileSystem(basepath=self.dump_dir, settings=self._options()))
+        name = "ppoflow-cache-" + hashlib.sha256(f"{self.dump_dir}|{sorted(self._options().items())}".encode()).hexdigest()[:16]
+        block.save(name, overwrite=True)
+        return block
+
+    def covers(self, step: int) -> bool:
+        return self.skip.enable and step in self.skip.steps
+
+    def plan(self, step: int) -> CachePlan:
+        """verl's rules over valid entries: ``cache`` replays this step, ``repeat`` the nearest one."""
+        load_step = self.cache.resolve(step, self.skip.action)
+        return self.plan_dump(step) if load_step is None else CachePlan(self.stage, step, load_step, self._key(load_step))
+
+    def plan_dump(self, step: int) -> CachePlan:
+        """Compute the stage and dump it at ``step`` (replacing whatever Prefect recorded there)."""
+        return CachePlan(self.stage, step, None, self._key(step))
+
+    def adopt(self, plan: CachePlan) -> None:
+        """Give Prefect a record of a valid entry it does not know (written by another tool, or a crash
+        between the marker and Prefect's metadata), so the task call that follows is ``Cached``."""
+        if not self.records.exists(plan.key):
+            manifest = self.cache.manifest(plan.load_step)
+            self.records.write(StageRecord(None, manifest.get("metrics", {}), manifest), key=plan.key)
+
+    def _key(self, step: int) -> str:
+        return f"{self.prefix}/{step}/{marker_name(self.stage)}"
+
+    def task_options(self, plan: CachePlan) -> dict:
+        """``with_options`` arguments that make a stage task a step-keyed, persisted Prefect cache entry."""
+        policy = CacheKeyFnPolicy(cache_key_fn=lambda context, parameters: plan.key).configure(
+            key_storage=self.key_storage)
+        return {"cache_policy": policy, "result_storage": self.result_storage,
+                "result_serializer": ManifestSerializer(), "persist_result": True,
+                "cache_result_in_memory": False, "refresh_cache": not plan.hit_expected}
+
+
+def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
+    """The enabled step caches of a run, keyed by stage (``async_rollout`` has no step-keyed stage here)."""
+    return {stage: StageCache(stage, skip, cfg) for stage, skip in cfg.skip.items()
+            if skip.enable and stage != "async_rollout"}
+

@@ -1,0 +1,206 @@
+"""The step cache end to end: Prefect task-result caching of stages on local and S3 storage.
+
+Each test trains a few tiny steps on the session's real Prefect server and local Ray, then looks at
+the task runs Prefect recorded, the metrics, and the files under ``dump_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main as cli
+from flows.tracking import read_metrics
+from flows.train import ppo_train
+
+PROJECT = "grpo_tiny_ppoflow"
+CONFIG = "GBS4_N4_in8_out3"
+UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
+                  "critic/score/mean", "critic/advantages/mean", "response_length/mean")
+
+
+def train(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str]) -> tuple[list[dict], list]:
+    """Run the flow; return its metrics rows and the final states of its generate task runs."""
+    words = overrides + [f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
+                         "trainer.test_freq=-1"] + [f"skip.{key}={value}" for key, value in skip.items()]
+    state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
+    assert state.is_completed(), state
+    return read_metrics(str(run_dir)), generate_states(state.state_details.flow_run_id, steps)
+
+
+def generate_states(flow_run_id, expected: int) -> list[str]:
+    """Names of the final states of the flow run's ``generate`` task runs, in start order."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="generate")),
+                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+            if (len(runs) >= expected and all(run.state and run.state.is_final() for run in runs)) \
+                    or time.monotonic() > deadline:
+                return [run.state.name for run in runs]
+            time.sleep(0.5)
+
+
+def rollout_skip(dump_dir, steps, action="cache") -> dict[str, str]:
+    return {"rollout.enable": "true", "rollout.dump_dir": str(dump_dir), "rollout.steps": str(steps),
+            "rollout.action": action}
+
+
+def cached_steps(dump_dir: Path) -> list[int]:
+    root = dump_dir / PROJECT / CONFIG
+    return sorted(int(p.name) for p in root.iterdir() if (p / "meta.json").exists()) if root.exists() else []
+
+
+@pytest.fixture
+def overrides(tiny_overrides):
+    return [word for word in tiny_overrides if not word.startswith(("trainer.", "data.val_files"))] + [
+        "data.val_files=null", "trainer.logger=[]"]
+
+
+def test_cache_then_replay_is_prefect_cached_and_bit_identical(prefect_api, ray_local, overrides, tmp_path):
+    dump = tmp_path / "dump"
+    first, first_states = train(overrides, tmp_path / "run1", 3, rollout_skip(dump, [1, 2, 3]))
+    second, second_states = train(overrides, tmp_path / "run2", 3, rollout_skip(dump, [1, 2, 3]))
+
+    assert first_states == ["Completed"] * 3 and second_states == ["Cached"] * 3
+    assert [row["skip/rollout/hit"] for row in first] == [0, 0, 0]
+    assert [(row["skip/rollout/hit"], row["skip/rollout/load_step"]) for row in second] == [(1, 1), (1, 2), (1, 3)]
+    for before, after in zip(first, second):
+        for name in UPDATE_METRICS:
+            assert before[name] == after[name], (name, before["step"])  # bit for bit
+    assert cached_steps(dump) == [1, 2, 3]
+    marker = (dump / PROJECT / CONFIG / "1" / "meta.json").stat().st_size
+    payload = (dump / PROJECT / CONFIG / "1" / "rollout.safetensors").stat().st_size
+    assert marker < 1500 < payload  # Prefect's record is the small manifest; tensors stay in the payload
+
+
+def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_local, overrides, tmp_path):
+    dump = tmp_path / "dump"
+    rows, states = train(overrides, tmp_path / "run", 5, rollout_skip(dump, [1, 3, 5], "repeat"))
+    hits = {row["step"]: (row.get("skip/rollout/hit"), row.get("skip/rollout/load_step")) for row in rows}
+    assert hits == {1: (0, None), 2: (None, None), 3: (1, 1), 4: (None, None), 5: (1, 1)}
+    assert states == ["Completed", "Completed", "Cached", "Completed", "Cached"]
+    assert cached_steps(dump) == [1]
+
+
+def test_cache_with_only_step_one_present(prefect_api, ray_local, overrides, tmp_path):
+    dump = tmp_path / "dump"
+    train(overrides, tmp_path / "run1", 1, rollout_skip(dump, [1]))
+    rows, states = train(overrides, tmp_path / "run2", 5, rollout_skip(dump, [1, 3, 5]))
+    assert [row.get("skip/rollout/hit") for row in rows] == [1, None, 0, None, 0]
+    assert states[0] == "Cached" and states[2] == "Completed" and states[4] == "Completed"
+    assert cached_steps(dump) == [1, 3, 5]
+
+
+def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, overrides, tmp_path, caplog):
+    dump = tmp_path / "dump"
+    first, _ = train(overrides, tmp_path / "run1", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    root = dump / PROJECT / CONFIG
+    payload = (root / "1" / "rollout.safetensors")
+    payload.write_bytes(payload.read_bytes()[:100])                      # 1: truncated payload
+    (root / "2" / "meta.json").unlink()                                  # 2: marker missing (a crash)
+    data = bytearray((root / "3" / "rollout.safetensors").read_bytes())
+    data[-5:] = b"XXXXX"                                                 # 3: same size, wrong checksum
+    (root / "3" / "rollout.safetensors").write_bytes(bytes(data))
+    (root / "4" / "meta.json").write_text("{not json")                   # 4: garbage marker
+
+    caplog.set_level("WARNING")
+    second, states = train(overrides, tmp_path / "run2", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    assert [row["skip/rollout/hit"] for row in second] == [0, 0, 0, 0]
+    assert states[0] == states[1] == states[3] == "Completed"
+    assert "damaged" in caplog.text and str(root / "3") in caplog.text
+    for before, after in zip(first, second):  # regenerated exactly as the first run generated them
+        assert before["actor/pg_loss"] == after["actor/pg_loss"]
+    assert cached_steps(dump) == [1, 2, 3, 4]
+    third, states = train(overrides, tmp_path / "run3", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    assert states == ["Cached"] * 4
+
+
+def test_validation_never_loads_or_dumps(prefect_api, ray_local, overrides, tmp_path):
+    dump = tmp_path / "dump"
+    words = [w for w in overrides if not w.startswith("data.val_files")] + [
+        f"data.val_files={tmp_path}/data/val.parquet", "trainer.val_before_train=true"]
+    state = ppo_train(config="grpo_tiny", overrides=words + [
+        f"trainer.default_local_dir={tmp_path}/run", "trainer.total_training_steps=1", "trainer.test_freq=1",
+        *[f"skip.{k}={v}" for k, v in rollout_skip(dump, [0, 1]).items()]], return_state=True)
+    assert state.is_completed()
+    assert cached_steps(dump) == [1]  # validation ran at steps 0 and 1; only training step 1 was dumped
+
+
+def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_local, overrides, tmp_path, caplog):
+    """A step cached with n=4 replayed by a run with n=2 (verl's V1 uid remap). Prefect has no record
+    of the copied entry; it is adopted, so the generate task run is still ``Cached``."""
+    dump = tmp_path / "dump"
+    train(overrides, tmp_path / "run1", 1, rollout_skip(dump, [1]))
+    shutil.copytree(dump / PROJECT / CONFIG, dump / PROJECT / "GBS4_N2_in8_out3")
+    caplog.set_level("WARNING")
+    rows, states = train(overrides + ["actor_rollout_ref.rollout.n=2"], tmp_path / "run2", 1, rollout_skip(dump, [1]))
+    assert rows[0]["skip/rollout/hit"] == 1 and states == ["Cached"]
+    assert "differ from n=2" in caplog.text
+
+
+def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local, overrides, tmp_path, caplog):
+    dump = tmp_path / "dump"
+    both = {**rollout_skip(dump, [1]), "reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[1]"}
+    train(overrides, tmp_path / "run1", 1, both)
+    rows, _ = train(overrides, tmp_path / "run2", 1, both)
+    assert rows[0]["skip/reward/hit"] == 1
+    reward_only = {key: value for key, value in both.items() if key.startswith("reward")}
+    caplog.set_level("WARNING")
+    rows, _ = train(overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run3", 1, reward_only)
+    assert rows[0]["skip/reward/hit"] == 0 and "computed from a different input" in caplog.text
+
+
+def test_a_failing_dump_is_a_warning_and_leaves_nothing_valid(prefect_api, ray_local, overrides, tmp_path,
+                                                              s3_server, caplog):
+    endpoint, _ = s3_server
+    skip = rollout_skip("s3://no-such-bucket/dump", [1])
+    skip["rollout.storage_options"] = "{client_kwargs: {endpoint_url: '%s'}}" % endpoint
+    caplog.set_level("WARNING")
+    rows, _ = train(overrides, tmp_path / "run", 1, skip)
+    assert rows[0]["skip/rollout/dump_failed"] == 1 and rows[0]["skip/rollout/hit"] == 0
+    assert "could not cache rollout of step 1" in caplog.text
+
+
+def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides, tmp_path, s3_server):
+    endpoint, _ = s3_server
+    skip = rollout_skip(f"s3://ppoflow-test/{uuid.uuid4().hex}", [1, 2])
+    skip["rollout.storage_options"] = "{client_kwargs: {endpoint_url: '%s'}}" % endpoint
+    first, _ = train(overrides, tmp_path / "run1", 2, skip)
+
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    words = overrides + [f"trainer.default_local_dir={tmp_path}/run2", "trainer.total_training_steps=2",
+                         "trainer.test_freq=-1"] + [f"skip.{key}={value}" for key, value in skip.items()]
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", *words], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    second = read_metrics(f"{tmp_path}/run2")
+    assert [row["skip/rollout/hit"] for row in second] == [1, 1]
+    assert [row["actor/pg_loss"] for row in second] == [row["actor/pg_loss"] for row in first]
+
+
+def test_cache_cli_lists_shows_and_removes(prefect_api, ray_local, overrides, tmp_path, capsys):
+    dump = tmp_path / "dump"
+    train(overrides, tmp_path / "run", 2, rollout_skip(dump, [1, 2]))
+    assert cli(["cache", "ls", str(dump)]) == 0
+    listing = capsys.readouterr().out
+    assert f"{PROJECT}" in listing and CONFIG in listing and "2 entries, 2 valid" in listing
+    assert cli(["cache", "show", str(dump), "--step", "2", "--samples", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert '"global_steps": 2' in shown and "prompt=" in shown and "reward=" in shown and shown.count("[") >= 3
+    assert cli(["cache", "rm", str(dump), "--step", "1"]) == 0
+    assert cached_steps(dump) == [2]
+    assert not (dump / ".prefect" / PROJECT / CONFIG / "1" / "meta.json").exists()
+    assert cli(["cache", "show", str(dump), "--step", "9"]) == 2
