@@ -35,10 +35,10 @@ WORKLOADS = {
 
 
 def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
-    """Median wall time of ``ppo_step`` over ``steps`` steps after ``warmup`` untimed ones."""
+    """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones (same prompts each step)."""
     from prefect import flow
 
-    from flows.train import BARE_STAGES, STAGES, ppo_step, start_run
+    from flows.train import BARE_STAGES, STAGES, start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
     run.stages = STAGES if prefect_tasks else BARE_STAGES
@@ -46,18 +46,13 @@ def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: 
     prompts = run.train_set.batch(rows, [str(row) for row in rows], run.tokenizer.pad_token_id)
 
     def loop() -> list[float]:
-        times = []
-        for step in range(1, warmup + steps + 1):
-            start = time.perf_counter()
-            ppo_step(run, step, prompts)
-            times.append(time.perf_counter() - start)
-        return times[warmup:]
+        return [metrics["timing_s/step"] for metrics in train_steps(run, range(1, warmup + steps + 1), lambda _: prompts)]
 
     try:
         times = flow(name="overhead-benchmark")(loop)() if prefect_tasks else loop()
     finally:
         run.workers.shutdown()
-    return statistics.median(times)
+    return statistics.median(times[warmup:])
 
 
 def main() -> None:

@@ -212,8 +212,8 @@ def reference_table() -> str:
             if name == "skip":
                 walk(SkipStageConfig, "skip.<stage>.", default.get("rollout") if isinstance(default, dict) else None)
                 continue
-            type_name = _type_name(field.annotation)
-            rows.append(f"| `{key}` | {type_name} | `{json.dumps(default)}` | {field.description or ''} |")
+            description = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{key}` | {_type_name(field.annotation)} | `{json.dumps(default)}` | {description} |")
 
     walk(PPOConfig, "", defaults)
     return "\n".join(rows)

@@ -129,6 +129,16 @@ class ValSamplingConfig(Section):
     top_k: int = Field(ge=-1, description="Validation top-k; -1 or 0 = off.")
 
 
+class WeightSyncConfig(Section):
+    """How the actor's new weights reach the rollout worker (the ``weight_sync`` stage)."""
+
+    backend: Literal["object_store", "nccl", "gloo"] = Field(
+        description="object_store: buckets through Ray's shared-memory store (one node, CPU or GPU); nccl / gloo: "
+                    "a Ray collective group broadcasting buckets between the actor and the rollout (GPUs / CPUs).")
+    bucket_mb: int = Field(ge=1, description="Tensors are packed into flat buckets of at most this many MiB.")
+    delta: bool = Field(description="Send only the tensors that changed since the last sync.")
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(description="Generation engine: `hf` (transformers/torch, CPU or GPU) or `vllm` (GPU).")
     n: int = Field(ge=1, description="Responses sampled per prompt (the GRPO group size).")
@@ -141,6 +151,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(gt=0, le=1, description="vLLM: fraction of GPU memory for the engine.")
     tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
     val_kwargs: ValSamplingConfig
+    weight_sync: WeightSyncConfig
     resources: ResourcesConfig
 
 
@@ -182,6 +193,21 @@ class KLControlConfig(Section):
     target_kl: float = Field(gt=0, description="Adaptive controller target KL.")
 
 
+class RolloutCorrectionConfig(Section):
+    """verl's off-policy correction between the rollout's sampling log-probs and the trainer's."""
+
+    bypass_mode: bool = Field(description="Use the rollout's log-probs as old log-probs and skip the old_log_prob stage.")
+    rollout_is: Optional[Literal["token", "sequence"]] = Field(
+        description="Importance-sampling weights old/rollout per token or per sequence; null = none.")
+    rollout_is_threshold: Union[float, str] = Field(
+        description="Truncate IS weights at this value, or \"lo_hi\" (e.g. \"0.5_2.0\") to zero weights outside [lo, hi] (IcePop).")
+    rollout_is_batch_normalize: bool = Field(description="Normalise IS weights to mean 1 over the batch.")
+    rollout_rs: Optional[str] = Field(
+        description="Rejection sampling: comma list of token_k1|k2|k3, seq_sum_*, seq_mean_*, seq_max_k2|k3; null = none.")
+    rollout_rs_threshold: Optional[Union[float, str, list[Union[float, str]]]] = Field(
+        description="Bound(s) for rollout_rs: one per option or one for all (k1 options take \"lo_hi\").")
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
         description="Advantage estimator (gae needs a critic).")
@@ -191,6 +217,7 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = Field(description="Subtract a KL-to-reference penalty from the token rewards (needs the ref worker).")
     kl_penalty: str = Field(description="KL estimator of the in-reward penalty: kl|abs|mse|low_var_kl.")
     kl_ctrl: KLControlConfig
+    rollout_correction: RolloutCorrectionConfig
 
 
 # ------------------------------------------------------------------------------- trainer, ray, skip
@@ -199,12 +226,23 @@ class AlgorithmConfig(Section):
 class TrainerConfig(Section):
     project_name: str = Field(min_length=1, description="Project name (run directory, cache directory).")
     experiment_name: str = Field(min_length=1, description="Experiment name (run directory, cache directory).")
+    mode: Literal["sync", "one_step_off"] = Field(
+        description="sync: generate, then train; one_step_off: generate the next batch while training on this one.")
+    nnodes: int = Field(ge=1, description="Nodes of the training pool (actor, ref, critic).")
+    n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the training pool; 0 = CPU.")
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
     total_training_steps: Optional[int] = Field(ge=1, description="Steps to run; null = total_epochs x steps per epoch.")
     test_freq: int = Field(ge=-1, description="Validate every N steps (and after the last); -1 or 0 = never.")
     val_before_train: bool = Field(description="Validate once before the first step (when test_freq > 0).")
     default_local_dir: str = Field(description="Run directory: metrics.jsonl, TensorBoard events, checkpoints.")
     logger: list[str] = Field(description="Where metrics go besides metrics.jsonl: console, tensorboard.")
+
+
+class RolloutPoolConfig(Section):
+    """The rollout's own resource pool (verl's one-step-off ``rollout.*`` keys)."""
+
+    nnodes: int = Field(ge=1, description="Nodes of the rollout pool.")
+    n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the rollout pool; 0 = CPU.")
 
 
 class RayConfig(Section):
@@ -231,6 +269,7 @@ class PPOConfig(Section):
     custom_reward_function: CustomRewardConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
+    rollout: RolloutPoolConfig
     ray: RayConfig
     skip: dict[Literal[STAGES_WITH_SKIP], SkipStageConfig] = Field(  # type: ignore[valid-type]
         description="Per-stage result caching, keyed by stage name.")
@@ -308,8 +347,71 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
                            "Prefect run parameters, so pass credentials through the environment (e.g. "
                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
+    errors += _resource_errors(cfg) + _correction_errors(cfg)
     if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
             and cfg.algorithm.kl_ctrl.type == "adaptive"):
         errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
                        "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
+    return errors
+
+
+def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """verl's pool rules: training roles fit the trainer pool, the rollout fits its own pool."""
+    errors: list[tuple[str, str]] = []
+    arr = cfg.actor_rollout_ref
+    trainer_gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    rollout_gpus = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    training_roles = {"actor_rollout_ref.actor": arr.actor.resources}
+    if cfg.use_reference:
+        training_roles["actor_rollout_ref.ref"] = arr.ref.resources
+    if cfg.use_critic:
+        training_roles["critic"] = cfg.critic.resources
+    wanted = sum(resources.num_gpus for resources in training_roles.values())
+    if wanted > trainer_gpus:
+        errors.append(("trainer.n_gpus_per_node", f"the training roles reserve {wanted:g} GPUs "
+                       f"({', '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())}) "
+                       f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}"))
+    if arr.rollout.resources.num_gpus > rollout_gpus:
+        errors.append(("rollout.n_gpus_per_node", f"actor_rollout_ref.rollout.resources.num_gpus="
+                       f"{arr.rollout.resources.num_gpus:g} exceeds the rollout pool rollout.nnodes * "
+                       f"rollout.n_gpus_per_node = {rollout_gpus}"))
+    if trainer_gpus and trainer_gpus % arr.rollout.n and (arr.rollout.n * cfg.data.train_batch_size) % trainer_gpus:
+        errors.append(("actor_rollout_ref.rollout.n", f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
+                       "must divide the GPU count, or rollout.n * data.train_batch_size must be divisible by it"))
+    if cfg.trainer.mode == "one_step_off" and (trainer_gpus > 0) != (rollout_gpus > 0):
+        errors.append(("rollout.n_gpus_per_node", "one_step_off needs both pools on GPUs or both on CPUs "
+                       f"(training pool {trainer_gpus} GPUs, rollout pool {rollout_gpus})"))
+    if arr.rollout.weight_sync.backend == "nccl" and not (arr.actor.resources.num_gpus and arr.rollout.resources.num_gpus):
+        errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
+                       "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
+                       "(use object_store or gloo on CPUs)"))
+    return errors
+
+
+def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """The rollout-correction thresholds parse, and bypass mode is not combined with what it skips."""
+    from tasks.algorithms.correction import compute_rejection_mask, parse_is_threshold
+
+    errors: list[tuple[str, str]] = []
+    correction = cfg.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if correction.rollout_is is not None:
+        try:
+            parse_is_threshold(correction.rollout_is_threshold)
+        except (TypeError, ValueError) as error:
+            errors.append((f"{key}.rollout_is_threshold", str(error)))
+    if correction.rollout_rs is not None:
+        if correction.rollout_rs_threshold is None:
+            errors.append((f"{key}.rollout_rs_threshold", f"rollout_rs={correction.rollout_rs!r} needs thresholds"))
+        else:
+            import torch
+
+            try:  # the real parser on a one-token batch: same messages as at run time
+                compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                                       options=correction.rollout_rs, thresholds=correction.rollout_rs_threshold)
+            except (TypeError, ValueError) as error:
+                errors.append((f"{key}.rollout_rs", str(error)))
+    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
+        errors.append((f"{key}.bypass_mode", "bypass mode uses the rollout's log-probs as old log-probs, so "
+                       "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false"))
     return errors

@@ -23,6 +23,10 @@ QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELIS
 def main(argv: list[str] | None = None) -> int:
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    if "PREFECT_API_URL" not in os.environ:
+        # Prefect's temporary server logs tracebacks for events still in flight when it is stopped
+        # at exit; nothing is lost that matters to a throwaway server, so keep the console clean.
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
     parser = argparse.ArgumentParser(prog="ppoflow", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 

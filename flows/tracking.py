@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 from storage.fs import open_fs
 
@@ -19,6 +20,9 @@ class Tracker:
         self.fs, self.run_dir = open_fs(run_dir)
         self.fs.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = f"{self.run_dir}/metrics.jsonl"
+        if self.fs.exists(self.metrics_path):  # an earlier run of this experiment: keep its rows aside
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            self.fs.mv(self.metrics_path, f"{self.run_dir}/metrics-{stamp}.jsonl")
         self.progress = None
         self.tensorboard = None
         if "console" in loggers:

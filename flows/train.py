@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -31,11 +32,12 @@ from tensordict import TensorDict
 from configs import load_config
 from configs.schema import PPOConfig
 from flows.metrics import data_metrics
-from flows.stages import StageResult, call_stage
+from flows.stages import PendingStage, StageResult, start_stage
 from flows.tracking import Tracker
 from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
 from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
 from tasks.advantage import advantage
+from tasks.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights
 from tasks.algorithms.kl import make_kl_controller
 from tasks.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
 from tasks.caching import StageCache, fingerprint, stage_caches
@@ -84,26 +86,22 @@ class Run:
     sampling: SamplingParams
     caches: dict[str, StageCache]
 
-    def call(self, name: str, step: int, *args, guard: TensorDict | None = None,
-             replay_onto: TensorDict | None = None) -> StageResult:
-        """Call stage task ``name`` for ``step`` through its step cache (when ``skip.<stage>`` covers it).
-
-        ``guard`` is the input a cached result must have been computed from; ``replay_onto`` the
-        prompts a replayed rollout is fitted onto.
-        """
+    def call(self, name: str, step: int, *args, guard: TensorDict | None = None) -> StageResult:
+        """Call stage task ``name`` for ``step`` through its step cache (when ``skip.<stage>`` covers it);
+        ``guard`` is the input a cached result must have been computed from."""
         cache = self.caches.get(CACHE_STAGE[name])
-        caching = cache is not None and cache.covers(step)
-        meta, guard_fingerprint = {}, None
-        if caching and name == "generate":
-            meta = {"sampling": asdict(self.sampling), "model_path": self.cfg.actor_rollout_ref.model.path,
-                    "tokenizer_path": self.cfg.actor_rollout_ref.model.tokenizer_path or self.cfg.actor_rollout_ref.model.path}
-        if caching and guard is not None:
+        guard_fingerprint = None
+        if cache is not None and cache.covers(step) and guard is not None:
             worker = WEIGHTS_OF.get(name)
             weights = self.workers.get(getattr(self.workers, worker).submit("weights_digest")) if worker else None
             guard_fingerprint = fingerprint(guard, weights=weights)
-        uids = non_tensor_column(replay_onto, "uid") if replay_onto is not None else None
-        return call_stage(cache, getattr(self.stages, name), step, *args, fingerprint=guard_fingerprint, meta=meta,
-                          prompt_uids=uids, n=self.cfg.actor_rollout_ref.rollout.n)
+        return start_stage(cache, getattr(self.stages, name), step, *args, fingerprint=guard_fingerprint).result()
+
+    def rollout_meta(self) -> dict:
+        """What a rollout cache entry records about how it was sampled (beside its weight versions)."""
+        model = self.cfg.actor_rollout_ref.model
+        return {"sampling": asdict(self.sampling), "model_path": model.path,
+                "tokenizer_path": model.tokenizer_path or model.path}
 
 
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
@@ -143,53 +141,120 @@ def timed(timing: dict[str, float], name: str):
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
-def ppo_step(run: Run, step: int, prompts: TensorDict) -> dict[str, float]:
-    """One PPO step on one prompt batch; returns the step's metrics."""
+def generation(run: Run, step: int, prompts: TensorDict, *, background: bool) -> PendingStage:
+    """Stage 1 for ``step``: in the background (a Prefect future on the rollout worker) or when awaited."""
+    return start_stage(run.caches.get("rollout"), run.stages.generate, step, run.workers, prompts, step, run.sampling,
+                       meta=run.rollout_meta(), prompt_uids=non_tensor_column(prompts, "uid"),
+                       n=run.cfg.actor_rollout_ref.rollout.n, background=background)
+
+
+def sync_weights(run: Run) -> int:
+    """Stage 6: the rollout worker takes the actor's current weights."""
+    return run.stages.weight_sync(run.workers, run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store")
+
+
+def ppo_update(run: Run, step: int, batch: TensorDict, metrics: dict[str, float], timing: dict[str, float]) -> None:
+    """Stages 2-5 on a generated batch: reward, log-probs, advantage, critic and actor updates."""
     cfg, workers, stages = run.cfg, run.workers, run.stages
-    metrics: dict[str, float] = {}
-    timing: dict[str, float] = {}
-    with timed(timing, "step"):
-        # 1. generate (or replay a cached step, fitted onto these prompts)
-        with timed(timing, "gen"):
-            generated = run.call("generate", step, workers, prompts, step, run.sampling, replay_onto=prompts)
-        batch = generated.fields
-        metrics.update(generated.metrics)
-        # 2. reward
-        with timed(timing, "reward"):
-            scored = run.call("reward", step, batch, run.tokenizer, run.custom_scorer, guard=batch)
-        batch.update(scored.fields)
-        metrics.update(scored.metrics)
-        batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))  # one copy, read by every role below
-        # 3. log-probs of the pre-update policy; reference log-probs and values when configured
+    correction = cfg.algorithm.rollout_correction
+    # 2. reward
+    with timed(timing, "reward"):
+        scored = run.call("reward", step, batch, run.tokenizer, run.custom_scorer, guard=batch)
+    batch.update(scored.fields)
+    metrics.update(scored.metrics)
+    batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))  # one copy, read by every role below
+    # 3. log-probs of the pre-update policy (bypass mode: the rollout's own), ref log-probs and values
+    if correction.bypass_mode:
+        batch["old_log_probs"] = batch["rollout_log_probs"]
+    else:
         with timed(timing, "old_log_prob"):
-            computed = [run.call("old_log_prob", step, workers, batch_ref, guard=batch)]
-        if cfg.use_reference:
-            with timed(timing, "ref"):
-                computed.append(run.call("ref_log_prob", step, workers, batch_ref, guard=batch))
-        if cfg.use_critic:
-            with timed(timing, "values"):
-                computed.append(run.call("values", step, workers, batch_ref, guard=batch))
-        for result in computed:
-            batch.update(result.fields)
-            metrics.update(result.metrics)
-        # 4. advantage
-        with timed(timing, "adv"):
-            estimated = run.call("advantage", step, batch, cfg.algorithm, run.kl_controller, guard=batch)
-        batch.update(estimated.fields)
-        metrics.update(estimated.metrics)
-        batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))
-        # 5. update the critic, then the actor
-        if cfg.use_critic:
-            with timed(timing, "update_critic"):
-                metrics.update(stages.update_critic(workers, batch_ref, step))
-        with timed(timing, "update_actor"):
-            metrics.update(stages.update_actor(workers, batch_ref, step))
-        # 6. the rollout worker takes the new weights
-        with timed(timing, "update_weights"):
-            stages.weight_sync(workers)
+            computed = run.call("old_log_prob", step, workers, batch_ref, guard=batch)
+        batch.update(computed.fields)
+        metrics.update(computed.metrics)
+        metrics.update(correct_off_policy(batch, correction))
+    for name, stage, needed in (("ref", "ref_log_prob", cfg.use_reference), ("values", "values", cfg.use_critic)):
+        if needed:
+            with timed(timing, name):
+                computed = run.call(stage, step, workers, batch_ref, guard=batch)
+            batch.update(computed.fields)
+            metrics.update(computed.metrics)
+    # 4. advantage
+    with timed(timing, "adv"):
+        estimated = run.call("advantage", step, batch, cfg.algorithm, run.kl_controller, guard=batch)
+    batch.update(estimated.fields)
+    metrics.update(estimated.metrics)
+    batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))
+    # 5. update the critic, then the actor
+    if cfg.use_critic:
+        with timed(timing, "update_critic"):
+            metrics.update(stages.update_critic(workers, batch_ref, step))
+    with timed(timing, "update_actor"):
+        metrics.update(stages.update_actor(workers, batch_ref, step))
     metrics.update(data_metrics(batch))
-    metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+
+
+def correct_off_policy(batch: TensorDict, correction) -> dict[str, float]:
+    """How far the trainer's old log-probs are from the rollout's sampling log-probs (verl's
+    ``training/rollout_probs_diff_*``), and verl's decoupled correction for it: rejection-mask and/or
+    IS-weight the trajectories (``rollout_corr/*`` metrics)."""
+    valid = batch["response_mask"].bool()
+    gap = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()[valid]
+    metrics = {"training/rollout_probs_diff_max": float(gap.max()), "training/rollout_probs_diff_mean": float(gap.mean())}
+    if correction.rollout_rs:
+        batch["response_mask"], rejected = compute_rejection_mask(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+            options=correction.rollout_rs, thresholds=correction.rollout_rs_threshold)
+        metrics.update(rejected)
+    if correction.rollout_is:
+        batch["rollout_is_weights"], weighted = compute_rollout_is_weights(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], level=correction.rollout_is,
+            threshold=correction.rollout_is_threshold, batch_normalize=correction.rollout_is_batch_normalize)
+        metrics.update(weighted)
     return metrics
+
+
+def train_steps(run: Run, steps: range, prompts_for: Callable[[int], TensorDict]) -> Iterator[dict[str, float]]:
+    """The training loop over ``steps``; yields each step's metrics.
+
+    ``sync``: generate, train, push the new weights. ``one_step_off`` (verl's order): wait for the
+    batch generated during the previous step (with the weights before that step's update), push the
+    current weights, start generating the next batch, then train on this one - so generation
+    overlaps training and every sample is exactly one update old. A step the rollout cache will
+    replay starts no generation.
+    """
+    one_step_off = run.cfg.trainer.mode == "one_step_off"
+    pending = generation(run, steps[0], prompts_for(steps[0]), background=one_step_off)
+    for step in steps:
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        with timed(timing, "step"):
+            # 1. generate (sync), or wait for the batch started during the previous step (one_step_off)
+            with timed(timing, "gen"):
+                generated = pending.result()
+            batch = generated.fields
+            metrics.update(generated.metrics)
+            if one_step_off:
+                # 6. (one_step_off) push the current weights, then start the next batch before training
+                with timed(timing, "sync_rollout_weights"):
+                    with timed(timing, "update_weights"):
+                        sync_weights(run)
+                    pending = generation(run, step + 1, prompts_for(step + 1), background=True) if step < steps[-1] else None
+            # 2.-5. reward, log-probs, advantage, update
+            ppo_update(run, step, batch, metrics, timing)
+            if not one_step_off:
+                # 6. push the new weights to the rollout worker
+                with timed(timing, "update_weights"):
+                    sync_weights(run)
+                pending = generation(run, step + 1, prompts_for(step + 1), background=False) if step < steps[-1] else None
+        if generated.metrics.get("skip/rollout/hit") != 1.0:  # a replayed batch's weight versions are history
+            staleness = (step - 1 - batch["weight_version"]).float()
+            metrics.update({"training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
+                            "training/off_policy/trajectory_staleness/max": float(staleness.max())})
+        if generated.background_seconds is not None:
+            metrics["timing_s/generate_async"] = generated.background_seconds
+            metrics["perf/generate_overlap_ratio"] = max(0.0, 1 - timing["gen"] / max(generated.background_seconds, 1e-9))
+        metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+        yield metrics
 
 
 def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
@@ -230,13 +295,18 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
         if test_freq > 0 and cfg.trainer.val_before_train:
             val_metrics, samples = validate(run, step=0)
             tracker.note(f"step 0 validation {val_metrics}; samples: {samples}")
-        batches = iter(run.loader)
-        for step in range(1, run.total_steps + 1):
-            epoch, rows = next(batches)
-            prompts = run.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], run.tokenizer.pad_token_id)
-            metrics = ppo_step(run, step, prompts)
-            metrics.update({"training/global_step": step, "training/epoch": epoch})
+        batches, epochs = iter(run.loader), {}
+
+        def prompts_for(step: int) -> TensorDict:
+            epochs[step], rows = next(batches)  # crosses epoch boundaries without a pause
+            return run.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], run.tokenizer.pad_token_id)
+
+        steps = range(1, run.total_steps + 1)
+        for step, metrics in zip(steps, train_steps(run, steps, prompts_for)):
+            metrics.update({"training/global_step": step, "training/epoch": epochs.pop(step)})
             if test_freq > 0 and (step % test_freq == 0 or step == run.total_steps):
+                if cfg.trainer.mode == "one_step_off":
+                    sync_weights(run)  # validate this step's weights, not the ones the next batch samples with
                 val_metrics, samples = validate(run, step)
                 metrics.update(val_metrics)
                 tracker.note(f"step {step} validation {val_metrics}; samples: {samples}")

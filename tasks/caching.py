@@ -34,9 +34,10 @@ from prefect.serializers import Serializer
 from tensordict import TensorDict
 
 from configs.schema import PPOConfig, SkipStageConfig
-from storage.batch import NON_TENSOR_FIELDS, tensors_digest
+from storage.batch import NON_TENSOR_FIELDS, tensors_digest, with_non_tensor_columns
 from storage.fs import normalize_url
-from storage.rollout_cache import CacheWriteError, StepCache, config_dir, marker_name
+from storage.rollout_cache import (CacheCorrupt, CacheWriteError, StepCache, config_dir, marker_name,
+                                   parse_async_sample_id)
 
 logger = logging.getLogger(__name__)
 
@@ -122,43 +123,36 @@ class CachePlan:
         return self.load_step is not None
 
 
+def run_cache_dir(skip: SkipStageConfig, cfg: PPOConfig) -> str:
+    """The run's cache directory under ``skip.dump_dir`` (verl's layout, from the run's shape)."""
+    return config_dir(normalize_url(skip.dump_dir), experiment_name=cfg.trainer.experiment_name,
+                      project_name=cfg.trainer.project_name, gbs=cfg.gen_batch_size,
+                      n=cfg.actor_rollout_ref.rollout.n, max_prompt_length=cfg.data.max_prompt_length,
+                      max_response_length=cfg.data.max_response_length)
+
+
+def storage_settings(skip: SkipStageConfig) -> dict:
+    """fsspec options for ``dump_dir``; s3fs's listings cache off, or another process's keys look missing."""
+    options = dict(skip.storage_options)
+    if skip.dump_dir.startswith(("s3://", "s3a://")):
+        options.setdefault("use_listings_cache", False)
+    return options
+
+
 class StageCache:
     """One stage's step cache for a run: where it lives, which steps it covers, its Prefect storage."""
 
     def __init__(self, stage: str, skip: SkipStageConfig, cfg: PPOConfig):
         self.stage, self.skip = stage, skip
-        self.dump_dir = normalize_url(skip.dump_dir)
-        root = config_dir(self.dump_dir, experiment_name=cfg.trainer.experiment_name,
-                          project_name=cfg.trainer.project_name, gbs=cfg.gen_batch_size,
-                          n=cfg.actor_rollout_ref.rollout.n, max_prompt_length=cfg.data.max_prompt_length,
-                          max_response_length=cfg.data.max_response_length)
-        self.prefix = root[len(self.dump_dir):].strip("/")
-        self.cache = StepCache(root, stage=stage, storage_options=self._options())
-        self.result_storage = self._result_storage()
-        key_root = f"{self.dump_dir}/{PREFECT_KEYS_DIR}"
-        self.key_storage = (LocalFileSystem(basepath=key_root) if self._is_local
-                            else RemoteFileSystem(basepath=key_root, settings=self._options()))
+        dump_dir, root, settings = normalize_url(skip.dump_dir), run_cache_dir(skip, cfg), storage_settings(skip)
+        self.prefix = root[len(dump_dir):].strip("/")
+        self.cache = StepCache(root, stage=stage, storage_options=settings)
+        self.result_storage = _saved_storage_block(dump_dir, settings)
+        key_root = f"{dump_dir}/{PREFECT_KEYS_DIR}"
+        self.key_storage = (LocalFileSystem(basepath=key_root) if "://" not in key_root
+                            else RemoteFileSystem(basepath=key_root, settings=settings))
         self.records = ResultStore(result_storage=self.result_storage, metadata_storage=self.key_storage,
                                    serializer=ManifestSerializer(), cache_result_in_memory=False)
-
-    @property
-    def _is_local(self) -> bool:
-        return "://" not in self.dump_dir
-
-    def _options(self) -> dict:
-        options = dict(self.skip.storage_options)
-        if self.dump_dir.startswith(("s3://", "s3a://")):
-            options.setdefault("use_listings_cache", False)  # see reference: another process's keys
-        return options
-
-    def _result_storage(self):
-        """A saved storage block rooted at ``dump_dir``: saved, so Prefect records relative keys and the
-        cache stays valid when the folder is mounted elsewhere; named after its location."""
-        block = (LocalFileSystem(basepath=self.dump_dir) if self._is_local
-                 else RemoteFileSystem(basepath=self.dump_dir, settings=self._options()))
-        name = "ppoflow-cache-" + hashlib.sha256(f"{self.dump_dir}|{sorted(self._options().items())}".encode()).hexdigest()[:16]
-        block.save(name, overwrite=True)
-        return block
 
     def covers(self, step: int) -> bool:
         return self.skip.enable and step in self.skip.steps
@@ -191,8 +185,64 @@ class StageCache:
                 "cache_result_in_memory": False, "refresh_cache": not plan.hit_expected}
 
 
+def _saved_storage_block(dump_dir: str, settings: dict):
+    """A storage block rooted at ``dump_dir``, saved (Prefect requires it; it also makes Prefect record
+    keys relative, so the cache stays valid when the folder is mounted elsewhere); named after it."""
+    block = (LocalFileSystem(basepath=dump_dir) if "://" not in dump_dir
+             else RemoteFileSystem(basepath=dump_dir, settings=settings))
+    block.save("ppoflow-cache-" + hashlib.sha256(f"{dump_dir}|{sorted(settings.items())}".encode()).hexdigest()[:16],
+               overwrite=True)
+    return block
+
+
 def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
     """The enabled step caches of a run, keyed by stage (``async_rollout`` has no step-keyed stage here)."""
     return {stage: StageCache(stage, skip, cfg) for stage, skip in cfg.skip.items()
             if skip.enable and stage != "async_rollout"}
 
+
+
+class SampleCache:
+    """verl's ``async_rollout`` role: per-sample entries for a streaming rollout, one per fed prompt.
+
+    A streaming rollout generates one prompt's ``n`` responses at a time and names the sample
+    ``[uid_]sample_{epoch}_{feed_index}``; the feed index (not the trainer step) keys the entry, in
+    the same directory layout as the step cache. Nothing here is a Prefect task: a per-sample task
+    run would cost more than the lookup.
+    """
+
+    def __init__(self, skip: SkipStageConfig, cfg: PPOConfig):
+        self.skip = skip
+        self.cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))
+
+    def feed_index(self, sample_id: str) -> int | None:
+        """The sample's feed index when this cache covers it, else None; a malformed id raises
+        ``ValueError`` whatever ``steps`` says (verl parses before it checks membership)."""
+        index = parse_async_sample_id(sample_id)
+        return index if index in self.skip.steps else None
+
+    def lookup(self, sample_id: str) -> TensorDict | None:
+        """The cached responses for ``sample_id`` (``cache``: its own entry; ``repeat``: the nearest), with
+        their ``uid`` rewritten to this sample's; None when there is nothing valid to replay."""
+        index = self.feed_index(sample_id)
+        load_index = None if index is None else self.cache.resolve(index, self.skip.action)
+        if load_index is None:
+            return None
+        try:
+            batch, _ = self.cache.load(load_index)
+        except CacheCorrupt as error:
+            logger.warning("cached sample %d is damaged (%s); generating", load_index, error)
+            return None
+        return with_non_tensor_columns(batch, {"uid": [sample_id] * batch.batch_size[0]})
+
+    def store(self, sample_id: str, batch: TensorDict) -> bool:
+        """Dump a freshly generated sample when covered; False (with a warning) if the write failed."""
+        index = self.feed_index(sample_id)
+        if index is None:
+            return False
+        try:
+            self.cache.write(index, batch)
+        except CacheWriteError as error:
+            logger.warning("could not cache sample %s: %s", sample_id, error)
+            return False
+        return True

@@ -1,7 +1,8 @@
 """Stage 6, weight_sync: the rollout worker takes the actor's new weights.
 
-The exported weights travel actor -> Ray object store -> rollout worker as a reference; they never
-pass through the driver.
+The update (bucket layouts, and with the object-store backend references to the buckets the actor
+published) travels actor -> rollout by reference; the weights never pass through the driver. With a
+collective backend both workers take part in the broadcast, so both calls run at once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from prefect.cache_policies import NO_CACHE
 
 
 @task(name="weight_sync", cache_policy=NO_CACHE)
-def weight_sync(workers) -> int:
-    """Copy the actor's weights into the rollout worker; returns the weight version now served."""
-    exported = workers.actor.submit("export_weights")
-    return workers.get(workers.rollout.submit("load_weights", exported))
+def weight_sync(workers, collective: bool) -> int:
+    """Move the actor's current weights into the rollout worker; returns the weight version it now serves."""
+    update = workers.actor.submit("prepare_weights")
+    applied = workers.rollout.submit("apply_weights", update)
+    if collective:
+        workers.get([workers.actor.submit("broadcast_weights", update), applied])
+    return workers.get(applied)

@@ -19,6 +19,14 @@ TEST_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM
 os.environ.update(TEST_ENV)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """Models fetched from fsspec URLs are copied here, not into the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv("PPOFLOW_MODEL_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+        yield
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:

@@ -97,7 +97,7 @@ def test_update_changes_weights_and_bumps_the_version(cfg, prompts):
     assert metrics["actor/grad_norm"] > 0
     assert any(not torch.equal(before[name], tensor) for name, tensor in actor.model.state_dict().items())
     rollout = HFRolloutWorker(cfg)
-    assert rollout.load_weights(actor.export_weights()) == 1
+    assert rollout.apply_weights(actor.prepare_weights()) == 1
     assert all(torch.equal(rollout.model.state_dict()[name], tensor) for name, tensor in actor.model.state_dict().items())
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,10 @@ def start_workers(cfg: PPOConfig) -> Workers:
     if cfg.use_critic:
         handles["critic"] = actor_of(CriticWorker, "critic")
     ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors
+    backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
+    if backend != "object_store":  # the actor (rank 0) and the rollout (rank 1) share a collective group
+        group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
+        ray.get([handles["actor"].join_weight_group.remote(group), handles["rollout"].join_weight_group.remote(group)])
     return Workers(**{role: RayRole(handle) for role, handle in handles.items()}, uses_ray=True,
                    started_ray=started_ray, _handles=list(handles.values()))
 

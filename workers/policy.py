@@ -16,6 +16,7 @@ from tasks.algorithms.kl import kl_penalty
 from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
 from workers.models import load_causal_lm, load_tokenizer, save_pretrained
 from workers.training import Learner, micro_batches, response_logits, weights_digest
+from workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
 class PolicyModel:
@@ -64,6 +65,8 @@ class ActorWorker(PolicyModel):
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.seed = cfg.data.seed
         self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device)
+        self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync)
+        self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
 
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
@@ -101,6 +104,15 @@ class ActorWorker(PolicyModel):
         """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
         save_pretrained(self.model, load_tokenizer(self.model_config), url)
 
-    def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The current weights (on CPU) and their version, for the rollout workers."""
-        return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}, self.weight_version
+    def prepare_weights(self) -> WeightUpdate:
+        """Lay out (and, through the object store, publish) the current weights for the rollout worker."""
+        update, self._outgoing = self.sender.prepare(self.model, self.weight_version)
+        return update
+
+    def broadcast_weights(self, update: WeightUpdate) -> None:
+        """Collective backends: send the prepared update's buckets to the rollout worker."""
+        self.sender.broadcast(self._outgoing, update, self.device)
+
+    def join_weight_group(self, group: str) -> None:
+        join_group(self.sender.sync.backend, group, rank=0)
+        self.sender.group = group

@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from configs.schema import PPOConfig
 from workers.models import load_causal_lm, load_tokenizer
+from workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class HFRolloutWorker:
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
         self.weight_version = 0
+        self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
+        self.receiver = WeightReceiver()
 
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
@@ -108,9 +111,11 @@ class HFRolloutWorker:
         })
         return repeated
 
-    def load_weights(self, exported: tuple[dict[str, torch.Tensor], int]) -> int:
-        """Replace the weights with ``ActorWorker.export_weights()``'s and stamp their version (a full copy)."""
-        state, version = exported
-        self.model.load_state_dict(state, strict=True)
-        self.weight_version = version
-        return version
+    def apply_weights(self, update: WeightUpdate) -> int:
+        """Take the actor's weights (see :mod:`workers.weight_sync`); returns the version now served."""
+        self.weight_version = self.receiver.apply(self.model, update, self.device)
+        return self.weight_version
+
+    def join_weight_group(self, group: str) -> None:
+        join_group(self.backend, group, rank=1)
+        self.receiver.group = group

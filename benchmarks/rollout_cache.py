@@ -1,0 +1,129 @@
+"""What the step cache saves and what it costs.
+
+1. Replay vs generation: the training flow (Prefect + Ray, as ``ppoflow train`` runs it) trains the
+   same steps twice with ``skip.rollout`` in ``cache`` mode: the first run generates and dumps, the
+   second replays every step. Reported: median ``timing_s/gen`` and ``timing_s/step`` of each run.
+2. Load throughput: one large step batch is written once; ``StepCache.load`` (read + sha256 +
+   decode) is timed against a raw read of the same payload bytes, on a local folder and on S3
+   (moto's server on 127.0.0.1, started here).
+
+    python benchmarks/rollout_cache.py [--steps 10] [--mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORKLOADS = {
+    "demo": [],
+    "larger": ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
+               "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
+               "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
+}
+
+
+def replay_vs_generation(scratch: str, steps: int) -> dict:
+    from flows.tracking import read_metrics
+    from flows.train import ppo_train
+
+    results = {}
+    for name, workload in WORKLOADS.items():
+        base = workload + [f"actor_rollout_ref.model.path={scratch}/{name}-model",
+                           f"data.train_files={scratch}/{name}-train.parquet", "data.val_files=null",
+                           "trainer.test_freq=-1", "trainer.logger=[]", f"trainer.total_training_steps={steps}",
+                           "skip.rollout.enable=true", f"skip.rollout.dump_dir={scratch}/{name}-dump",
+                           f"skip.rollout.steps={list(range(1, steps + 1))}"]
+        for run in ("generate", "replay"):
+            run_dir = f"{scratch}/{name}-{run}"
+            ppo_train(config="grpo_tiny", overrides=base + [f"trainer.default_local_dir={run_dir}"])
+            rows = read_metrics(run_dir)[1:]  # the first step also pays worker warm-up
+            results[f"{name}/{run}"] = {key: round(statistics.median(row[f"timing_s/{key}"] for row in rows) * 1000, 1)
+                                        for key in ("gen", "step")}
+            results[f"{name}/{run}"]["hits"] = sum(row["skip/rollout/hit"] for row in rows)
+    return results
+
+
+def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: str) -> dict:
+    import torch
+    from tensordict import TensorDict
+
+    from storage.batch import with_non_tensor_columns
+    from storage.fs import open_fs
+    from storage.rollout_cache import StepCache
+
+    rows, width = 1024, max(16, mib * 2**20 // (1024 * 21))  # 21 bytes per position: 2 int64 ids, a bool, a float32
+    batch = TensorDict({"prompts": torch.randint(0, 32000, (rows, width)), "responses": torch.randint(0, 32000, (rows, width)),
+                        "response_mask": torch.ones(rows, width, dtype=torch.bool),
+                        "rollout_log_probs": torch.randn(rows, width)}, batch_size=[rows])
+    with_non_tensor_columns(batch, {"uid": [str(i // 8) for i in range(rows)]})
+    cache = StepCache(root, storage_options=storage_options)
+    manifest = cache.write(1, batch)
+    fs, payload_path = open_fs(cache.payload_url(1), storage_options)
+    raw, loaded = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        fs.cat_file(payload_path)
+        raw.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        cache.load(1)
+        loaded.append(time.perf_counter() - start)
+    size_mib = manifest["payload_bytes"] / 2**20
+    raw_s, load_s = statistics.median(raw), statistics.median(loaded)
+    return {"payload_mib": round(size_mib, 1), "raw_read_mib_s": round(size_mib / raw_s, 1),
+            "load_mib_s": round(size_mib / load_s, 1), "load_time_x_raw": round(load_s / raw_s, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--mib", type=int, default=64)
+    args = parser.parse_args()
+
+    import boto3
+    import ray
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+    s3_options = {"client_kwargs": {"endpoint_url": endpoint}}
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            replay = replay_vs_generation(scratch, args.steps)
+            throughput = {"local": load_throughput(scratch, args.mib, None, f"{scratch}/load"),
+                          "s3 (moto on 127.0.0.1)": load_throughput(scratch, args.mib, s3_options, "s3://bench/load")}
+    finally:
+        server.stop()
+        ray.shutdown()
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print("| workload | run | timing_s/gen ms | timing_s/step ms | cache hits |\n|---|---|---|---|---|")
+    for key, row in replay.items():
+        workload, run = key.split("/")
+        print(f"| {workload} | {run} | {row['gen']} | {row['step']} | {row['hits']} |")
+    print("| storage | payload MiB | raw read MiB/s | StepCache.load MiB/s | load time / raw read |\n|---|---|---|---|---|")
+    for storage, row in throughput.items():
+        print(f"| {storage} | {row['payload_mib']} | {row['raw_read_mib_s']} | {row['load_mib_s']} | {row['load_time_x_raw']} |")
+    print(json.dumps({"replay": replay, "load": throughput}))
+
+
+if __name__ == "__main__":
+    main()
