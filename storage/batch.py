@@ -58,6 +58,9 @@ ROLLOUT_FIELDS = (
     "ground_truth",
 )
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
+RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
+                   "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
+"""Fields aligned with the response tokens ([N, R]); :func:`trim_response_padding` slices them together."""
 
 _NON_TENSOR_KEY = "ppoflow.non_tensor"
 _BATCH_SIZE_KEY = "ppoflow.batch_size"
@@ -76,6 +79,22 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
         # Wrap each value so that list/dict values stay opaque instead of being stacked.
         batch.set(name, NonTensorStack(*[NonTensorData(data=value) for value in values]))
     return batch
+
+
+def trim_response_padding(batch: TensorDict) -> TensorDict:
+    """The batch with its response-aligned fields cut to the longest valid response in it.
+
+    Responses are padded to ``max_response_length``; a forward pass over the padding is wasted
+    work (often most of it once a policy learns to stop early).
+    """
+    width = max(int(batch["response_mask"].sum(dim=1).max()), 1)
+    if width == batch["response_mask"].shape[1]:
+        return batch
+    trimmed = batch.clone(recurse=False)
+    for name in RESPONSE_FIELDS:
+        if name in batch.keys():
+            trimmed.set(name, batch[name][:, :width])
+    return trimmed
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor], *context: str) -> str:

@@ -129,3 +129,17 @@ def test_critic_values_and_update(tiny_overrides, prompts):
     for step in range(2, 6):
         last = critic.update(batch, step=step)["critic/vf_loss"]
     assert last < first  # regressing toward constant returns lowers the loss
+
+
+def test_response_padding_is_trimmed_without_changing_results(cfg, prompts):
+    """Extra padding columns cost nothing and change nothing (forward passes run on the trimmed batch)."""
+    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    padded = batch.clone()
+    extra = 5
+    for name in ("responses", "response_mask", "rollout_log_probs"):
+        padded[name] = torch.nn.functional.pad(batch[name], (0, extra))
+    actor = ActorWorker(cfg)
+    full, trimmed = actor.compute_log_prob(padded)["log_probs"], actor.compute_log_prob(batch)["log_probs"]
+    assert full.shape[1] == batch["responses"].shape[1] + extra
+    torch.testing.assert_close(full[:, :-extra], trimmed)
+    assert (full[:, -extra:] == 0).all()

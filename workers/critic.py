@@ -11,7 +11,7 @@ from configs.schema import PPOConfig
 from tasks.algorithms.advantages import masked_mean
 from tasks.algorithms.losses import compute_value_loss
 from workers.models import load_value_model
-from workers.training import Learner, micro_batches, sequence_inputs, weights_digest
+from workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
 class CriticWorker:
@@ -23,6 +23,7 @@ class CriticWorker:
         self.device = torch.device("cuda" if critic.resources.num_gpus > 0 else "cpu")
         self.cfg = critic
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
+        self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
         self.model = load_value_model(critic.model).to(self.device)
         self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device)
@@ -33,7 +34,7 @@ class CriticWorker:
         with torch.no_grad():
             values = [self._values(micro.to(self.device)).float().cpu()
                       for micro in micro_batches(batch, self.cfg.forward_micro_batch_size_per_gpu)]
-        return TensorDict({"values": torch.cat(values)}, batch_size=batch.batch_size)
+        return TensorDict({"values": pad_responses(values, batch["responses"].shape[1])}, batch_size=batch.batch_size)
 
     def weights_digest(self) -> str:
         """Checksum of the current weights (guards a cached value pass)."""
@@ -47,7 +48,8 @@ class CriticWorker:
             vpreds = self._values(micro)
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, micro["returns"], micro["values"], micro["response_mask"], cliprange_value=cfg.cliprange_value,
-                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                loss_scale_factor=self.response_length)
             averaged = {"critic/vf_clipfrac": vf_clipfrac,
                         "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"])}
             return vf_loss, {"critic/vf_loss": vf_loss}, averaged

@@ -15,7 +15,7 @@ from configs.schema import PPOConfig, ResourcesConfig
 from tasks.algorithms.kl import kl_penalty
 from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
 from workers.models import load_causal_lm, load_tokenizer, save_pretrained
-from workers.training import Learner, micro_batches, response_logits, weights_digest
+from workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
@@ -38,7 +38,7 @@ class PolicyModel:
             for micro in micro_batches(batch, self.micro_batch_size):
                 logits = response_logits(self.model, micro.to(self.device)) / self.temperature
                 parts.append(log_probs_from_logits(logits, micro["responses"].to(self.device)).float().cpu())
-        return TensorDict({"log_probs": torch.cat(parts)}, batch_size=batch.batch_size)
+        return TensorDict({"log_probs": pad_responses(parts, batch["responses"].shape[1])}, batch_size=batch.batch_size)
 
     def weights_digest(self) -> str:
         """Checksum of the current weights (guards a cached log-prob pass)."""
@@ -63,6 +63,7 @@ class ActorWorker(PolicyModel):
         self.cfg = actor
         self.model_config = cfg.actor_rollout_ref.model
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
+        self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
         self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device)
         self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync)
@@ -74,6 +75,8 @@ class ActorWorker(PolicyModel):
         cfg = self.cfg
 
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
+            # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
+            normalizers = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": self.response_length}
             mask = micro["response_mask"]
             logits = response_logits(self.model, micro) / self.temperature
             log_probs = log_probs_from_logits(logits, micro["responses"])
@@ -81,14 +84,13 @@ class ActorWorker(PolicyModel):
                 micro["old_log_probs"], log_probs, micro["advantages"], mask,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.get("rollout_is_weights", None),
-                num_tokens=num_tokens, num_seqs=num_seqs)
-            entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode,
-                               num_tokens=num_tokens, num_seqs=num_seqs)
+                **normalizers)
+            entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode, **normalizers)
             loss = pg_loss - cfg.entropy_coeff * entropy
             summed = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
             if cfg.use_kl_loss:
                 kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type), mask,
-                              cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                              cfg.loss_agg_mode, **normalizers)
                 loss = loss + cfg.kl_loss_coef * kl
                 summed["actor/kl_loss"] = kl
             return loss, summed, {f"actor/{name}": value for name, value in pg_metrics.items()}

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from configs.schema import OptimConfig
-from storage.batch import tensors_digest
+from storage.batch import tensors_digest, trim_response_padding
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,10 +41,16 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def micro_batches(batch: TensorDict, size: int | None) -> Iterator[TensorDict]:
-    """Consecutive slices of at most ``size`` rows (all rows when ``size`` is None)."""
+    """Consecutive slices of at most ``size`` rows (all rows when ``size`` is None), each with its
+    response padding trimmed to its own longest response."""
     size = size or batch.batch_size[0]
     for start in range(0, batch.batch_size[0], size):
-        yield batch[start:start + size]
+        yield trim_response_padding(batch[start:start + size])
+
+
+def pad_responses(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Concatenate per-micro-batch [n, r] outputs, zero-padding each back to ``width`` columns."""
+    return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
 
 
 def mini_batches(batch: TensorDict, size: int, *, shuffle: bool, generator: torch.Generator) -> Iterator[TensorDict]:

@@ -3,9 +3,10 @@
 Per-tensor transfers are the known slow path (many small messages), so tensors are packed into flat
 ``uint8`` buckets of at most ``weight_sync.bucket_mb`` MiB, described by :class:`TensorSlot` layouts:
 
-* ``object_store`` — the actor writes each bucket into Ray's shared-memory object store itself and
-  returns only references; the rollout worker maps the bucket without copying and copies it into
-  its parameters. The weights never pass through the driver.
+* ``object_store`` — the actor writes each bucket (one object holding its tensors' raw bytes) into
+  Ray's shared-memory object store itself and returns only references; the rollout worker maps the
+  bytes without copying and copies them into its parameters: one copy in, one copy out, and the
+  weights never pass through the driver.
 * ``nccl`` / ``gloo`` — the actor and the rollout worker join one Ray collective group
   (``ray.util.collective``); each sync the actor broadcasts its buckets and the rollout receives
   them into buffers on its own device (GPU to GPU with NCCL; gloo does the same on CPUs).
@@ -80,11 +81,10 @@ def pack(state: dict[str, torch.Tensor], layout: list[TensorSlot], device: torch
 
 
 def unpack_into(state: dict[str, torch.Tensor], layout: list[TensorSlot], bucket: torch.Tensor) -> None:
-    """Copy each slot of ``bucket`` into the tensor of the same name (in place, on its own device)."""
+    """Copy each slot of a packed ``bucket`` into the tensor of the same name (in place)."""
     for slot in layout:
-        target = state[slot.name]
         source = bucket[slot.offset:slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
-        target.copy_(source, non_blocking=True)
+        state[slot.name].copy_(source, non_blocking=True)
 
 
 class WeightSender:
@@ -105,8 +105,8 @@ class WeightSender:
             state = changed
         update = WeightUpdate(version, plan_buckets(state.items(), self.sync.bucket_mb * 2**20))
         if self.sync.backend == "object_store":
-            buckets = [pack(state, layout, torch.device("cpu")) for layout in update.layouts]
-            update.payloads = [_publish(bucket) for bucket in buckets]
+            update.payloads = [_publish([_raw_bytes(state[slot.name].cpu()) for slot in layout])
+                               for layout in update.layouts]
         return update, state
 
     def broadcast(self, state: dict[str, torch.Tensor], update: WeightUpdate, device: torch.device) -> None:
@@ -126,36 +126,51 @@ class WeightReceiver:
     def apply(self, model: torch.nn.Module, update: WeightUpdate, device: torch.device) -> int:
         state = model.state_dict()
         for index, layout in enumerate(update.layouts):
-            if update.payloads:  # object store: map the bucket (read-only, shared memory), copy out
-                bucket = update.payloads[index]
-                if not isinstance(bucket, torch.Tensor):
-                    import ray
-
-                    bucket = ray.get(bucket)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read it
-                        bucket = torch.frombuffer(memoryview(bucket), dtype=torch.uint8)
-            else:  # collective: receive into a buffer on this worker's device
+            if update.payloads:  # object store: map each tensor's bytes (read-only, shared memory), copy out
+                for slot, raw in zip(layout, _fetch(update.payloads[index])):
+                    _copy_slot(state[slot.name], slot, raw)
+            else:  # collective: receive the packed bucket into a buffer on this worker's device
                 from ray.util import collective
 
                 bucket = torch.empty(bucket_size(layout), dtype=torch.uint8, device=device)
                 collective.broadcast(bucket, src_rank=0, group_name=self.group)
-            unpack_into(state, layout, bucket.to(device))
+                unpack_into(state, layout, bucket)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return update.version
 
 
-def _publish(bucket: torch.Tensor):
-    """Inside a Ray actor, put the bucket into the shared-memory object store (the actor owns it and
-    the driver only sees a reference); in-process, hand over the tensor itself."""
+def _raw_bytes(tensor: torch.Tensor):
+    """A tensor's bytes as a flat uint8 NumPy view (NumPy has no bfloat16; bytes travel zero-copy)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _fetch(payload) -> list:
+    """A bucket's per-tensor byte arrays: mapped from the object store, or as handed over in-process."""
+    if isinstance(payload, list):
+        return payload
+    import ray
+
+    return ray.get(payload)
+
+
+def _copy_slot(target: torch.Tensor, slot: TensorSlot, raw) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only shared-memory buffer: we only read it
+        source = torch.frombuffer(memoryview(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    target.copy_(source.view(getattr(torch, slot.dtype)).view(slot.shape), non_blocking=True)
+
+
+def _publish(arrays: list):
+    """Inside a Ray actor, put a bucket into the shared-memory object store (the actor owns it and
+    the driver only sees a reference); in-process, hand over the arrays themselves."""
     try:
         import ray
 
         in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
     except ImportError:
         in_actor = False
-    return ray.put(bucket.numpy()) if in_actor else bucket
+    return ray.put(arrays) if in_actor else arrays
 
 
 def join_group(backend: str, group: str, rank: int) -> None:
