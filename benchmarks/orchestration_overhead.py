@@ -35,18 +35,16 @@ WORKLOADS = {
 
 
 def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
-    """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones (same prompts each step)."""
+    """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones."""
     from prefect import flow
 
     from flows.train import BARE_STAGES, STAGES, start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
     run.stages = STAGES if prefect_tasks else BARE_STAGES
-    rows = list(range(cfg.data.train_batch_size))
-    prompts = run.train_set.batch(rows, [str(row) for row in rows], run.tokenizer.pad_token_id)
 
     def loop() -> list[float]:
-        return [metrics["timing_s/step"] for metrics in train_steps(run, range(1, warmup + steps + 1), lambda _: prompts)]
+        return [metrics["timing_s/step"] for _, metrics in train_steps(run, range(1, warmup + steps + 1))]
 
     try:
         times = flow(name="overhead-benchmark")(loop)() if prefect_tasks else loop()

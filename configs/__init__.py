@@ -118,7 +118,7 @@ def _parse_overrides(overrides: Sequence[str]):
 
 PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path",
              "actor_rollout_ref.model.tokenizer_path", "critic.model.path", "critic.model.tokenizer_path",
-             "trainer.default_local_dir")
+             "trainer.default_local_dir", "trainer.resume_from_path")
 """Keys holding local paths or URLs; relative local paths are resolved against the caller's working
 directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
 

@@ -233,6 +233,11 @@ class TrainerConfig(Section):
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
     total_training_steps: Optional[int] = Field(ge=1, description="Steps to run; null = total_epochs x steps per epoch.")
     test_freq: int = Field(ge=-1, description="Validate every N steps (and after the last); -1 or 0 = never.")
+    save_freq: int = Field(ge=-1, description="Checkpoint every N steps (and after the last); -1 or 0 = never.")
+    resume_mode: Literal["auto", "disable", "resume_path"] = Field(
+        description="auto: resume from the newest complete checkpoint in default_local_dir; disable: start fresh; "
+                    "resume_path: resume from resume_from_path.")
+    resume_from_path: Optional[str] = Field(description="A global_step_N checkpoint directory (resume_mode=resume_path).")
     val_before_train: bool = Field(description="Validate once before the first step (when test_freq > 0).")
     default_local_dir: str = Field(description="Run directory: metrics.jsonl, TensorBoard events, checkpoints.")
     logger: list[str] = Field(description="Where metrics go besides metrics.jsonl: console, tensorboard.")
@@ -329,6 +334,9 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                       ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         if kind not in KL_PENALTY_KINDS:
             errors.append((key, f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_PENALTY_KINDS)}"))
+    if cfg.trainer.resume_mode == "resume_path" and not re.search(r"global_step_\d+/?$", cfg.trainer.resume_from_path or ""):
+        errors.append(("trainer.resume_from_path", f"resume_mode=resume_path needs a .../global_step_N directory, "
+                       f"got {cfg.trainer.resume_from_path!r}"))
     if cfg.trainer.test_freq > 0 and data.val_files is None:
         errors.append(("data.val_files", f"trainer.test_freq={cfg.trainer.test_freq} needs validation files"))
     for name in cfg.trainer.logger:

@@ -56,10 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         if name == "show":
             sub.add_argument("--samples", type=int, default=8, help="how many trajectories to print")
 
+    serve = commands.add_parser("serve", help="register the ppo-train and regression-replay deployments and run them")
+    serve.add_argument("--replay-dir", default="regression/golden", help="golden directory of `ppoflow replay record`")
+    serve.add_argument("--cron", default="0 3 * * *", help="schedule of regression-replay (default: nightly at 03:00)")
+    serve.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
+
     build = commands.add_parser("build-tiny-model", help="write the demo's random-init Llama + char tokenizer")
     build.add_argument("path")
     build.add_argument("overrides", nargs="*", help="TinyModelConfig fields, e.g. hidden_size=64")
 
+    from flows.replay import add_commands as add_replay_commands
+
+    COMMANDS["replay"] = add_replay_commands(commands)
     args = parser.parse_args(argv)
     from configs import ConfigError
 
@@ -186,7 +194,14 @@ def _decoder(tokenizer_path: str | None):
     return ids
 
 
-COMMANDS = {"train": _train, "config": _config, "cache": _cache, "build-tiny-model": _build_tiny_model}
+def _serve(args) -> int:
+    from flows.deploy import serve_deployments
+
+    serve_deployments(args.replay_dir, args.cron, args.limit)
+    return 0
+
+
+COMMANDS = {"train": _train, "config": _config, "cache": _cache, "serve": _serve, "build-tiny-model": _build_tiny_model}
 
 if __name__ == "__main__":
     sys.exit(main())

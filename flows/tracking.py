@@ -7,7 +7,7 @@ import json
 import math
 import time
 
-from storage.fs import open_fs
+from storage.fs import atomic_write, open_fs
 
 PROGRESS_KEYS = {"critic/score/mean": "score", "timing_s/step": "s/step"}
 """What the progress bar shows after each step (plus the latest validation reward)."""
@@ -20,9 +20,14 @@ class Tracker:
         self.fs, self.run_dir = open_fs(run_dir)
         self.fs.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = f"{self.run_dir}/metrics.jsonl"
-        if self.fs.exists(self.metrics_path):  # an earlier run of this experiment: keep its rows aside
-            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-            self.fs.mv(self.metrics_path, f"{self.run_dir}/metrics-{stamp}.jsonl")
+        if self.fs.exists(self.metrics_path):
+            if first_step > 1:  # resumed: keep the rows up to the checkpoint, drop what the crashed run logged after it
+                kept = [line for line in self.fs.cat_file(self.metrics_path).decode().splitlines(keepends=True)
+                        if line.strip() and json.loads(line)["step"] < first_step]
+                atomic_write(self.fs, self.metrics_path, "".join(kept).encode())
+            else:  # an earlier run of this experiment: keep its rows aside
+                stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+                self.fs.mv(self.metrics_path, f"{self.run_dir}/metrics-{stamp}.jsonl")
         self.progress = None
         self.tensorboard = None
         if "console" in loggers:
@@ -56,9 +61,12 @@ class Tracker:
             self.progress.update(1)
 
     def note(self, message: str) -> None:
-        """A line of text above the progress bar (validation results, samples)."""
+        """A line of text (validation results, checkpoints, resumes): above the progress bar, or printed
+        (inside a flow run, printed lines also reach the Prefect run's logs)."""
         if self.progress is not None:
             self.progress.write(message)
+        else:
+            print(message)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -22,19 +22,23 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any, Literal, Optional
 
 from prefect import flow, get_run_logger
+from pydantic import Field
 from tensordict import TensorDict
 
 from configs import load_config
 from configs.schema import PPOConfig
 from flows.metrics import data_metrics
 from flows.stages import PendingStage, StageResult, start_stage
-from flows.tracking import Tracker
-from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
+from flows.artifacts import RunArtifacts
+from flows.tracking import Tracker, read_metrics
+from storage.batch import NON_TENSOR_FIELDS, decode_batch, encode_batch, non_tensor_column
+from storage.checkpoint import commit, latest, read_file, read_trainer_state, step_url, write_file
+from storage.fs import join
 from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
 from tasks.advantage import advantage
 from tasks.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights
@@ -61,6 +65,11 @@ BARE_STAGES = SimpleNamespace(**{name: stage.fn for name, stage in vars(STAGES).
 """The same stages as plain functions: a step without any Prefect task run (benchmark baseline)."""
 
 
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT = "rollout_in_flight.safetensors"
+"""A one_step_off checkpoint's batch generated for the next step."""
+
 CACHE_STAGE = {"generate": "rollout", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref",
                "values": "values", "advantage": "advantage"}
 """The ``skip.<stage>`` key that caches each stage task's result."""
@@ -85,6 +94,32 @@ class Run:
     stages: Any
     sampling: SamplingParams
     caches: dict[str, StageCache]
+    batches: Iterator[tuple[int, list[int]]] = None
+    epochs: dict[int, int] = field(default_factory=dict)
+    step_prompts: dict[int, TensorDict] = field(default_factory=dict)
+    synced_version: int = 0
+    launch_versions: dict[int, int] = field(default_factory=dict)
+
+    def prompts(self, step: int) -> TensorDict:
+        """The prompt batch of ``step``: drawn once from the loader (crossing epochs without a pause)."""
+        if step not in self.step_prompts:
+            if self.batches is None:
+                self.batches = iter(self.loader)
+            self.epochs[step], rows = next(self.batches)
+            self.step_prompts[step] = self.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))],
+                                                           self.tokenizer.pad_token_id)
+        return self.step_prompts[step]
+
+    def restarted_rollout(self, step: int, batch: TensorDict) -> bool:
+        """Whether ``batch`` came from other weights than the ones pushed before its generation started
+        (Ray restarted a dead rollout worker, which then serves its initial weights)."""
+        expected = self.launch_versions.pop(step, self.synced_version)
+        if bool((batch["weight_version"] == expected).all()):
+            return False
+        logger.warning("step %d was generated with weight version %s instead of %d: the rollout worker was "
+                       "restarted; re-syncing its weights and generating again", step,
+                       sorted(set(batch["weight_version"].tolist())), expected)
+        return True
 
     def call(self, name: str, step: int, *args, guard: TensorDict | None = None) -> StageResult:
         """Call stage task ``name`` for ``step`` through its step cache (when ``skip.<stage>`` covers it);
@@ -141,8 +176,10 @@ def timed(timing: dict[str, float], name: str):
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
-def generation(run: Run, step: int, prompts: TensorDict, *, background: bool) -> PendingStage:
+def generation(run: Run, step: int, *, background: bool) -> PendingStage:
     """Stage 1 for ``step``: in the background (a Prefect future on the rollout worker) or when awaited."""
+    prompts = run.prompts(step)
+    run.launch_versions[step] = run.synced_version
     return start_stage(run.caches.get("rollout"), run.stages.generate, step, run.workers, prompts, step, run.sampling,
                        meta=run.rollout_meta(), prompt_uids=non_tensor_column(prompts, "uid"),
                        n=run.cfg.actor_rollout_ref.rollout.n, background=background)
@@ -150,7 +187,9 @@ def generation(run: Run, step: int, prompts: TensorDict, *, background: bool) ->
 
 def sync_weights(run: Run) -> int:
     """Stage 6: the rollout worker takes the actor's current weights."""
-    return run.stages.weight_sync(run.workers, run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store")
+    collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
+    run.synced_version = run.stages.weight_sync(run.workers, collective)
+    return run.synced_version
 
 
 def ppo_update(run: Run, step: int, batch: TensorDict, metrics: dict[str, float], timing: dict[str, float]) -> None:
@@ -213,39 +252,48 @@ def correct_off_policy(batch: TensorDict, correction) -> dict[str, float]:
     return metrics
 
 
-def train_steps(run: Run, steps: range, prompts_for: Callable[[int], TensorDict]) -> Iterator[dict[str, float]]:
-    """The training loop over ``steps``; yields each step's metrics.
+def train_steps(run: Run, steps: range, *, in_flight: PendingStage | None = None,
+                after_step: Callable[[int, PendingStage | None], PendingStage | None] | None = None,
+                ) -> Iterator[tuple[int, dict[str, float]]]:
+    """The training loop over ``steps``; yields each step and its metrics.
 
     ``sync``: generate, train, push the new weights. ``one_step_off`` (verl's order): wait for the
     batch generated during the previous step (with the weights before that step's update), push the
     current weights, start generating the next batch, then train on this one - so generation
     overlaps training and every sample is exactly one update old. A step the rollout cache will
-    replay starts no generation.
+    replay starts no generation. ``in_flight`` is a resumed run's already generated first batch;
+    ``after_step(step, pending)`` runs once the step's metrics are consumed (checkpointing).
     """
     one_step_off = run.cfg.trainer.mode == "one_step_off"
-    pending = generation(run, steps[0], prompts_for(steps[0]), background=one_step_off)
+    pending = in_flight
     for step in steps:
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
         with timed(timing, "step"):
             # 1. generate (sync), or wait for the batch started during the previous step (one_step_off)
             with timed(timing, "gen"):
-                generated = pending.result()
+                generated = (pending or generation(run, step, background=one_step_off)).result()
+                if generated.metrics.get("skip/rollout/hit") != 1.0 and run.restarted_rollout(step, generated.fields):
+                    sync_weights(run)  # a restarted rollout worker serves its initial weights: re-sync, regenerate
+                    generated = generation(run, step, background=False).result()
+                    metrics["training/rollout_regenerated"] = 1.0
+            run.step_prompts.pop(step, None)
             batch = generated.fields
             metrics.update(generated.metrics)
+            pending = None
             if one_step_off:
                 # 6. (one_step_off) push the current weights, then start the next batch before training
                 with timed(timing, "sync_rollout_weights"):
                     with timed(timing, "update_weights"):
                         sync_weights(run)
-                    pending = generation(run, step + 1, prompts_for(step + 1), background=True) if step < steps[-1] else None
+                    if step < steps[-1]:
+                        pending = generation(run, step + 1, background=True)
             # 2.-5. reward, log-probs, advantage, update
             ppo_update(run, step, batch, metrics, timing)
             if not one_step_off:
                 # 6. push the new weights to the rollout worker
                 with timed(timing, "update_weights"):
                     sync_weights(run)
-                pending = generation(run, step + 1, prompts_for(step + 1), background=False) if step < steps[-1] else None
         if generated.metrics.get("skip/rollout/hit") != 1.0:  # a replayed batch's weight versions are history
             staleness = (step - 1 - batch["weight_version"]).float()
             metrics.update({"training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
@@ -254,7 +302,9 @@ def train_steps(run: Run, steps: range, prompts_for: Callable[[int], TensorDict]
             metrics["timing_s/generate_async"] = generated.background_seconds
             metrics["perf/generate_overlap_ratio"] = max(0.0, 1 - timing["gen"] / max(generated.background_seconds, 1e-9))
         metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
-        yield metrics
+        yield step, metrics
+        if after_step is not None:
+            pending = after_step(step, pending)
 
 
 def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
@@ -285,25 +335,87 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
     return metrics, samples
 
 
+def save_checkpoint(run: Run, step: int, pending: PendingStage | None) -> tuple[str, PendingStage | None]:
+    """Checkpoint everything a resumed run needs to reproduce the next steps exactly.
+
+    The actor (and critic) write their own weights and optimizer state; one_step_off's batch in
+    flight (generated for step+1) is awaited and saved too, so nothing generated is lost.
+    """
+    directory = step_url(run.cfg.trainer.default_local_dir, step)
+    files = {f"actor/{name}": entry for name, entry in
+             run.workers.get(run.workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()}
+    if run.cfg.use_critic:
+        files.update({f"critic/{name}": entry for name, entry in
+                      run.workers.get(run.workers.critic.submit("save_checkpoint", join(directory, "critic"))).items()})
+    if pending is not None:
+        generated = pending.result()
+        files[IN_FLIGHT] = write_file(join(directory, IN_FLIGHT), encode_batch(generated.fields))
+        pending = PendingStage(lambda: generated)
+    state = {"global_step": step, "dataloader": run.loader.state_dict(), "kl_controller": run.kl_controller.state_dict(),
+             "weight_version": run.synced_version, "epochs": {str(k): v for k, v in run.epochs.items() if k > step}}
+    return commit(run.cfg.trainer.default_local_dir, step, files, state), pending
+
+
+def restore(run: Run, directory: str) -> tuple[int, PendingStage | None]:
+    """Load a checkpoint into the run; return the first step to train and the batch that was in flight."""
+    marker, state = read_trainer_state(directory)
+    files = marker["files"]
+
+    def entries(role: str) -> dict:
+        return {name.split("/", 1)[1]: entry for name, entry in files.items() if name.startswith(f"{role}/")}
+
+    run.workers.get(run.workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"),
+                                             state["weight_version"]))
+    if run.cfg.use_critic:
+        run.workers.get(run.workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
+    run.loader.load_state_dict(state["dataloader"])
+    run.kl_controller.load_state_dict(state["kl_controller"])
+    run.epochs.update({int(step): epoch for step, epoch in state["epochs"].items()})
+    sync_weights(run)  # the rollout worker serves the restored weights
+    in_flight = None
+    if IN_FLIGHT in files:
+        batch = decode_batch(read_file(join(directory, IN_FLIGHT), files[IN_FLIGHT]))
+        in_flight = PendingStage(lambda: StageResult(batch, {}))
+        run.launch_versions[state["global_step"] + 1] = int(batch["weight_version"].max())
+    return state["global_step"] + 1, in_flight
+
+
+def resume_point(cfg: PPOConfig) -> str | None:
+    """The checkpoint to resume from, per ``trainer.resume_mode``."""
+    if cfg.trainer.resume_mode == "disable":
+        return None
+    if cfg.trainer.resume_mode == "resume_path":
+        return cfg.trainer.resume_from_path
+    return latest(cfg.trainer.default_local_dir)
+
+
 def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
-    """Run the whole training loop; returns the last step's metrics."""
+    """Run the whole training loop (resuming from a checkpoint when there is one); returns the last step's metrics."""
     run = start_run(cfg, orchestrated=orchestrated)
-    tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps)
-    test_freq = cfg.trainer.test_freq if run.val_set is not None else 0
     metrics: dict[str, float] = {}
+    tracker = None
     try:
-        if test_freq > 0 and cfg.trainer.val_before_train:
+        resume = resume_point(cfg)
+        first_step, in_flight = restore(run, resume) if resume else (1, None)
+        tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
+        artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
+        if resume:
+            tracker.note(f"resumed from {resume}: continuing at step {first_step}")
+        test_freq = cfg.trainer.test_freq if run.val_set is not None else 0
+        save_freq = cfg.trainer.save_freq
+        if test_freq > 0 and cfg.trainer.val_before_train and first_step == 1:
             val_metrics, samples = validate(run, step=0)
             tracker.note(f"step 0 validation {val_metrics}; samples: {samples}")
-        batches, epochs = iter(run.loader), {}
 
-        def prompts_for(step: int) -> TensorDict:
-            epochs[step], rows = next(batches)  # crosses epoch boundaries without a pause
-            return run.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], run.tokenizer.pad_token_id)
+        def after_step(step: int, pending: PendingStage | None) -> PendingStage | None:
+            if save_freq > 0 and (step % save_freq == 0 or step == run.total_steps):
+                directory, pending = save_checkpoint(run, step, pending)
+                tracker.note(f"checkpoint written to {directory}")
+            return pending
 
-        steps = range(1, run.total_steps + 1)
-        for step, metrics in zip(steps, train_steps(run, steps, prompts_for)):
-            metrics.update({"training/global_step": step, "training/epoch": epochs.pop(step)})
+        steps = range(first_step, run.total_steps + 1)
+        for step, metrics in train_steps(run, steps, in_flight=in_flight, after_step=after_step):
+            metrics.update({"training/global_step": step, "training/epoch": run.epochs.pop(step)})
             if test_freq > 0 and (step % test_freq == 0 or step == run.total_steps):
                 if cfg.trainer.mode == "one_step_off":
                     sync_weights(run)  # validate this step's weights, not the ones the next batch samples with
@@ -311,19 +423,43 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                 metrics.update(val_metrics)
                 tracker.note(f"step {step} validation {val_metrics}; samples: {samples}")
             tracker.log(step, metrics)
+            artifacts.step(step, metrics)
         final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"
         run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
         tracker.note(f"trained policy written to {final_model}")
+        curve = artifacts.finish(read_metrics(cfg.trainer.default_local_dir), checkpoint=latest(cfg.trainer.default_local_dir),
+                                 caches=[cache.cache.root for cache in run.caches.values()])
+        tracker.note(f"reward curve written to {curve}")
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
         run.workers.shutdown()
     return metrics
 
 
 @flow(name="ppo-train", log_prints=True)
-def ppo_train(config: str = "grpo_tiny", overrides: list[str] = []) -> dict[str, float]:  # noqa: B006 (Prefect: a default list keeps the parameter optional)
-    """Train a policy with PPO/GRPO: ``config`` is a preset name or YAML path, ``overrides`` are ``key=value`` words."""
-    cfg = load_config(config, overrides)
+def ppo_train(
+    config: str = "grpo_tiny",
+    overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
+    experiment_name: Optional[str] = None,
+    total_training_steps: Annotated[Optional[int], Field(ge=1)] = None,
+    mode: Optional[Literal["sync", "one_step_off"]] = None,
+) -> dict[str, float]:
+    """Train a policy with PPO/GRPO.
+
+    The run's config is the preset (or YAML file) with the overrides merged over it; the typed
+    fields, when set, are applied last. An invalid config fails the run at once, naming the key.
+
+    Args:
+        config: Preset in configs/ (grpo_tiny, ppo_trainer) or a path to a YAML file.
+        overrides: key=value overrides, one per row, e.g. actor_rollout_ref.rollout.n=4 or skip.rollout.steps=[1,2].
+        experiment_name: trainer.experiment_name (names the run and cache directories).
+        total_training_steps: trainer.total_training_steps.
+        mode: trainer.mode: sync, or one_step_off (generation overlaps the update).
+    """
+    typed = {"trainer.experiment_name": experiment_name, "trainer.total_training_steps": total_training_steps,
+             "trainer.mode": mode}
+    cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in typed.items() if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
     # Each task run's "Finished in state Completed()" line costs ~3 ms of console rendering and buries
     # the progress bar; task states still reach the Prefect API and UI without it.

@@ -1,4 +1,4 @@
-"""Small fsspec helpers shared by the rollout cache (and, later, checkpoints).
+"""Small fsspec helpers shared by the rollout cache and checkpoints.
 
 Why they exist:
 
@@ -12,13 +12,17 @@ Why they exist:
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
 import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
+
+logger = logging.getLogger(__name__)
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 _S3_PROTOCOLS = ("s3", "s3a")
@@ -82,3 +86,37 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         os.fsync(directory_fd)
     finally:
         os.close(directory_fd)
+
+
+class StorageError(Exception):
+    """A problem with one stored file; ``path`` names it and ``reason`` says what is wrong."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(path, reason)  # both in args, so the error survives pickling (Ray)
+        self.path = path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+class StorageWriteError(StorageError):
+    """A write that still failed after its retries; ``path`` is the file being written."""
+
+
+def write_with_retries(url: str, write, *, retries: int, backoff_s: float,
+                       error: type[StorageWriteError] = StorageWriteError) -> None:
+    """Run ``write()``; retry a failure ``retries`` times (sleeping ``backoff_s * 2**k``), then raise ``error``.
+
+    fsspec backends raise their own error types (botocore's connection errors are not OSError),
+    so every failure is retried and finally reported.
+    """
+    for attempt in range(1, retries + 2):
+        try:
+            write()
+            return
+        except Exception as failure:
+            if attempt == retries + 1:
+                raise error(url, f"write failed after {attempt} attempts: {failure!r}") from failure
+            logger.warning("writing %s failed (attempt %d of %d): %r; retrying", url, attempt, retries + 1, failure)
+            time.sleep(backoff_s * 2 ** (attempt - 1))

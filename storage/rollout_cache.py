@@ -28,7 +28,6 @@ import json
 import logging
 import operator
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,7 +37,7 @@ from fsspec import AbstractFileSystem
 from tensordict import TensorDict
 
 from storage.batch import decode_batch, encode_batch, non_tensor_column, with_non_tensor_columns
-from storage.fs import atomic_write, join, normalize_url, open_fs
+from storage.fs import StorageError, StorageWriteError, atomic_write, join, normalize_url, open_fs, write_with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +63,12 @@ _MANIFEST_TYPES: dict[str, type] = {
 }
 
 
-class CacheCorrupt(Exception):
+class CacheCorrupt(StorageError):
     """A cache entry that exists but cannot be trusted; ``path`` is the offending file."""
 
-    def __init__(self, path: str, reason: str):
-        super().__init__(path, reason)  # both in args, so the error survives pickling (Ray)
-        self.path = path
-        self.reason = reason
 
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
-
-
-class CacheWriteError(Exception):
+class CacheWriteError(StorageWriteError):
     """A cache write that still failed after its retries; ``path`` is the file being written."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(path, reason)
-        self.path = path
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -402,18 +385,7 @@ class StepCache:
 
     def _with_retries(self, url: str, write: Callable[[], None]) -> None:
         """Run ``write``, retrying failures; raise :class:`CacheWriteError` once retries are spent."""
-        attempts = self.write_retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                write()
-                return
-            # fsspec backends raise their own error types (botocore's connection errors are not
-            # OSError), so every failure of the write is retried and finally reported.
-            except Exception as error:
-                if attempt == attempts:
-                    raise CacheWriteError(url, f"write failed after {attempts} attempts: {error!r}") from error
-                logger.warning("writing %s failed (attempt %d of %d): %r; retrying", url, attempt, attempts, error)
-                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+        write_with_retries(url, write, retries=self.write_retries, backoff_s=self.retry_backoff_s, error=CacheWriteError)
 
 
 def scan(dump_dir: str, storage_options: dict | None = None) -> list[CacheEntry]:

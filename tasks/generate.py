@@ -11,13 +11,14 @@ from tasks.caching import StageRecord, StepDump, dump_stage
 from workers.rollout import SamplingParams
 
 
-@task(name="generate", cache_policy=NO_CACHE)
+@task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams,
              dump: StepDump | None = None) -> StageRecord:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
     Only tensors travel to the rollout worker; the per-prompt columns (uid, data_source,
-    ground_truth) stay here and are repeated onto the prompt's ``n`` responses.
+    ground_truth) stay here and are repeated onto the prompt's ``n`` responses. Retried: a rollout
+    worker that died mid-generation is restarted by Ray, and the flow re-syncs its weights.
     """
     rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
                                                  sampling=sampling))

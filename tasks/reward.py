@@ -28,7 +28,7 @@ def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
     return tokenizer.batch_decode(texts, skip_special_tokens=False)
 
 
-@task(name="reward", cache_policy=NO_CACHE)
+@task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, dump: StepDump | None = None) -> StageRecord:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported."""
     scores, extras = score_responses(non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),

@@ -36,6 +36,13 @@ class CriticWorker:
                       for micro in micro_batches(batch, self.cfg.forward_micro_batch_size_per_gpu)]
         return TensorDict({"values": pad_responses(values, batch["responses"].shape[1])}, batch_size=batch.batch_size)
 
+    def save_checkpoint(self, directory: str) -> dict[str, dict]:
+        """Write weights and optimizer into ``directory`` (a checkpoint's ``critic/``); manifest entries."""
+        return self.learner.save(directory)
+
+    def load_checkpoint(self, directory: str, entries: dict[str, dict]) -> None:
+        self.learner.load(directory, entries)
+
     def weights_digest(self) -> str:
         """Checksum of the current weights (guards a cached value pass)."""
         return weights_digest(self.model)

@@ -25,6 +25,9 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSF
               "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """Environment of every worker process: one OpenMP thread unless a role asks for more, quiet logs."""
 
+RESTARTS = 3
+"""How often Ray restarts a crashed stateless worker (rollout, reference) before the run fails."""
+
 
 class RayRole:
     """A role served by a Ray actor; ``submit`` returns an ``ObjectRef``."""
@@ -109,16 +112,21 @@ def start_workers(cfg: PPOConfig) -> Workers:
     started_ray = _connect_ray(cfg, roles)
     _check_fits(roles)
 
-    def actor_of(cls, key):
+    def actor_of(cls, key, *, restartable: bool = False):
         resources = roles[key]
         env = {**WORKER_ENV, "OMP_NUM_THREADS": str(resources.num_threads)}
         return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                                       max_restarts=RESTARTS if restartable else 0,
+                                       max_task_retries=RESTARTS if restartable else 0,
                                        runtime_env={"env_vars": env}).remote(cfg)
 
-    handles = {"rollout": actor_of(HFRolloutWorker, "actor_rollout_ref.rollout"),
+    # The rollout and reference workers hold no training state, so Ray may restart them after a crash
+    # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
+    # the actor and critic resume from checkpoints instead.
+    handles = {"rollout": actor_of(HFRolloutWorker, "actor_rollout_ref.rollout", restartable=True),
                "actor": actor_of(ActorWorker, "actor_rollout_ref.actor")}
     if cfg.use_reference:
-        handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref")
+        handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref", restartable=True)
     if cfg.use_critic:
         handles["critic"] = actor_of(CriticWorker, "critic")
     ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors

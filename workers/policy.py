@@ -102,6 +102,16 @@ class ActorWorker(PolicyModel):
         self.weight_version += 1
         return metrics
 
+    def save_checkpoint(self, directory: str) -> dict[str, dict]:
+        """Write weights and optimizer into ``directory`` (a checkpoint's ``actor/``); manifest entries."""
+        return self.learner.save(directory)
+
+    def load_checkpoint(self, directory: str, entries: dict[str, dict], weight_version: int) -> None:
+        """Restore weights, optimizer and the weight version from a checkpoint's ``actor/``."""
+        self.learner.load(directory, entries)
+        self.weight_version = weight_version
+        self.sender.last_sent.clear()  # a delta sync must send everything again
+
     def save_pretrained(self, url: str) -> None:
         """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
         save_pretrained(self.model, load_tokenizer(self.model_config), url)

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 
 from configs.schema import OptimConfig
 from storage.batch import tensors_digest, trim_response_padding
+from storage.checkpoint import load_module, save_module
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,6 +100,20 @@ class Learner:
                 totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
                 rows.append(totals)
         return mean_metrics(rows)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save(self, directory: str) -> dict[str, dict]:
+        """Checkpoint the model and optimizer into ``directory``; manifest entries by file name."""
+        return save_module(directory, self.model, self.state_dict())
+
+    def load(self, directory: str, entries: dict[str, dict]) -> None:
+        self.load_state_dict(load_module(directory, entries, self.model))
 
     def _step(self) -> float:
         """Clip gradients, then step; a non-finite gradient norm skips the step (as verl does)."""

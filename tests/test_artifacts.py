@@ -1,0 +1,83 @@
+"""A run's Prefect artifacts (progress, metrics table, markdown summary) and its reward-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from prefect.runtime import flow_run
+
+from configs import load_config
+from flows.artifacts import RunArtifacts
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SLUG = "ppoflow-art-test-1"
+ROWS = [
+    {"step": 1, "critic/score/mean": 0.123456, "critic/rewards/mean": 0.1, "actor/pg_loss": -0.0123456,
+     "actor/grad_norm": 1.5, "actor/entropy": 2.0, "response_length/mean": 3.0, "timing_s/step": 0.98765},
+    {"step": 2, "critic/score/mean": 0.25, "critic/rewards/mean": 0.2, "actor/pg_loss": 0.01,
+     "actor/grad_norm": 1.25, "actor/entropy": 1.9, "response_length/mean": 3.0, "timing_s/step": 0.9},
+    {"step": 3, "critic/score/mean": 0.5, "critic/rewards/mean": 0.4, "actor/pg_loss": None,
+     "actor/grad_norm": 1.0, "actor/entropy": 1.8, "response_length/mean": 2.5, "timing_s/step": 0.8,
+     "val-core/copy/reward/mean@1": 0.375},
+]
+
+
+def config(tmp_path):
+    return load_config("grpo_tiny", ["trainer.experiment_name=Art Test_1", f"trainer.default_local_dir={tmp_path}/run"])
+
+
+@flow
+def publish(cfg) -> tuple[str, str]:
+    artifacts = RunArtifacts(cfg, total_steps=3)
+    for row in ROWS:
+        artifacts.step(row["step"], row)
+    png = artifacts.finish(ROWS, checkpoint=f"{cfg.trainer.default_local_dir}/global_step_3/actor/huggingface",
+                           caches=["/caches/rollout", "/caches/reward"])
+    return flow_run.id, png
+
+
+def read_back(flow_run_id: str) -> dict:
+    """The flow run's artifacts by key (polled briefly: they reach the API asynchronously)."""
+    wanted = {f"{SLUG}-progress", f"{SLUG}-metrics", f"{SLUG}-summary"}
+    with get_client(sync_client=True) as client:
+        for _ in range(50):
+            found = {artifact.key: artifact for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=sorted(wanted))))}
+            if set(found) == wanted and found[f"{SLUG}-progress"].data == 100:
+                return found
+            time.sleep(0.1)
+    raise AssertionError(f"artifacts of flow run {flow_run_id}: {sorted(found)}")
+
+
+def test_a_run_publishes_progress_table_summary_and_reward_curve(prefect_api, tmp_path):
+    cfg = config(tmp_path)
+    flow_run_id, png = publish(cfg)
+    found = read_back(flow_run_id)
+
+    assert found[f"{SLUG}-progress"].type == "progress"
+    table = json.loads(found[f"{SLUG}-metrics"].data)
+    assert [row["step"] for row in table] == [1, 2, 3]
+    assert table[0] == {"step": 1, "score": 0.1235, "rewards": 0.1, "pg_loss": -0.01235, "grad_norm": 1.5,
+                        "entropy": 2.0, "response_length": 3.0, "step_s": 0.9877, "val/copy/reward/mean@1": ""}
+    assert table[2]["pg_loss"] == "" and table[2]["val/copy/reward/mean@1"] == 0.375
+
+    summary = found[f"{SLUG}-summary"].data
+    run_dir = cfg.trainer.default_local_dir
+    for text in (run_dir, f"{run_dir}/global_step_3/actor/huggingface", "/caches/rollout", "/caches/reward",
+                 "data:image/png;base64,", png, "Art Test_1", "grpo", "```yaml"):
+        assert text in summary, text
+
+    assert png == f"{tmp_path}/run/reward_curve.png"
+    assert (tmp_path / "run" / "reward_curve.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_outside_a_flow_run_only_the_png_is_written(tmp_path):
+    artifacts = RunArtifacts(config(tmp_path), total_steps=3)
+    artifacts.step(1, ROWS[0])
+    png = artifacts.finish(ROWS[:1], checkpoint=None, caches=[])
+    assert not artifacts.active
+    assert open(png, "rb").read().startswith(PNG_SIGNATURE)

@@ -1,0 +1,103 @@
+"""Deployments against a real Prefect server: served from a subprocess, triggered as the UI does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def client():
+    from prefect import get_client
+
+    return get_client(sync_client=True)
+
+
+def wait_for_deployments(names: list[str], timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    with client() as api:
+        while True:
+            found = {}
+            for name in names:
+                try:
+                    found[name] = api.read_deployment_by_name(name)
+                except Exception:  # ObjectNotFound until the serve process has registered it
+                    break
+            if len(found) == len(names):
+                return found
+            assert time.monotonic() < deadline, f"deployments {names} were not registered"
+            time.sleep(1)
+
+
+def artifact_keys(flow_run_id) -> set[str]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with client() as api:
+        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {artifact.key for artifact in artifacts}
+
+
+@pytest.fixture
+def small(tiny_overrides):
+    return [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
+        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1"]
+
+
+def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small, tmp_path):
+    from prefect.deployments import run_deployment
+
+    from flows.replay import record
+
+    golden = tmp_path / "golden"
+    record(str(golden), overrides=small + ["trainer.total_training_steps=2"])
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--replay-dir", str(golden), "--limit", "1"],
+                              env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deployments = wait_for_deployments(["ppo-train/ppo-train", "regression-replay/regression-replay"])
+        replay = deployments["regression-replay/regression-replay"]
+        assert [schedule.schedule.cron for schedule in replay.schedules] == ["0 3 * * *"]
+        form = deployments["ppo-train/ppo-train"].parameter_openapi_schema["properties"]
+        assert form["mode"]["anyOf"][0]["enum"] == ["sync", "one_step_off"] and form["overrides"]["description"]
+
+        run = run_deployment("ppo-train/ppo-train", timeout=600, poll_interval=1, parameters={
+            "overrides": small + [f"trainer.default_local_dir={tmp_path}/ui-run"], "total_training_steps": 2,
+            "experiment_name": "from-the-ui", "mode": "one_step_off"})
+        assert run.state.is_completed(), run.state
+        assert {"ppoflow-from-the-ui-progress", "ppoflow-from-the-ui-metrics", "ppoflow-from-the-ui-summary"} \
+            <= artifact_keys(run.id)
+        assert (tmp_path / "ui-run" / "reward_curve.png").exists()
+
+        with pytest.raises(Exception, match="total_training_steps"):  # the server validates the form's constraints
+            run_deployment("ppo-train/ppo-train", timeout=0, parameters={"total_training_steps": 0})
+        bad = run_deployment("ppo-train/ppo-train", timeout=300, poll_interval=1,
+                             parameters={"overrides": ["actor_rollout_ref.rollout.temprature=0.5"]})
+        assert bad.state.is_failed() and "temprature" in bad.state.message
+
+        checked = run_deployment("regression-replay/regression-replay", timeout=600, poll_interval=1)
+        assert checked.state.is_completed(), checked.state
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_prefect_yaml_deploys_both_deployments_to_a_work_pool(prefect_api, tmp_path):
+    env = {**os.environ, "PPOFLOW_REPO": str(REPO)}
+    subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "ppoflow-local", "--type", "process"],
+                   env=env, cwd=REPO, capture_output=True, timeout=120)
+    deployed = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    deployments = wait_for_deployments(["ppo-train/ppo-train", "regression-replay/regression-replay"], timeout=30)
+    assert {d.work_pool_name for d in deployments.values()} == {"ppoflow-local"}
+    assert [s.schedule.cron for s in deployments["regression-replay/regression-replay"].schedules] == ["0 3 * * *"]

@@ -1,0 +1,106 @@
+"""Checkpoint and resume: an interrupted run continues exactly where an uninterrupted one goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.tracking import read_metrics
+from flows.train import ppo_train
+from storage import checkpoint
+
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean",
+            "response_length/mean", "training/epoch")
+
+SLOW_SCORER = '''
+import time
+from tasks.algorithms.scoring import copy_score
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.01)  # widen each step so the test can kill the run in the middle of one
+    return copy_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+@pytest.fixture
+def overrides(tiny_overrides, tmp_path):
+    words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files", "data.synthetic.train_rows"))]
+    # 24 rows / 4 per step: step 4 starts a new epoch, so the dataloader position is resumed across it
+    return words + ["data.val_files=null", "data.synthetic.train_rows=12", "trainer.logger=[]", "trainer.test_freq=-1",
+                    "trainer.total_training_steps=4"]
+
+
+def rows_by_step(run_dir) -> dict[int, dict]:
+    return {row["step"]: row for row in read_metrics(str(run_dir))}
+
+
+def assert_same_steps(straight: dict, resumed: dict, steps) -> None:
+    for step in steps:
+        for name in COMPARED:
+            assert straight[step][name] == resumed[step][name], (step, name)
+
+
+def test_sync_run_resumes_from_its_checkpoint_bit_for_bit(prefect_api, ray_local, overrides, tmp_path):
+    ppo_train(config="grpo_tiny", overrides=overrides + [f"trainer.default_local_dir={tmp_path}/straight"])
+    # the same run, stopped after step 2 (its last checkpoint), then started again for 4 steps
+    interrupted = overrides + [f"trainer.default_local_dir={tmp_path}/resumed", "trainer.save_freq=2"]
+    ppo_train(config="grpo_tiny", overrides=interrupted + ["trainer.total_training_steps=2"])
+    assert checkpoint.latest(f"{tmp_path}/resumed").endswith("global_step_2")
+    ppo_train(config="grpo_tiny", overrides=interrupted)
+    resumed = rows_by_step(tmp_path / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert_same_steps(rows_by_step(tmp_path / "straight"), resumed, [1, 2, 3, 4])
+    assert resumed[4]["training/epoch"] == 1
+
+
+def test_incomplete_checkpoints_are_never_chosen(tmp_path):
+    run_dir = tmp_path / "run"
+    complete = checkpoint.commit(str(run_dir), 2, {}, {"global_step": 2})
+    (run_dir / "global_step_3").mkdir()
+    (run_dir / "global_step_3" / "trainer_state.json").write_text("{}")  # a crash before the marker
+    (run_dir / "global_step_4").mkdir()
+    entry = checkpoint.write_file(str(run_dir / "global_step_4" / "actor" / "model.safetensors"), b"x" * 100)
+    checkpoint.commit(str(run_dir), 4, {"actor/model.safetensors": entry}, {"global_step": 4})
+    (run_dir / "global_step_4" / "actor" / "model.safetensors").write_bytes(b"x" * 10)  # truncated later
+    assert checkpoint.latest(str(run_dir)) == complete
+    assert checkpoint.read_trainer_state(complete)[1] == {"global_step": 2}
+    with pytest.raises(checkpoint.CheckpointError, match="global_step_3"):
+        checkpoint.read_trainer_state(str(run_dir / "global_step_3"))
+
+
+def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path):
+    """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
+    that was being generated for step 3) and reproduces the uninterrupted run."""
+    (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
+    common = overrides + [f"custom_reward_function.path={tmp_path}/slow_scorer.py", "trainer.mode=one_step_off",
+                          "trainer.save_freq=1"]
+    ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/straight"])
+
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    command = [sys.executable, "-m", "flows.cli", "train", *common, f"trainer.default_local_dir={tmp_path}/killed"]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = Path(tmp_path / "killed" / "global_step_2" / checkpoint.MARKER)
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert first.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert not (tmp_path / "killed" / "global_step_3" / checkpoint.MARKER).exists()
+    assert max(rows_by_step(tmp_path / "killed")) <= 3
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr + second.stdout
+    resumed = rows_by_step(tmp_path / "killed")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert_same_steps(rows_by_step(tmp_path / "straight"), resumed, [1, 2, 3, 4])
+    state = json.loads((tmp_path / "killed" / "global_step_2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and "rollout_in_flight.safetensors" in json.loads(marker.read_text())["files"]
