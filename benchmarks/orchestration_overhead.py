@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

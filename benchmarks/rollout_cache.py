@@ -49,10 +49,31 @@ def replay_vs_generation(scratch: str, steps: int) -> dict:
             run_dir = f"{scratch}/{name}-{run}"
             ppo_train(config="grpo_tiny", overrides=base + [f"trainer.default_local_dir={run_dir}"])
             rows = read_metrics(run_dir)[1:]  # the first step also pays worker warm-up
+            if run == "generate":
+                results[f"{name}/record"] = record_sizes(f"{scratch}/{name}-dump")
             results[f"{name}/{run}"] = {key: round(statistics.median(row[f"timing_s/{key}"] for row in rows) * 1000, 1)
                                         for key in ("gen", "step")}
             results[f"{name}/{run}"]["hits"] = sum(row["skip/rollout/hit"] for row in rows)
     return results
+
+
+def record_sizes(dump_dir: str) -> dict:
+    """Bytes of step 1's payload, of the marker Prefect persists, and of Prefect's own metadata - and what
+    Prefect's default record (one JSON with the base64 of a cloudpickle) of the same batch would weigh."""
+    import base64
+    from pathlib import Path
+
+    import cloudpickle
+
+    from storage.rollout_cache import StepCache
+
+    step_dir = next(Path(dump_dir).glob("*/*/1"))
+    batch, _ = StepCache(str(step_dir.parent)).load(1)
+    prefect_metadata = next(Path(dump_dir, ".prefect").glob("*/*/1/meta.json"))
+    return {"payload_bytes": (step_dir / "rollout.safetensors").stat().st_size,
+            "marker_bytes": (step_dir / "meta.json").stat().st_size,
+            "prefect_metadata_bytes": prefect_metadata.stat().st_size,
+            "default_prefect_record_bytes": len(base64.b64encode(cloudpickle.dumps(batch)))}
 
 
 def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: str) -> dict:
@@ -118,7 +139,15 @@ def main() -> None:
     print("| workload | run | timing_s/gen ms | timing_s/step ms | cache hits |\n|---|---|---|---|---|")
     for key, row in replay.items():
         workload, run = key.split("/")
-        print(f"| {workload} | {run} | {row['gen']} | {row['step']} | {row['hits']} |")
+        if run != "record":
+            print(f"| {workload} | {run} | {row['gen']} | {row['step']} | {row['hits']} |")
+    print("| workload | payload bytes | meta.json (Prefect's record) | Prefect metadata | Prefect's default record would be |"
+          "\n|---|---|---|---|---|")
+    for key, row in replay.items():
+        workload, run = key.split("/")
+        if run == "record":
+            print(f"| {workload} | {row['payload_bytes']} | {row['marker_bytes']} | {row['prefect_metadata_bytes']} | "
+                  f"{row['default_prefect_record_bytes']} |")
     print("| storage | payload MiB | raw read MiB/s | StepCache.load MiB/s | load time / raw read |\n|---|---|---|---|---|")
     for storage, row in throughput.items():
         print(f"| {storage} | {row['payload_mib']} | {row['raw_read_mib_s']} | {row['load_mib_s']} | {row['load_time_x_raw']} |")

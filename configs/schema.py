@@ -9,6 +9,7 @@ concept exists.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Literal, Optional, Union
 
@@ -360,6 +361,64 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             and cfg.algorithm.kl_ctrl.type == "adaptive"):
         errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
                        "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
+    if rollout.name == "vllm":
+        errors += _vllm_errors(cfg)
+    return errors
+
+
+VLLM_MIN_VERSION = "0.10.2"
+"""Oldest vLLM the vllm engine runs on: its ``logprobs_mode`` engine argument (log-probs after temperature
+scaling, see :mod:`workers.vllm_rollout`) first shipped in 0.10.2."""
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, or None; reads package metadata only (importing vllm is slow)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_version_supported(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release >= Version(VLLM_MIN_VERSION).release
+    except InvalidVersion:
+        return True  # an unusual local build: let the engine itself decide
+
+
+def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """``rollout.name=vllm`` needs vLLM installed, a CUDA GPU here and GPUs reserved for the rollout."""
+    import torch
+
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    errors: list[tuple[str, str]] = []
+    # Joining a Ray cluster, the engine runs on its GPU nodes: this machine (the driver) needs neither.
+    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    version = installed_vllm_version() if local else VLLM_MIN_VERSION
+    if version is None:
+        errors.append((f"{key}.name", "vllm is not installed; install the optional extra (pip install "
+                       "'ppoflow[vllm]') on a CUDA machine, or use actor_rollout_ref.rollout.name=hf"))
+    elif not vllm_version_supported(version):
+        errors.append((f"{key}.name", f"vllm {version} is installed but rollout.name=vllm needs "
+                       f"vllm>={VLLM_MIN_VERSION} (logprobs_mode); upgrade it or use rollout.name=hf"))
+    if local and not torch.cuda.is_available():
+        errors.append((f"{key}.name", "vllm generates on CUDA GPUs but torch.cuda.is_available() is false on "
+                       "this machine; use actor_rollout_ref.rollout.name=hf"))
+    gpus, tp = rollout.resources.num_gpus, rollout.tensor_model_parallel_size
+    if gpus == 0:
+        errors.append((f"{key}.resources.num_gpus", "rollout.name=vllm runs on GPUs; reserve them with "
+                       f"{key}.resources.num_gpus > 0 (= tensor_model_parallel_size), or use rollout.name=hf"))
+    elif tp > 1 and gpus < tp:
+        errors.append((f"{key}.tensor_model_parallel_size", f"{tp} GPUs of tensor parallelism but the rollout "
+                       f"worker reserves {key}.resources.num_gpus={gpus:g}"))
+    if rollout.weight_sync.backend != "object_store":
+        errors.append((f"{key}.weight_sync.backend", f"{rollout.weight_sync.backend} is not supported with "
+                       "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
+                       "use object_store"))
     return errors
 
 

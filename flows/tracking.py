@@ -55,8 +55,9 @@ class Tracker:
                 self.tensorboard.add_scalar(name, value, global_step=step)
         if self.progress is not None:
             shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_KEYS.items() if key in metrics}
-            shown.update({"val": f"{value:.3g}" for key, value in metrics.items()
-                          if key.startswith("val-core/") and "/reward/mean@" in key})
+            validation = [value for key, value in metrics.items() if key.startswith("val-core/") and "/reward/mean@" in key]
+            if validation:
+                shown["val"] = f"{validation[0]:.3g}"
             self.progress.set_postfix(shown, refresh=False)
             self.progress.update(1)
 

@@ -1,6 +1,6 @@
 """The PPO/GRPO training flow.
 
-One step, read top to bottom in :func:`ppo_step`, is the algorithm::
+One step, read top to bottom in :func:`train_steps` and :func:`ppo_update`, is the algorithm::
 
     1. generate      sample rollout.n responses per prompt            (rollout worker)
     2. reward        score each response, on its last token           (driver)
@@ -11,6 +11,7 @@ One step, read top to bottom in :func:`ppo_step`, is the algorithm::
     5. update        critic, then actor: PPO epochs over mini-batches (critic / actor workers)
     6. weight_sync   the rollout worker takes the new actor weights
 
+(one_step_off moves 6. and the next step's 1. before 2.-5., so generation overlaps training.)
 Every stage is a Prefect task (``tasks/``) whose heavy work runs in a long-lived Ray actor
 (``workers/``). :func:`train` runs the same steps without Prefect or Ray when asked (the overhead
 benchmark's baseline).
@@ -32,13 +33,13 @@ from tensordict import TensorDict
 
 from configs import load_config
 from configs.schema import PPOConfig
+from flows.artifacts import RunArtifacts
+from flows.checkpointing import restore, resume_point, save_checkpoint
 from flows.metrics import data_metrics
 from flows.stages import PendingStage, StageResult, start_stage
-from flows.artifacts import RunArtifacts
 from flows.tracking import Tracker, read_metrics
-from storage.batch import NON_TENSOR_FIELDS, decode_batch, encode_batch, non_tensor_column
-from storage.checkpoint import commit, latest, read_file, read_trainer_state, step_url, write_file
-from storage.fs import join
+from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
+from storage.checkpoint import latest
 from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
 from tasks.advantage import advantage
 from tasks.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights
@@ -67,9 +68,6 @@ BARE_STAGES = SimpleNamespace(**{name: stage.fn for name, stage in vars(STAGES).
 
 logger = logging.getLogger(__name__)
 
-IN_FLIGHT = "rollout_in_flight.safetensors"
-"""A one_step_off checkpoint's batch generated for the next step."""
-
 CACHE_STAGE = {"generate": "rollout", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref",
                "values": "values", "advantage": "advantage"}
 """The ``skip.<stage>`` key that caches each stage task's result."""
@@ -94,7 +92,7 @@ class Run:
     stages: Any
     sampling: SamplingParams
     caches: dict[str, StageCache]
-    batches: Iterator[tuple[int, list[int]]] = None
+    batches: Optional[Iterator[tuple[int, list[int]]]] = None
     epochs: dict[int, int] = field(default_factory=dict)
     step_prompts: dict[int, TensorDict] = field(default_factory=dict)
     synced_version: int = 0
@@ -335,60 +333,6 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
     return metrics, samples
 
 
-def save_checkpoint(run: Run, step: int, pending: PendingStage | None) -> tuple[str, PendingStage | None]:
-    """Checkpoint everything a resumed run needs to reproduce the next steps exactly.
-
-    The actor (and critic) write their own weights and optimizer state; one_step_off's batch in
-    flight (generated for step+1) is awaited and saved too, so nothing generated is lost.
-    """
-    directory = step_url(run.cfg.trainer.default_local_dir, step)
-    files = {f"actor/{name}": entry for name, entry in
-             run.workers.get(run.workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()}
-    if run.cfg.use_critic:
-        files.update({f"critic/{name}": entry for name, entry in
-                      run.workers.get(run.workers.critic.submit("save_checkpoint", join(directory, "critic"))).items()})
-    if pending is not None:
-        generated = pending.result()
-        files[IN_FLIGHT] = write_file(join(directory, IN_FLIGHT), encode_batch(generated.fields))
-        pending = PendingStage(lambda: generated)
-    state = {"global_step": step, "dataloader": run.loader.state_dict(), "kl_controller": run.kl_controller.state_dict(),
-             "weight_version": run.synced_version, "epochs": {str(k): v for k, v in run.epochs.items() if k > step}}
-    return commit(run.cfg.trainer.default_local_dir, step, files, state), pending
-
-
-def restore(run: Run, directory: str) -> tuple[int, PendingStage | None]:
-    """Load a checkpoint into the run; return the first step to train and the batch that was in flight."""
-    marker, state = read_trainer_state(directory)
-    files = marker["files"]
-
-    def entries(role: str) -> dict:
-        return {name.split("/", 1)[1]: entry for name, entry in files.items() if name.startswith(f"{role}/")}
-
-    run.workers.get(run.workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"),
-                                             state["weight_version"]))
-    if run.cfg.use_critic:
-        run.workers.get(run.workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
-    run.loader.load_state_dict(state["dataloader"])
-    run.kl_controller.load_state_dict(state["kl_controller"])
-    run.epochs.update({int(step): epoch for step, epoch in state["epochs"].items()})
-    sync_weights(run)  # the rollout worker serves the restored weights
-    in_flight = None
-    if IN_FLIGHT in files:
-        batch = decode_batch(read_file(join(directory, IN_FLIGHT), files[IN_FLIGHT]))
-        in_flight = PendingStage(lambda: StageResult(batch, {}))
-        run.launch_versions[state["global_step"] + 1] = int(batch["weight_version"].max())
-    return state["global_step"] + 1, in_flight
-
-
-def resume_point(cfg: PPOConfig) -> str | None:
-    """The checkpoint to resume from, per ``trainer.resume_mode``."""
-    if cfg.trainer.resume_mode == "disable":
-        return None
-    if cfg.trainer.resume_mode == "resume_path":
-        return cfg.trainer.resume_from_path
-    return latest(cfg.trainer.default_local_dir)
-
-
 def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
     """Run the whole training loop (resuming from a checkpoint when there is one); returns the last step's metrics."""
     run = start_run(cfg, orchestrated=orchestrated)
@@ -396,7 +340,10 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
     tracker = None
     try:
         resume = resume_point(cfg)
-        first_step, in_flight = restore(run, resume) if resume else (1, None)
+        first_step, in_flight = 1, None
+        if resume:
+            first_step, in_flight = restore(run, resume)
+            sync_weights(run)  # the rollout worker serves the restored weights
         tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
         artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
         if resume:

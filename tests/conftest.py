@@ -120,10 +120,38 @@ def prefect_server(tmp_path_factory):
 def prefect_api(prefect_server):
     """Point this test's Prefect client at the session server, with flow heartbeats off (they add
     ~1 s per flow run and only matter for crash detection of deployed runs)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    with temporary_settings(updates={PREFECT_API_URL: prefect_server, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with prefect_settings(prefect_server):
         yield prefect_server
+        drain_prefect_logs()
+
+
+def drain_prefect_logs() -> None:
+    """Send queued run logs now, while the server is up (at interpreter exit it is gone, and every
+    attempt would wait for a connection timeout)."""
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+
+
+REPLAY_STEPS = 2
+REPLAY_EPOCHS = "actor_rollout_ref.actor.ppo_epochs=2"
+"""Two PPO epochs in the golden recording (and its checks): in the second epoch the ratios move away from
+1, so the clip range changes the loss (with one epoch over one mini-batch every ratio is exactly 1)."""
+
+
+@pytest.fixture(scope="session")
+def replay_baseline(prefect_server, ray_local, tiny_model, tmp_path_factory):
+    """A 2-step golden baseline (``ppoflow replay record``), recorded once for the session."""
+    from flows.cli import main as cli
+
+    root = tmp_path_factory.mktemp("replay")
+    overrides = [word for word in small_run(tiny_model, root) if not word.startswith(("trainer.", "data.val_files"))]
+    overrides += ["data.val_files=null", f"trainer.total_training_steps={REPLAY_STEPS}", "trainer.logger=[]",
+                  REPLAY_EPOCHS]
+    with prefect_settings(prefect_server):
+        assert cli(["replay", "record", "--dir", str(root / "baseline"), *overrides]) == 0
+        drain_prefect_logs()
+    return root / "baseline"
 
 
 # --- ray_local: one local Ray for the whole session ---------------------------------------------
@@ -156,12 +184,23 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture
-def tiny_overrides(tiny_model, tmp_path) -> list[str]:
-    """Overrides that make the grpo_tiny preset small and self-contained under ``tmp_path``."""
+def small_run(tiny_model: str, root) -> list[str]:
+    """Overrides that make the grpo_tiny preset small and self-contained under ``root``."""
     return [f"actor_rollout_ref.model.path={tiny_model}",
-            f"data.train_files={tmp_path}/data/train.parquet", f"data.val_files={tmp_path}/data/val.parquet",
+            f"data.train_files={root}/data/train.parquet", f"data.val_files={root}/data/val.parquet",
             "data.synthetic.train_rows=64", "data.synthetic.val_rows=8",
             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2", "trainer.test_freq=2",
-            "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run"]
+            "trainer.logger=[]", f"trainer.default_local_dir={root}/run"]
+
+
+@pytest.fixture
+def tiny_overrides(tiny_model, tmp_path) -> list[str]:
+    return small_run(tiny_model, tmp_path)
+
+
+def prefect_settings(url: str):
+    """The settings context of :func:`prefect_api`, for module-scoped fixtures that run flows."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})

@@ -13,10 +13,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from flows.cli import main as cli
+from storage.rollout_cache import StepCache
+from tests.conftest import prefect_settings, small_run
 from flows.tracking import read_metrics
 from flows.train import ppo_train
 
@@ -26,13 +29,16 @@ UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg
                   "critic/score/mean", "critic/advantages/mean", "response_length/mean")
 
 
-def train(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str]) -> tuple[list[dict], list]:
-    """Run the flow; return its metrics rows and the final states of its generate task runs."""
-    words = overrides + [f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
-                         "trainer.test_freq=-1"] + [f"skip.{key}={value}" for key, value in skip.items()]
+def train(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str], *,
+          validations: int = 0) -> tuple[list[dict], list]:
+    """Run the flow (without validation unless ``validations`` are expected); return its metrics rows
+    and the final states of its generate task runs."""
+    words = overrides + ([] if validations else ["trainer.test_freq=-1"]) + [
+        f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}"] + [
+        f"skip.{key}={value}" for key, value in skip.items()]
     state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
     assert state.is_completed(), state
-    return read_metrics(str(run_dir)), generate_states(state.state_details.flow_run_id, steps)
+    return read_metrics(str(run_dir)), generate_states(state.state_details.flow_run_id, steps + validations)
 
 
 def generate_states(flow_run_id, expected: int) -> list[str]:
@@ -63,27 +69,56 @@ def cached_steps(dump_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if (p / "meta.json").exists()) if root.exists() else []
 
 
-@pytest.fixture
-def overrides(tiny_overrides):
-    return [word for word in tiny_overrides if not word.startswith(("trainer.", "data.val_files"))] + [
+def small(root, tiny_model) -> list[str]:
+    """The shared tiny run without validation or a run directory (each run names its own)."""
+    return [word for word in small_run(tiny_model, root) if not word.startswith(("trainer.", "data.val_files"))] + [
         "data.val_files=null", "trainer.logger=[]"]
 
 
-def test_cache_then_replay_is_prefect_cached_and_bit_identical(prefect_api, ray_local, overrides, tmp_path):
-    dump = tmp_path / "dump"
-    first, first_states = train(overrides, tmp_path / "run1", 3, rollout_skip(dump, [1, 2, 3]))
-    second, second_states = train(overrides, tmp_path / "run2", 3, rollout_skip(dump, [1, 2, 3]))
+@pytest.fixture
+def overrides(tiny_model, tmp_path):
+    return small(tmp_path, tiny_model)
 
-    assert first_states == ["Completed"] * 3 and second_states == ["Cached"] * 3
-    assert [row["skip/rollout/hit"] for row in first] == [0, 0, 0]
-    assert [(row["skip/rollout/hit"], row["skip/rollout/load_step"]) for row in second] == [(1, 1), (1, 2), (1, 3)]
-    for before, after in zip(first, second):
+
+@pytest.fixture(scope="module")
+def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
+    """One run that dumps steps 1-4 (rollout and reward) while validating at steps 0 and 4 (which must
+    never be dumped); tests copy its dump and replay, damage or reshape the copy."""
+    root = tmp_path_factory.mktemp("golden")
+    skip = {**rollout_skip(root / "dump", [0, 1, 2, 3, 4]), "reward.enable": "true",
+            "reward.dump_dir": str(root / "dump"), "reward.steps": "[1,2,3,4]"}
+    words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
+        f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true"]
+    with prefect_settings(prefect_server):
+        rows, states = train(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
+    return SimpleNamespace(root=root, dump=root / "dump", rows=rows, states=states, skip=skip,
+                           overrides=small(root, tiny_model))
+
+
+def copy_dump(golden, tmp_path) -> Path:
+    shutil.copytree(golden.dump, tmp_path / "dump")
+    return tmp_path / "dump"
+
+
+def test_the_golden_run_dumped_training_steps_only(golden):
+    assert cached_steps(golden.dump) == [1, 2, 3, 4]  # validation ran at steps 0 and 4 and dumped nothing
+    assert [row["skip/rollout/hit"] for row in golden.rows] == [0, 0, 0, 0]
+    assert golden.states.count("Completed") == 4 + 2  # 4 training generations, 2 validation generations
+    marker = (golden.dump / PROJECT / CONFIG / "1" / "meta.json").stat().st_size
+    payload = (golden.dump / PROJECT / CONFIG / "1" / "rollout.safetensors").stat().st_size
+    assert marker < 1500 < payload  # Prefect's record is the small manifest; tensors stay in the payload
+
+
+def test_replay_is_prefect_cached_and_bit_identical(prefect_api, ray_local, golden, tmp_path):
+    dump = copy_dump(golden, tmp_path)
+    skip = {**golden.skip, "rollout.dump_dir": str(dump), "reward.dump_dir": str(dump), "rollout.steps": "[1,2,3,4]"}
+    rows, states = train(golden.overrides, tmp_path / "run", 4, skip)
+    assert states == ["Cached"] * 4
+    assert [(row["skip/rollout/hit"], row["skip/rollout/load_step"]) for row in rows] == [(1, s) for s in (1, 2, 3, 4)]
+    assert [row["skip/reward/hit"] for row in rows] == [1, 1, 1, 1]  # same input, so the reward replays too
+    for before, after in zip(golden.rows, rows):
         for name in UPDATE_METRICS:
             assert before[name] == after[name], (name, before["step"])  # bit for bit
-    assert cached_steps(dump) == [1, 2, 3]
-    marker = (dump / PROJECT / CONFIG / "1" / "meta.json").stat().st_size
-    payload = (dump / PROJECT / CONFIG / "1" / "rollout.safetensors").stat().st_size
-    assert marker < 1500 < payload  # Prefect's record is the small manifest; tensors stay in the payload
 
 
 def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_local, overrides, tmp_path):
@@ -95,18 +130,18 @@ def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_l
     assert cached_steps(dump) == [1]
 
 
-def test_cache_with_only_step_one_present(prefect_api, ray_local, overrides, tmp_path):
-    dump = tmp_path / "dump"
-    train(overrides, tmp_path / "run1", 1, rollout_skip(dump, [1]))
-    rows, states = train(overrides, tmp_path / "run2", 5, rollout_skip(dump, [1, 3, 5]))
+def test_cache_with_only_step_one_present(prefect_api, ray_local, golden, tmp_path):
+    dump = copy_dump(golden, tmp_path)
+    for step in (2, 3, 4):
+        shutil.rmtree(dump / PROJECT / CONFIG / str(step))
+    rows, states = train(golden.overrides, tmp_path / "run", 5, rollout_skip(dump, [1, 3, 5]))
     assert [row.get("skip/rollout/hit") for row in rows] == [1, None, 0, None, 0]
     assert states[0] == "Cached" and states[2] == "Completed" and states[4] == "Completed"
     assert cached_steps(dump) == [1, 3, 5]
 
 
-def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, overrides, tmp_path, caplog):
-    dump = tmp_path / "dump"
-    first, _ = train(overrides, tmp_path / "run1", 4, rollout_skip(dump, [1, 2, 3, 4]))
+def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, golden, tmp_path, caplog):
+    dump = copy_dump(golden, tmp_path)
     root = dump / PROJECT / CONFIG
     payload = (root / "1" / "rollout.safetensors")
     payload.write_bytes(payload.read_bytes()[:100])                      # 1: truncated payload
@@ -117,49 +152,32 @@ def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, ov
     (root / "4" / "meta.json").write_text("{not json")                   # 4: garbage marker
 
     caplog.set_level("WARNING")
-    second, states = train(overrides, tmp_path / "run2", 4, rollout_skip(dump, [1, 2, 3, 4]))
-    assert [row["skip/rollout/hit"] for row in second] == [0, 0, 0, 0]
+    rows, states = train(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    assert [row["skip/rollout/hit"] for row in rows] == [0, 0, 0, 0]
     assert states[0] == states[1] == states[3] == "Completed"
     assert "damaged" in caplog.text and str(root / "3") in caplog.text
-    for before, after in zip(first, second):  # regenerated exactly as the first run generated them
+    for before, after in zip(golden.rows, rows):  # regenerated exactly as the golden run generated them
         assert before["actor/pg_loss"] == after["actor/pg_loss"]
-    assert cached_steps(dump) == [1, 2, 3, 4]
-    third, states = train(overrides, tmp_path / "run3", 4, rollout_skip(dump, [1, 2, 3, 4]))
-    assert states == ["Cached"] * 4
+    assert all(StepCache(str(root)).status(step).valid for step in (1, 2, 3, 4))  # and dumped again
 
 
-def test_validation_never_loads_or_dumps(prefect_api, ray_local, overrides, tmp_path):
-    dump = tmp_path / "dump"
-    words = [w for w in overrides if not w.startswith("data.val_files")] + [
-        f"data.val_files={tmp_path}/data/val.parquet", "trainer.val_before_train=true"]
-    state = ppo_train(config="grpo_tiny", overrides=words + [
-        f"trainer.default_local_dir={tmp_path}/run", "trainer.total_training_steps=1", "trainer.test_freq=1",
-        *[f"skip.{k}={v}" for k, v in rollout_skip(dump, [0, 1]).items()]], return_state=True)
-    assert state.is_completed()
-    assert cached_steps(dump) == [1]  # validation ran at steps 0 and 1; only training step 1 was dumped
-
-
-def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_local, overrides, tmp_path, caplog):
+def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_local, golden, tmp_path, caplog):
     """A step cached with n=4 replayed by a run with n=2 (verl's V1 uid remap). Prefect has no record
     of the copied entry; it is adopted, so the generate task run is still ``Cached``."""
     dump = tmp_path / "dump"
-    train(overrides, tmp_path / "run1", 1, rollout_skip(dump, [1]))
-    shutil.copytree(dump / PROJECT / CONFIG, dump / PROJECT / "GBS4_N2_in8_out3")
+    shutil.copytree(golden.dump / PROJECT / CONFIG / "1", dump / PROJECT / "GBS4_N2_in8_out3" / "1")
     caplog.set_level("WARNING")
-    rows, states = train(overrides + ["actor_rollout_ref.rollout.n=2"], tmp_path / "run2", 1, rollout_skip(dump, [1]))
+    rows, states = train(golden.overrides + ["actor_rollout_ref.rollout.n=2"], tmp_path / "run", 1,
+                         rollout_skip(dump, [1]))
     assert rows[0]["skip/rollout/hit"] == 1 and states == ["Cached"]
     assert "differ from n=2" in caplog.text
 
 
-def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local, overrides, tmp_path, caplog):
-    dump = tmp_path / "dump"
-    both = {**rollout_skip(dump, [1]), "reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[1]"}
-    train(overrides, tmp_path / "run1", 1, both)
-    rows, _ = train(overrides, tmp_path / "run2", 1, both)
-    assert rows[0]["skip/reward/hit"] == 1
-    reward_only = {key: value for key, value in both.items() if key.startswith("reward")}
+def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local, golden, tmp_path, caplog):
+    dump = copy_dump(golden, tmp_path)
+    reward_only = {"reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[1]"}
     caplog.set_level("WARNING")
-    rows, _ = train(overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run3", 1, reward_only)
+    rows, _ = train(golden.overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run", 1, reward_only)
     assert rows[0]["skip/reward/hit"] == 0 and "computed from a different input" in caplog.text
 
 
@@ -191,16 +209,15 @@ def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides,
     assert [row["actor/pg_loss"] for row in second] == [row["actor/pg_loss"] for row in first]
 
 
-def test_cache_cli_lists_shows_and_removes(prefect_api, ray_local, overrides, tmp_path, capsys):
-    dump = tmp_path / "dump"
-    train(overrides, tmp_path / "run", 2, rollout_skip(dump, [1, 2]))
+def test_cache_cli_lists_shows_and_removes(golden, tmp_path, capsys):
+    dump = copy_dump(golden, tmp_path)
     assert cli(["cache", "ls", str(dump)]) == 0
     listing = capsys.readouterr().out
-    assert f"{PROJECT}" in listing and CONFIG in listing and "2 entries, 2 valid" in listing
+    assert f"{PROJECT}" in listing and CONFIG in listing and "8 entries, 8 valid" in listing  # rollout + reward
     assert cli(["cache", "show", str(dump), "--step", "2", "--samples", "3"]) == 0
     shown = capsys.readouterr().out
     assert '"global_steps": 2' in shown and "prompt=" in shown and "reward=" in shown and shown.count("[") >= 3
     assert cli(["cache", "rm", str(dump), "--step", "1"]) == 0
-    assert cached_steps(dump) == [2]
+    assert cached_steps(dump) == [2, 3, 4]
     assert not (dump / ".prefect" / PROJECT / CONFIG / "1" / "meta.json").exists()
     assert cli(["cache", "show", str(dump), "--step", "9"]) == 2

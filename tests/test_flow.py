@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -76,16 +75,6 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
                  "timing_s/values", "timing_s/ref", "timing_s/update_critic"):
         assert name in rows[-1], name
     assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]  # adaptive
-
-
-def test_cli_joins_an_existing_ray_cluster(prefect_server, ray_local, tiny_overrides, tmp_path):
-    """`ppoflow train` in a fresh process, joining this session's Ray through RAY_ADDRESS."""
-    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", *tiny_overrides,
-                             "trainer.total_training_steps=1", "trainer.test_freq=-1"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [row["step"] for row in read_metrics(f"{tmp_path}/run")] == [1]
 
 
 def test_cli_rejects_bad_config_before_starting_anything():

@@ -29,16 +29,23 @@ def staleness(rows):
 
 
 def test_lag_is_zero_in_sync_and_exactly_one_step_off(prefect_api, ray_local, overrides, tmp_path):
-    sync, _ = run(overrides, tmp_path, "sync", 4)
+    # sync, with the collective (gloo) weight sync: after every sync the rollout samples with the actor's weights
+    sync, _ = run(overrides, tmp_path, "sync", 4, ["actor_rollout_ref.rollout.weight_sync.backend=gloo",
+                                                   "actor_rollout_ref.rollout.weight_sync.bucket_mb=1"])
     assert staleness(sync) == [(0, 0)] * 4
-    assert all(row["training/rollout_probs_diff_max"] < 1e-5 for row in sync)  # the rollout has the new weights
+    assert all(row["training/rollout_probs_diff_max"] < 1e-5 for row in sync)
 
-    off, flow_run = run(overrides, tmp_path, "off", 4, ["trainer.mode=one_step_off"])
+    # one_step_off, with verl's decoupled correction of the lag (IS weights and rejection sampling)
+    off, flow_run = run(overrides, tmp_path, "off", 4, [
+        "trainer.mode=one_step_off", "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"])
     assert staleness(off) == [(0, 0), (1, 1), (1, 1), (1, 1)]
     assert off[0]["training/rollout_probs_diff_max"] < 1e-5 < off[1]["training/rollout_probs_diff_max"]
     for row in off:
         for name in ("timing_s/gen", "timing_s/generate_async", "timing_s/sync_rollout_weights",
-                     "timing_s/update_weights", "perf/generate_overlap_ratio"):
+                     "timing_s/update_weights", "perf/generate_overlap_ratio", "rollout_corr/rollout_is_mean",
+                     "rollout_corr/rollout_rs_masked_fraction"):
             assert name in row, name
     assert generate_states(flow_run, 4) == ["Completed"] * 4  # the last step starts no generation
 
@@ -53,19 +60,8 @@ def test_a_replayed_step_starts_no_generation(prefect_api, ray_local, overrides,
     assert staleness([rows[0], rows[2]]) == [(0, 0), (1, 1)]  # one step deep around the replayed step
 
 
-def test_off_policy_correction_is_wired(prefect_api, ray_local, overrides, tmp_path):
-    rows, _ = run(overrides, tmp_path, "decoupled", 3, [
-        "trainer.mode=one_step_off", "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=token_k1",
-        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"])
-    assert {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"} <= set(rows[-1])
-    bypass, flow_run = run(overrides, tmp_path, "bypass", 2, ["trainer.mode=one_step_off",
-                                                              "algorithm.rollout_correction.bypass_mode=true"])
-    assert "timing_s/old_log_prob" not in bypass[-1] and "rollout_corr/rollout_is_mean" not in bypass[-1]
-
-
-def test_collective_weight_sync_on_cpu(prefect_api, ray_local, overrides, tmp_path):
-    """The NCCL code path, with gloo on CPUs: after every sync the rollout samples with the actor's weights."""
-    rows, _ = run(overrides, tmp_path, "gloo", 3, ["actor_rollout_ref.rollout.weight_sync.backend=gloo",
-                                                   "actor_rollout_ref.rollout.weight_sync.bucket_mb=1"])
-    assert all(row["training/rollout_probs_diff_max"] < 1e-5 for row in rows)
+def test_bypass_mode_uses_the_rollout_log_probs(prefect_api, ray_local, overrides, tmp_path):
+    rows, _ = run(overrides, tmp_path, "bypass", 2, ["trainer.mode=one_step_off",
+                                                      "algorithm.rollout_correction.bypass_mode=true"])
+    assert "timing_s/old_log_prob" not in rows[-1] and "rollout_corr/rollout_is_mean" not in rows[-1]
+    assert rows[-1]["actor/ppo_kl"] != 0  # the ratio is against the (one update old) sampling policy

@@ -16,10 +16,8 @@ from flows.replay import (DEFAULT_IGNORED, MISSING, ReplayError, add_commands, a
                           compare, parse_tolerances, record, regression_replay, tolerance_for)
 from flows.tracking import read_metrics
 
-STEPS = 2
-EPOCHS = "actor_rollout_ref.actor.ppo_epochs=2"
-"""Two PPO epochs in both the recording and the checks: in the second epoch the ratios have moved away from
-1, so the clip range changes the loss (with one epoch over one mini-batch every ratio is exactly 1)."""
+from tests.conftest import REPLAY_EPOCHS as EPOCHS
+from tests.conftest import REPLAY_STEPS as STEPS
 TIGHT_CLIP = ["actor_rollout_ref.actor.clip_ratio_high=0.01", "actor_rollout_ref.actor.clip_ratio_low=0.01"]
 
 
@@ -100,18 +98,9 @@ def test_the_flow_parameters_make_a_form_with_only_the_directory_required():
 # --------------------------------------------------------------------------------------- errors before any run
 
 
-def drain_prefect_logs() -> None:
-    """Send the queued run logs now, while the session's server is up (not at interpreter exit, when it is
-    gone and each attempt waits for a connection timeout)."""
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=10)
-
-
 @pytest.fixture
 def prefect(prefect_api):
-    yield prefect_api
-    drain_prefect_logs()
+    return prefect_api
 
 
 def cli(argv: list[str]) -> int:
@@ -144,20 +133,9 @@ def test_record_needs_a_step_count_and_a_fresh_directory(tmp_path, capsys):
 # --------------------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def baseline_dir(prefect_server, ray_local, tiny_model, tmp_path_factory):
-    """Record a 2-step baseline once for the module (the ``tiny_overrides`` settings, without ``trainer.*``)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    root = tmp_path_factory.mktemp("replay")
-    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={root}/data/train.parquet",
-                 "data.val_files=null", "data.synthetic.train_rows=64", "data.train_batch_size=4",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-                 f"trainer.total_training_steps={STEPS}", "trainer.logger=[]", EPOCHS]
-    with temporary_settings(updates={PREFECT_API_URL: prefect_server, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        assert cli(["replay", "record", "--dir", str(root / "baseline"), *overrides]) == 0
-        drain_prefect_logs()
-    return root / "baseline"
+@pytest.fixture
+def baseline_dir(replay_baseline):
+    return replay_baseline
 
 
 def latest_artifact(key: str):

@@ -100,13 +100,23 @@ def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
     return roles
 
 
+def rollout_worker_class(cfg: PPOConfig) -> type:
+    """The generation engine ``actor_rollout_ref.rollout.name`` selects (vLLM is imported only when it runs)."""
+    if cfg.actor_rollout_ref.rollout.name == "vllm":
+        from workers.vllm_rollout import VLLMRolloutWorker
+
+        return VLLMRolloutWorker
+    from workers.rollout import HFRolloutWorker
+
+    return HFRolloutWorker
+
+
 def start_workers(cfg: PPOConfig) -> Workers:
     """Join (or start) Ray, check the roles fit, start one actor per role and wait until all loaded."""
     import ray
 
     from workers.critic import CriticWorker
     from workers.policy import ActorWorker, ReferenceWorker
-    from workers.rollout import HFRolloutWorker
 
     roles = role_resources(cfg)
     started_ray = _connect_ray(cfg, roles)
@@ -123,7 +133,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     # The rollout and reference workers hold no training state, so Ray may restart them after a crash
     # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
     # the actor and critic resume from checkpoints instead.
-    handles = {"rollout": actor_of(HFRolloutWorker, "actor_rollout_ref.rollout", restartable=True),
+    handles = {"rollout": actor_of(rollout_worker_class(cfg), "actor_rollout_ref.rollout", restartable=True),
                "actor": actor_of(ActorWorker, "actor_rollout_ref.actor")}
     if cfg.use_reference:
         handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref", restartable=True)
@@ -142,9 +152,8 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
     """The same roles as plain in-process objects (no Ray): the baseline of the overhead benchmark."""
     from workers.critic import CriticWorker
     from workers.policy import ActorWorker, ReferenceWorker
-    from workers.rollout import HFRolloutWorker
 
-    return Workers(rollout=LocalRole(HFRolloutWorker(cfg)), actor=LocalRole(ActorWorker(cfg)),
+    return Workers(rollout=LocalRole(rollout_worker_class(cfg)(cfg)), actor=LocalRole(ActorWorker(cfg)),
                    ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
                    critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, uses_ray=False)
 

@@ -1,0 +1,280 @@
+"""The vLLM rollout engine: the same contract as :class:`workers.rollout.HFRolloutWorker`, on GPUs.
+
+``actor_rollout_ref.rollout.name=vllm`` selects :class:`VLLMRolloutWorker` in :mod:`workers.group`. It
+serves ``generate``, ``apply_weights`` and ``join_weight_group`` exactly like the transformers engine,
+so the flow, the rollout cache and the trainers cannot tell the two apart. vLLM is an optional extra
+(``pip install 'ppoflow[vllm]'``) and is imported only when an engine is built: this module imports on
+a CPU machine without it, and the config loader rejects ``rollout.name=vllm`` there (see
+:func:`configs.schema.cross_field_errors`).
+
+How the engine is driven (written against vLLM's offline ``LLM`` API):
+
+* **Prompts** go in as token ids (``{"prompt_token_ids": [...]}``, left padding stripped), one request
+  per prompt; outputs come back in request order, so rows are prompt-major like the HF engine's.
+* **Sampling**: ``temperature``, ``top_p``, ``top_k`` (``-1``/``0`` = off, sent as ``-1``, which every
+  vLLM release accepts as "disabled") and ``max_tokens = data.max_response_length``. Sampling asks for
+  ``n`` completions per request; greedy asks for one (vLLM rejects ``n > 1`` at temperature 0) and
+  repeats it ``n`` times, which is what greedy decoding of ``n`` copies gives. Generation stops at the
+  tokenizer's EOS only (``stop_token_ids=[eos]``, ``generation_config="vllm"`` so a checkpoint's
+  ``generation_config.json`` adds neither stop tokens nor sampling defaults), as the HF engine does.
+* **Seeds**: every call derives ``base = step_seed(rollout.seed, step)`` like the HF engine, and prompt
+  ``p`` gets the request seed ``base + p * n``; vLLM gives the ``j``-th of a request's ``n`` samples the
+  seed ``request seed + j``, so trajectory row ``r`` is sampled with its own generator seeded
+  ``base + r``. A replayed or resumed step therefore samples the same tokens (vLLM's per-request
+  generators do not depend on what else is in the batch).
+* **Log-probs**: the engine runs with ``logprobs_mode="processed_logprobs"`` and each request asks for
+  ``logprobs=0`` (the sampled token only). ``processed_logprobs`` are ``log_softmax`` of the logits after
+  vLLM's sampling-time processing, i.e. divided by the temperature, which is exactly the quantity the
+  HF engine returns and the actor recomputes, ``log softmax(logits / temperature)``, whenever top-k and
+  top-p are off (``top_k: -1``, ``top_p: 1.0``, the defaults and the usual RL setting). With top-k/top-p
+  on, vLLM's value is under the truncated, renormalised distribution (never below the HF engine's);
+  the rollout-correction metrics then see that gap. Greedy requests run at temperature 0, where vLLM
+  applies no scaling: equal to the HF engine's when the configured temperature is 0 or 1.
+  (``raw_logprobs``, vLLM's default, is before temperature scaling, so it is not used.)
+* **Weights**: ``apply_weights`` pushes a :class:`~workers.weight_sync.WeightUpdate` bucket by bucket
+  through ``LLM.collective_rpc`` into :class:`VLLMWeightLoader`, the ``worker_extension_cls`` mixed into
+  every vLLM GPU worker. A bucket travels as one ``bytes`` object in its packed layout (the actor's
+  object-store buckets are per-tensor byte arrays, joined here); the worker copies it to its GPU once,
+  views each slot as its tensor and calls the model's own ``load_weights`` with ``(name, tensor)``
+  pairs (vLLM's loader renames and fuses Hugging Face names, e.g. ``q/k/v_proj`` into ``qkv_proj``,
+  and with tensor parallelism each worker keeps its own shard of the full tensors it is sent). The
+  prefix cache is then reset, so no KV block computed under the old weights is reused, and the new
+  version is stamped on what follows. Only the ``object_store`` backend is supported: the engine's GPU
+  workers are processes of vLLM's own, outside the Ray collective group the ``nccl``/``gloo``
+  backends broadcast in. Quantized checkpoints are not handled (no ``process_weights_after_loading``).
+
+The conversion of the engine's token lists into the batch is the pure function :func:`rollout_batch`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from configs.schema import VLLM_MIN_VERSION, PPOConfig, installed_vllm_version, vllm_version_supported
+from workers.models import load_tokenizer, local_model_dir
+from workers.rollout import SamplingParams, step_seed
+from workers.weight_sync import TensorSlot, WeightUpdate, _fetch
+
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's log-probs after temperature scaling (see the module docstring for the exact quantity)."""
+
+WORKER_EXTENSION = "workers.vllm_rollout.VLLMWeightLoader"
+"""Qualified name of the class vLLM mixes into its GPU workers (``worker_extension_cls``)."""
+
+SEED_SPACE = 2**62
+"""Request seeds stay below ``SEED_SPACE + rows`` (well inside torch's 64-bit generator seeds)."""
+
+
+def rollout_batch(token_ids: Sequence[Sequence[int]], log_probs: Sequence[Sequence[float]], *, width: int,
+                  eos_token_id: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The response fields of the step batch from per-trajectory token ids and their log-probs.
+
+    Same layout as the HF engine: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
+    ``response_mask`` [N, width] bool, True up to and including the first EOS; ``rollout_log_probs``
+    [N, width] float32, zero wherever the mask is False. Tokens after the first EOS (an engine stops
+    there, so normally there are none) are masked and replaced by padding.
+    """
+    if len(token_ids) != len(log_probs):
+        raise ValueError(f"{len(token_ids)} token lists but {len(log_probs)} log-prob lists")
+    rows = len(token_ids)
+    responses = torch.full((rows, width), pad_token_id, dtype=torch.int64)
+    response_mask = torch.zeros((rows, width), dtype=torch.bool)
+    rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for row, (tokens, scores) in enumerate(zip(token_ids, log_probs)):
+        tokens, scores = list(tokens), list(scores)
+        if len(tokens) != len(scores):
+            raise ValueError(f"row {row}: {len(tokens)} tokens but {len(scores)} log-probs")
+        if len(tokens) > width:
+            raise ValueError(f"row {row}: {len(tokens)} tokens exceed the response width {width}")
+        valid = tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
+        if valid:
+            responses[row, :valid] = torch.tensor(tokens[:valid], dtype=torch.int64)
+            rollout_log_probs[row, :valid] = torch.tensor(scores[:valid], dtype=torch.float32)
+            response_mask[row, :valid] = True
+    return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": rollout_log_probs}
+
+
+def request_seeds(seed: int, step: int, prompts: int, n: int) -> list[int]:
+    """One vLLM request seed per prompt; vLLM seeds sample ``j`` of a request with ``seed + j``, so
+    trajectory row ``r`` (prompt-major) samples with ``base + r``, ``base`` depending only on (seed, step)."""
+    base = step_seed(seed, step) % SEED_SPACE
+    return [base + prompt * n for prompt in range(prompts)]
+
+
+def sampling_kwargs(sampling: SamplingParams, *, eos_token_id: int) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request (seed aside)."""
+    common = {"max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": [eos_token_id],
+              "ignore_eos": False, "detokenize": False}
+    if sampling.greedy:  # vLLM allows only n=1 at temperature 0; generate() repeats the completion n times
+        return {**common, "n": 1, "temperature": 0.0}
+    return {**common, "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1}
+
+
+def engine_kwargs(cfg: PPOConfig) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for this run's rollout engine."""
+    model, rollout, data = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout, cfg.data
+    return {
+        "model": local_model_dir(model.path),
+        "tokenizer": local_model_dir(model.tokenizer_path or model.path),
+        "trust_remote_code": model.trust_remote_code,
+        "dtype": model.dtype,
+        "tensor_parallel_size": rollout.tensor_model_parallel_size,
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "max_model_len": data.max_prompt_length + data.max_response_length,
+        "seed": rollout.seed,
+        "logprobs_mode": LOGPROBS_MODE,
+        "generation_config": "vllm",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+class VLLMRolloutWorker:
+    """Sampling with a vLLM engine on this actor's GPU(s); the interface of ``HFRolloutWorker``.
+
+    ``overrides`` are extra ``vllm.LLM`` keyword arguments (tests and benchmarks pass e.g.
+    ``enforce_eager=True``); the run itself builds it from the config alone.
+    """
+
+    def __init__(self, cfg: PPOConfig, **overrides):
+        rollout = cfg.actor_rollout_ref.rollout
+        torch.set_num_threads(rollout.resources.num_threads)
+        version = installed_vllm_version()
+        if version is None or not vllm_version_supported(version):
+            raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vllm>={VLLM_MIN_VERSION} on the machine "
+                              f"that runs the rollout worker (found {version or 'none'}); install 'ppoflow[vllm]'")
+        from vllm import LLM
+
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.llm = LLM(**{**engine_kwargs(cfg), **overrides})
+        self.weight_version = 0
+        self.backend = rollout.weight_sync.backend
+        self.vllm_version = version
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
+        """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        count = prompts.batch_size[0]
+        repeated = prompts[torch.arange(count).repeat_interleave(sampling.n)]
+        requests = [{"prompt_token_ids": row[mask].tolist()}
+                    for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())]
+        kwargs = sampling_kwargs(sampling, eos_token_id=self.eos_token_id)
+        if sampling.greedy:
+            params = [VLLMSamplingParams(**kwargs) for _ in range(count)]
+        else:
+            params = [VLLMSamplingParams(**kwargs, seed=seed)
+                      for seed in request_seeds(sampling.seed, step, count, sampling.n)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False) if count else []
+        if len(outputs) != count:
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {count} prompts")
+        token_ids, log_probs = [], []
+        for output in outputs:
+            completions = sorted(output.outputs, key=lambda completion: completion.index)
+            if sampling.greedy:
+                completions = completions * sampling.n
+            if len(completions) != sampling.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} completions for n={sampling.n}")
+            for completion in completions:
+                token_ids.append(list(completion.token_ids))
+                log_probs.append(_sampled_log_probs(completion))
+        repeated.update({
+            **rollout_batch(token_ids, log_probs, width=sampling.max_new_tokens, eos_token_id=self.eos_token_id,
+                            pad_token_id=self.pad_token_id),
+            "weight_version": torch.full((count * sampling.n,), self.weight_version, dtype=torch.int64),
+            "group_index": torch.arange(count).repeat_interleave(sampling.n),
+        })
+        return repeated
+
+    def apply_weights(self, update: WeightUpdate) -> int:
+        """Load the actor's weights into the running engine, bucket by bucket; returns the version now served."""
+        if update.layouts and not update.payloads:
+            raise NotImplementedError(_COLLECTIVE_UNSUPPORTED.format(backend=self.backend))
+        for layout, payload in zip(update.layouts, update.payloads):
+            slots = [(slot.name, slot.dtype, tuple(slot.shape), slot.offset, slot.nbytes) for slot in layout]
+            self.llm.collective_rpc("ppoflow_load_weights", args=(slots, bucket_bytes(layout, _fetch(payload))))
+        if update.layouts:
+            self.llm.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
+        self.weight_version = update.version
+        return self.weight_version
+
+    def join_weight_group(self, group: str) -> None:
+        raise NotImplementedError(_COLLECTIVE_UNSUPPORTED.format(backend=self.backend))
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes and free its GPU memory (the Ray actor's exit does this too)."""
+        engine = getattr(self, "llm", None)
+        core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+
+
+_COLLECTIVE_UNSUPPORTED = (
+    "actor_rollout_ref.rollout.weight_sync.backend={backend} is not supported with rollout.name=vllm: vLLM's GPU "
+    "workers are processes of the engine, outside the Ray collective group that backend broadcasts in; set "
+    "actor_rollout_ref.rollout.weight_sync.backend=object_store")
+
+
+def _sampled_log_probs(completion) -> list[float]:
+    """The log-prob of each sampled token from a vLLM ``CompletionOutput`` requested with ``logprobs=0``."""
+    if completion.logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
+    return [float(entry[token].logprob) for token, entry in zip(completion.token_ids, completion.logprobs)]
+
+
+def bucket_bytes(layout: Sequence[TensorSlot], arrays: Sequence) -> bytes:
+    """One bucket's tensors (raw byte arrays, one per slot) joined into the packed layout the slots describe.
+
+    Plain ``bytes`` is what travels through ``collective_rpc``: its arguments are msgpack-encoded
+    untyped on the way to vLLM's engine process, which carries bytes as they are (a NumPy array or a
+    tensor would arrive as an undecoded (dtype, shape, buffer-index) triple).
+    """
+    if len(layout) != len(arrays):
+        raise ValueError(f"a bucket of {len(layout)} slots came with {len(arrays)} arrays")
+    for slot, raw in zip(layout, arrays):
+        if len(memoryview(raw).cast("B")) != slot.nbytes:
+            raise ValueError(f"{slot.name}: {len(memoryview(raw).cast('B'))} bytes for a slot of {slot.nbytes}")
+    return b"".join(memoryview(raw).cast("B") for raw in arrays)
+
+
+def bucket_tensors(bucket: torch.Tensor, slots: Sequence[tuple[str, str, Sequence[int], int, int]]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views into a flat ``uint8`` bucket (on any device) for ``(name, dtype, shape,
+    offset, nbytes)`` slots; a slot not aligned to its element size is copied first."""
+    weights = []
+    for name, dtype, shape, offset, nbytes in slots:
+        torch_dtype = getattr(torch, dtype)
+        piece = bucket[offset:offset + nbytes]
+        if offset % torch_dtype.itemsize:
+            piece = piece.clone()
+        weights.append((name, piece.view(torch_dtype).view(tuple(shape))))
+    return weights
+
+
+class VLLMWeightLoader:
+    """Mixed into every vLLM GPU worker (``worker_extension_cls``); called through ``LLM.collective_rpc``.
+
+    Its method names carry a ``ppoflow_`` prefix: vLLM refuses an extension whose attributes clash with
+    the worker class's own.
+    """
+
+    def ppoflow_load_weights(self, slots: list, bucket: bytes) -> int:
+        """Load one packed bucket (see :func:`bucket_bytes`) into the model: one host-to-GPU copy, then the
+        model's ``load_weights`` with ``(name, tensor)`` views. Returns how many parameters it wrote."""
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only message buffer: only read, then copied
+            host = torch.frombuffer(bucket, dtype=torch.uint8) if len(bucket) else torch.empty(0, dtype=torch.uint8)
+        device_bucket = host.to(self.device)
+        loaded = model.load_weights(weights=bucket_tensors(device_bucket, slots))
+        torch.cuda.synchronize(self.device)
+        return len(loaded) if loaded is not None else len(slots)
+
