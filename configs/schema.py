@@ -187,6 +187,15 @@ class CustomRewardConfig(Section):
     name: str = Field(description="Function name when `path` names a module or file.")
 
 
+class RewardModelConfig(Section):
+    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``)."""
+
+    reward_manager: Literal["naive", "ray"] = Field(
+        description="naive: score in the flow; ray: score chunks as Prefect tasks on Ray workers (prefect-ray), "
+                    "for slow scorers (sandboxed code, remote judges). ray needs PREFECT_API_URL.")
+    num_workers: int = Field(ge=1, description="reward_manager=ray: chunks scored at once.")
+
+
 class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = Field(description="In-reward KL coefficient controller.")
     kl_coef: float = Field(ge=0, description="(Initial) KL coefficient.")
@@ -273,6 +282,7 @@ class PPOConfig(Section):
     actor_rollout_ref: ActorRolloutRefConfig
     critic: CriticConfig
     custom_reward_function: CustomRewardConfig
+    reward_model: RewardModelConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     rollout: RolloutPoolConfig

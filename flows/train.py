@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Optional
 
 from prefect import flow, get_run_logger
+from prefect.settings import get_current_settings
 from pydantic import Field
 from tensordict import TensorDict
 
@@ -92,6 +93,7 @@ class Run:
     stages: Any
     sampling: SamplingParams
     caches: dict[str, StageCache]
+    reward_chunks: int = 0
     batches: Optional[Iterator[tuple[int, list[int]]]] = None
     epochs: dict[int, int] = field(default_factory=dict)
     step_prompts: dict[int, TensorDict] = field(default_factory=dict)
@@ -160,10 +162,16 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> Run:
     ctrl = cfg.algorithm.kl_ctrl
     kl_controller = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
     caches = stage_caches(cfg)
+    reward_chunks = 0
+    if cfg.reward_model.reward_manager == "ray":
+        if not orchestrated or not get_current_settings().api.url:
+            raise ValueError("reward_model.reward_manager=ray scores in Prefect tasks on Ray workers, which must "
+                             "report to a Prefect server: set PREFECT_API_URL (and run the flow orchestrated)")
+        reward_chunks = cfg.reward_model.num_workers
     workers = start_workers(cfg) if orchestrated else start_local_workers(cfg)
     return Run(cfg, tokenizer, train_set, val_set, loader, total_steps, custom_scorer, kl_controller, workers,
                stages=STAGES if orchestrated else BARE_STAGES, sampling=SamplingParams.for_training(cfg),
-               caches=caches)
+               caches=caches, reward_chunks=reward_chunks)
 
 
 @contextmanager
@@ -196,7 +204,7 @@ def ppo_update(run: Run, step: int, batch: TensorDict, metrics: dict[str, float]
     correction = cfg.algorithm.rollout_correction
     # 2. reward
     with timed(timing, "reward"):
-        scored = run.call("reward", step, batch, run.tokenizer, run.custom_scorer, guard=batch)
+        scored = run.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks, guard=batch)
     batch.update(scored.fields)
     metrics.update(scored.metrics)
     batch_ref = workers.put(batch.exclude(*NON_TENSOR_FIELDS))  # one copy, read by every role below
@@ -320,7 +328,7 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
         chunk = rows[start:start + size]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
         batch = run.stages.generate(run.workers, prompts, step, sampling).fields  # never cached
-        scores = run.stages.reward(batch, run.tokenizer, run.custom_scorer).fields
+        scores = run.stages.reward(batch, run.tokenizer, run.custom_scorer, run.reward_chunks).fields
         sequence_scores = scores["token_level_scores"].sum(dim=1).tolist()
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)
@@ -331,6 +339,12 @@ def validate(run: Run, step: int) -> tuple[dict[str, float], list[str]]:
     metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
                for source, scores in per_source.items()}
     return metrics, samples
+
+
+def validation_line(step: int, metrics: dict[str, float], samples: list[str]) -> str:
+    """One console line: the validation rewards and a few decoded samples."""
+    rewards = ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+    return f"step {step} validation: {rewards}; samples: {', '.join(samples)}"
 
 
 def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
@@ -352,7 +366,7 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
         save_freq = cfg.trainer.save_freq
         if test_freq > 0 and cfg.trainer.val_before_train and first_step == 1:
             val_metrics, samples = validate(run, step=0)
-            tracker.note(f"step 0 validation {val_metrics}; samples: {samples}")
+            tracker.note(validation_line(0, val_metrics, samples))
 
         def after_step(step: int, pending: PendingStage | None) -> PendingStage | None:
             if save_freq > 0 and (step % save_freq == 0 or step == run.total_steps):
@@ -368,7 +382,7 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                     sync_weights(run)  # validate this step's weights, not the ones the next batch samples with
                 val_metrics, samples = validate(run, step)
                 metrics.update(val_metrics)
-                tracker.note(f"step {step} validation {val_metrics}; samples: {samples}")
+                tracker.note(validation_line(step, val_metrics, samples))
             tracker.log(step, metrics)
             artifacts.step(step, metrics)
         final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"

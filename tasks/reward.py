@@ -1,14 +1,17 @@
 """Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer).
 
 The score is placed on the response's last valid token (verl's ``token_level_scores``); everything
-else is zero.
+else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth ~0.3 s of task
+overhead each (sandboxed code execution, remote judges) - in chunks as Prefect tasks on Ray workers
+through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
 """
 
 from __future__ import annotations
 
 import torch
-from prefect import task
+from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
 from storage.batch import non_tensor_column
@@ -28,11 +31,38 @@ def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
     return tokenizer.batch_decode(texts, skip_special_tokens=False)
 
 
+@task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def score_chunk(data_sources: list[str], solutions: list[str], ground_truths: list,
+                custom_scorer: Scorer | None) -> tuple[list[float], dict[str, list[float]]]:
+    """Score one chunk of responses (runs in a Ray worker)."""
+    return score_responses(data_sources, solutions, ground_truths, custom_scorer)
+
+
+@flow(name="reward-on-ray", task_runner=RayTaskRunner())  # joins the run's Ray (or RAY_ADDRESS)
+def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: list, custom_scorer: Scorer | None,
+                 chunks: int) -> tuple[list[float], dict[str, list[float]]]:
+    """Score the responses in ``chunks`` parallel Prefect tasks on Ray workers; same result as in the flow."""
+    size = -(-len(solutions) // chunks)
+    futures = [score_chunk.submit(data_sources[i:i + size], solutions[i:i + size], ground_truths[i:i + size],
+                                  custom_scorer) for i in range(0, len(solutions), size)]
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for part_scores, part_extras in (future.result() for future in futures):
+        scores += part_scores
+        for name, values in part_extras.items():
+            extras.setdefault(name, []).extend(values)
+    return scores, extras
+
+
 @task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, dump: StepDump | None = None) -> StageRecord:
-    """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported."""
-    scores, extras = score_responses(non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
-                                     non_tensor_column(batch, "ground_truth"), custom_scorer)
+def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0,
+           dump: StepDump | None = None) -> StageRecord:
+    """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
+
+    ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`)."""
+    inputs = (non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
+              non_tensor_column(batch, "ground_truth"), custom_scorer)
+    scores, extras = score_on_ray(*inputs, chunks=ray_chunks) if ray_chunks else score_responses(*inputs)
     mask = batch["response_mask"]
     last_token = (mask.sum(dim=1) - 1).clamp(min=0)
     token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)

@@ -385,7 +385,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 142  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 144  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()
@@ -399,3 +399,38 @@ def test_reference_table_mentions_every_key_once():
     assert "| int | `16` |" in by_key["data.train_batch_size"]
     assert '`"~/.verl/rollout_dump"`' in by_key["skip.<stage>.dump_dir"]
     assert "| `[]` |" in by_key["skip.<stage>.steps"]
+
+
+@pytest.mark.parametrize("words, key, message", [
+    (["actor_rollout_ref.actor.resources.num_gpus=1"], "trainer.n_gpus_per_node",
+     "the training roles reserve 1 GPUs (actor_rollout_ref.actor.resources.num_gpus=1) but the training pool has "
+     "trainer.nnodes * trainer.n_gpus_per_node = 0"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=3",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=3"], "actor_rollout_ref.rollout.n",
+     "with 4 training GPUs, rollout.n=3 must divide the GPU count, or rollout.n * data.train_batch_size must be "
+     "divisible by it"),
+    (["actor_rollout_ref.rollout.resources.num_gpus=1"], "rollout.n_gpus_per_node",
+     "actor_rollout_ref.rollout.resources.num_gpus=1 exceeds the rollout pool rollout.nnodes * rollout.n_gpus_per_node = 0"),
+    (["trainer.mode=one_step_off", "rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.resources.num_gpus=1"],
+     "rollout.n_gpus_per_node", "one_step_off needs both pools on GPUs or both on CPUs (training pool 0 GPUs, rollout pool 1)"),
+    (["actor_rollout_ref.rollout.weight_sync.backend=nccl"], "actor_rollout_ref.rollout.weight_sync.backend",
+     "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 (use object_store or gloo on CPUs)"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='3_1'"],
+     "algorithm.rollout_correction.rollout_is_threshold", "Invalid threshold '3_1': the lower bound exceeds the upper bound."),
+    (["algorithm.rollout_correction.rollout_rs=token_k2"], "algorithm.rollout_correction.rollout_rs_threshold",
+     "rollout_rs='token_k2' needs thresholds"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=sequence"],
+     "algorithm.rollout_correction.bypass_mode",
+     "bypass mode uses the rollout's log-probs as old log-probs, so rollout_is / rollout_rs (old vs rollout) have "
+     "nothing to correct; set bypass_mode=false"),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=somewhere"], "trainer.resume_from_path",
+     "resume_mode=resume_path needs a .../global_step_N directory"),
+])
+def test_resource_correction_and_resume_rules(words, key, message):
+    problem_key, problem = only_problem(words)
+    assert problem_key == key and problem.startswith(message)
+
+
+def test_verl_pool_rule_accepts_divisible_batches():
+    cfg = load_config("grpo_tiny", ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.resources.num_gpus=1"])
+    assert cfg.trainer.n_gpus_per_node == 4  # 8 responses per prompt divide 4 GPUs

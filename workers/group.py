@@ -120,7 +120,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
 
     roles = role_resources(cfg)
     started_ray = _connect_ray(cfg, roles)
-    _check_fits(roles)
+    _check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
 
     def actor_of(cls, key, *, restartable: bool = False):
         resources = roles[key]
@@ -158,6 +158,11 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
                    critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, uses_ray=False)
 
 
+def scoring_cpus(cfg: PPOConfig) -> int:
+    """CPUs the reward stage's Ray tasks use at once (``reward_model.reward_manager=ray``: one per chunk)."""
+    return cfg.reward_model.num_workers if cfg.reward_model.reward_manager == "ray" else 0
+
+
 def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
     """Join ``ray.address`` / ``RAY_ADDRESS``, reuse a running Ray, or start a local one; True if started."""
     import ray
@@ -168,7 +173,7 @@ def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
     if address:
         ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
         return False
-    needed = sum(resources.num_cpus for resources in roles.values())
+    needed = sum(resources.num_cpus for resources in roles.values()) + scoring_cpus(cfg)
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
     ray.init(num_cpus=num_cpus, num_gpus=_local_gpu_count(), include_dashboard=False,
              runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
@@ -181,14 +186,20 @@ def _local_gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def _check_fits(roles: dict[str, ResourcesConfig]) -> None:
-    """Fail now, naming the keys, rather than leave an actor pending forever on an impossible request."""
+def _check_fits(roles: dict[str, ResourcesConfig], *, scores_on_ray: bool) -> None:
+    """Fail now, naming the keys, rather than leave an actor or a scoring task pending forever.
+
+    Scoring on Ray needs one CPU beyond the actors' so that at least one chunk runs."""
     import ray
 
     available = ray.cluster_resources()
     for unit, attribute in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         needed = sum(getattr(resources, attribute) for resources in roles.values())
+        details = [f"{key}.resources.{attribute}={getattr(r, attribute)}" for key, r in roles.items()]
+        if unit == "CPU" and scores_on_ray:
+            needed += 1
+            details.append("1 for reward_model.reward_manager=ray")
         if needed > available.get(unit, 0):
-            detail = ", ".join(f"{key}.resources.{attribute}={getattr(r, attribute)}" for key, r in roles.items())
+            detail = ", ".join(details)
             raise RuntimeError(f"the roles need {needed:g} {unit} but the Ray cluster has "
                                f"{available.get(unit, 0):g} ({detail}); lower them or set ray.num_cpus")
