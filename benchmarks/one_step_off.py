@@ -1,6 +1,6 @@
 """Does one-step-off pay? The same workload in ``sync`` and ``one_step_off`` mode, in one run.
 
-The workload is balanced so that generation takes roughly as long as training (a 13M-parameter
+The workload is balanced so that generation takes roughly as long as training (a 10.5M-parameter
 Llama, 2 prompts x 8 samples, up to 48 response tokens); the rollout and the actor each get one
 thread. Reported per mode: median ``timing_s/step``, generation time (``timing_s/gen`` in sync,
 ``timing_s/generate_async`` off-policy), training time (everything else in the step), and the

@@ -2,7 +2,7 @@
 sampling settings, one GPU), and the time each engine takes to take in the model's full state dict from
 ``ActorWorker.prepare_weights`` (the object-store weight_sync path, in-process: no Ray in the timings).
 
-    python benchmarks/vllm_vs_hf.py [--size 110M | --model PATH] [--dtype bfloat16] [--prompts 128] [--n 4]
+    python benchmarks/vllm_vs_hf.py [--size 100M | --model PATH] [--dtype bfloat16] [--prompts 128] [--n 4]
                                     [--max-new-tokens 256] [--repeats 3] [--gpu-memory-utilization 0.5]
 
 Without ``--model`` a random-init Llama of ``--size`` is built with the demo's 32-character tokenizer;
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZES = {  # Llama shapes built from config (hidden, intermediate, layers, heads); heads are 64 wide
     "tiny": (128, 256, 2, 2),
-    "110M": (1024, 2816, 8, 16),
-    "500M": (1536, 4096, 16, 24),
+    "100M": (1024, 2816, 8, 16),
+    "450M": (1536, 4096, 16, 24),
 }
 
 
@@ -82,7 +82,7 @@ def update_time(engine, update, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="110M")
+    parser.add_argument("--size", choices=sorted(SIZES), default="100M")
     parser.add_argument("--model", help="a local Hugging Face causal LM directory instead of a built one")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--prompts", type=int, default=128)

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODELS = {  # Llama shapes built from config: (hidden, intermediate, layers, heads)
     "tiny (332k params)": (128, 256, 2, 4),
-    "13M params": (512, 1024, 4, 8),
-    "110M params": (1024, 2816, 8, 16),
+    "10.5M params": (512, 1024, 4, 8),
+    "103M params": (1024, 2816, 8, 16),
 }
 
 
