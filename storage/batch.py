@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -64,6 +64,9 @@ RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "token_lev
 
 _NON_TENSOR_KEY = "ppoflow.non_tensor"
 _BATCH_SIZE_KEY = "ppoflow.batch_size"
+_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                      "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F32": torch.float32, "F64": torch.float64}
 
 
 def non_tensor_column(batch: TensorDict, name: str) -> list:
@@ -127,22 +130,53 @@ def encode_batch(batch: TensorDict) -> bytes:
     return safetensors_save(tensors, metadata=metadata)
 
 
-def decode_batch(payload: bytes) -> TensorDict:
-    """Decode bytes written by :func:`encode_batch`; raises ``ValueError`` on anything else."""
+def decode_batch(payload: bytes | bytearray | memoryview) -> TensorDict:
+    """Decode bytes written by :func:`encode_batch`; raises ``ValueError`` on anything else.
+
+    The tensors are views into ``payload`` when it is a writable buffer (what the storage readers
+    return), so a loaded step costs no copy."""
     try:
-        metadata = _read_safetensors_metadata(payload)
+        tensors, metadata = read_safetensors(payload)
         columns = json.loads(metadata[_NON_TENSOR_KEY])
         batch_size = json.loads(metadata[_BATCH_SIZE_KEY])
-        batch = TensorDict(safetensors_load(payload), batch_size=batch_size)
-        return with_non_tensor_columns(batch, columns)
-    except Exception as error:  # safetensors, json and tensordict raise their own types; normalise them
+        return with_non_tensor_columns(TensorDict(tensors, batch_size=batch_size), columns)
+    except Exception as error:  # json, torch and tensordict raise their own types; normalise them
         raise ValueError(f"not a ppoflow batch payload: {error}") from error
 
 
-def _read_safetensors_metadata(payload: bytes) -> dict[str, str]:
-    """Read the ``__metadata__`` of a safetensors buffer (8-byte little-endian header length + JSON)."""
-    header_length = int.from_bytes(payload[:8], "little")
-    if len(payload) < 8 + header_length:
+def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the ``__metadata__`` of a safetensors buffer, checking every header entry.
+
+    The format is an 8-byte little-endian header length, a JSON header mapping each name to its
+    dtype, shape and byte range, then the data. Tensors are ``torch.frombuffer`` views of a writable
+    ``payload`` (what the storage readers return); a read-only one (``bytes``) is copied once first,
+    as a view must not alias immutable memory; a tensor whose offset is not a multiple of its item
+    size is copied. Raises ``ValueError`` naming the first entry that does not fit.
+    """
+    payload = memoryview(payload).cast("B")
+    if payload.readonly:
+        payload = memoryview(bytearray(payload))
+    if len(payload) < 8:
         raise ValueError("truncated safetensors header")
-    header = json.loads(payload[8 : 8 + header_length])
-    return header.get("__metadata__") or {}
+    data_start = 8 + int.from_bytes(payload[:8], "little")
+    if len(payload) < data_start:
+        raise ValueError("truncated safetensors header")
+    header = json.loads(bytes(payload[8:data_start]))
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {entry.get('dtype')!r}")
+        shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
+        count = math.prod(shape)
+        offset = data_start + begin
+        if begin < 0 or end - begin != count * dtype.itemsize or data_start + end > len(payload):
+            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold {dtype} {shape} "
+                             f"within the {len(payload) - data_start}-byte data section")
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        tensor = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset).view(shape)
+        tensors[name] = tensor.clone() if offset % dtype.itemsize else tensor
+    return tensors, metadata

@@ -23,10 +23,10 @@ import json
 import re
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from storage.fs import atomic_write, join, open_fs, write_with_retries
+from storage.batch import read_safetensors
+from storage.fs import atomic_write, join, open_fs, read_with_sha256, write_with_retries
 
 MARKER = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -48,11 +48,11 @@ def write_file(url: str, data: bytes, *, retries: int = 3, backoff_s: float = 0.
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def read_file(url: str, entry: dict) -> bytes:
+def read_file(url: str, entry: dict) -> memoryview:
     """Read one checkpoint file and check it against its manifest entry."""
     fs, path = open_fs(url)
-    data = fs.cat_file(path)
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    data, digest = read_with_sha256(fs, path)
+    if len(data) != entry["bytes"] or digest != entry["sha256"]:
         raise CheckpointError(f"{url}: size or checksum does not match {MARKER}")
     return data
 
@@ -68,7 +68,7 @@ def save_module(directory: str, model: torch.nn.Module, optimizer_state: dict) -
 
 def load_module(directory: str, entries: dict[str, dict], model: torch.nn.Module) -> dict:
     """Restore a role's weights (in place) from ``directory``; return its optimizer state."""
-    weights = safetensors_load(read_file(join(directory, "model.safetensors"), entries["model.safetensors"]))
+    weights, _ = read_safetensors(read_file(join(directory, "model.safetensors"), entries["model.safetensors"]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any(name not in weights for name in _unique(model)):
         raise CheckpointError(f"{directory}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
@@ -120,7 +120,7 @@ def read_trainer_state(directory: str) -> tuple[dict, dict]:
     marker = manifest(directory)
     if marker is None:
         raise CheckpointError(f"{directory} is not a complete checkpoint (no valid {MARKER})")
-    state = json.loads(read_file(join(directory, "trainer_state.json"), marker["files"]["trainer_state.json"]))
+    state = json.loads(bytes(read_file(join(directory, "trainer_state.json"), marker["files"]["trainer_state.json"])))
     return marker, state
 
 

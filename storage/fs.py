@@ -8,23 +8,29 @@ Why they exist:
   then stay invisible. :func:`open_fs` turns that cache off for S3 unless the caller asks for it.
 * ``LocalFileSystem`` writes straight into the target file, so a crash (or a concurrent reader)
   can see half a file. :func:`atomic_write` makes local writes atomic; an object-store PUT already is.
+* Every payload read back is checked against its recorded sha256; :func:`read_with_sha256` hashes
+  while it reads, so the check costs little beyond the read itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
+import numpy
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 logger = logging.getLogger(__name__)
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
+_HASH_CHUNK = 8 << 20
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
@@ -56,6 +62,33 @@ def join(*parts: str) -> str:
     """Join URL or path parts with single ``/`` separators (``join("s3://b/", "x")`` is ``s3://b/x``)."""
     head, *tail = parts
     return "/".join([head.rstrip("/"), *(part.strip("/") for part in tail)])
+
+
+def read_with_sha256(fs: AbstractFileSystem, path: str) -> tuple[memoryview, str]:
+    """The whole file at ``path`` (a writable buffer) and the sha256 hex digest of what was read.
+
+    Each chunk is hashed on a helper thread while the next one is read into the same buffer (hashlib
+    and file reads release the GIL), so verifying costs about as much as reading. The buffer is
+    allocated uninitialised (a ``bytearray`` would first zero it, which costs as much as the read).
+    Raises ``FileNotFoundError`` / ``OSError`` as ``fs`` does.
+    """
+    size = fs.size(path)
+    view = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B")
+    digest = hashlib.sha256()
+    done = 0
+    hashing: Future | None = None
+    with fs.open(path, "rb") as file, ThreadPoolExecutor(max_workers=1) as hasher:
+        while done < size:
+            count = file.readinto(view[done:done + _HASH_CHUNK])
+            if not count:
+                break
+            if hashing is not None:
+                hashing.result()  # updates must stay in order
+            hashing = hasher.submit(digest.update, view[done:done + count])
+            done += count
+        if hashing is not None:
+            hashing.result()
+    return view[:done], digest.hexdigest()
 
 
 def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:

@@ -28,7 +28,8 @@ import json
 import logging
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -37,7 +38,8 @@ from fsspec import AbstractFileSystem
 from tensordict import TensorDict
 
 from storage.batch import decode_batch, encode_batch, non_tensor_column, with_non_tensor_columns
-from storage.fs import StorageError, StorageWriteError, atomic_write, join, normalize_url, open_fs, write_with_retries
+from storage.fs import (StorageError, StorageWriteError, atomic_write, join, normalize_url, open_fs, read_with_sha256,
+                        write_with_retries)
 
 logger = logging.getLogger(__name__)
 
@@ -341,10 +343,11 @@ class StepCache:
         step = _as_step(step)
         manifest = self.manifest(step)
         payload_url = self.payload_url(step)
-        payload = _read(self._fs, payload_url)
+        with _reading(payload_url):
+            payload, digest = read_with_sha256(self._fs, payload_url)
         if len(payload) != manifest["payload_bytes"]:
             raise CacheCorrupt(payload_url, f"payload size {len(payload)} != {manifest['payload_bytes']} recorded")
-        checksum = _sha256(payload)
+        checksum = f"sha256:{digest}"
         if checksum != manifest["checksum"]:
             raise CacheCorrupt(payload_url, f"payload checksum {checksum} != {manifest['checksum']} recorded")
         try:
@@ -562,14 +565,21 @@ def _manifest_mismatch(manifest: dict, step: int, stage: str) -> str:
     return ""
 
 
-def _read(fs: AbstractFileSystem, url: str) -> bytes:
-    """Whole file at ``url``; a missing or unreadable file raises :class:`CacheCorrupt`."""
+@contextmanager
+def _reading(url: str) -> Iterator[None]:
+    """Turn a missing or unreadable file at ``url`` into :class:`CacheCorrupt`."""
     try:
-        return fs.cat_file(url)
+        yield
     except FileNotFoundError as error:
         raise CacheCorrupt(url, "missing file") from error
     except OSError as error:
         raise CacheCorrupt(url, f"unreadable: {error}") from error
+
+
+def _read(fs: AbstractFileSystem, url: str) -> bytes:
+    """Whole file at ``url``; a missing or unreadable file raises :class:`CacheCorrupt`."""
+    with _reading(url):
+        return fs.cat_file(url)
 
 
 def _remove_if_present(fs: AbstractFileSystem, url: str) -> None:
