@@ -152,6 +152,10 @@ def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str,
     ``payload`` (what the storage readers return); a read-only one (``bytes``) is copied once first,
     as a view must not alias immutable memory; a tensor whose offset is not a multiple of its item
     size is copied. Raises ``ValueError`` naming the first entry that does not fit.
+
+    Why not the safetensors package's readers: ``safetensors.torch.load`` copies every tensor out of
+    the buffer (as long as the read itself for a 64 MiB step), and ``safe_open`` maps local files only,
+    while the payload here was already read (and hashed) from any fsspec store.
     """
     payload = memoryview(payload).cast("B")
     if payload.readonly:
