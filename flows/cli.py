@@ -76,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"ppoflow: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:
+        if "ephemeral Prefect API server" not in str(error):
+            raise
+        # The temporary server's own logs are silenced above, so say where to look.
+        print(f"ppoflow: {error}\nThe temporary Prefect server did not start. Run `prefect server start` to see "
+              "why (often: the database under PREFECT_HOME was migrated by a newer Prefect than this one), "
+              "then point PREFECT_API_URL at a server that works.", file=sys.stderr)
+        return 1
 
 
 def _train(args) -> int:

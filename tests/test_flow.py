@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -84,6 +86,19 @@ def test_cli_rejects_bad_config_before_starting_anything():
     assert "actor_rollout_ref.rollout.temprature: unknown key; did you mean 'actor_rollout_ref.rollout.temperature'" in result.stderr
     assert "data.train_batch_size" in result.stderr and "(got 0)" in result.stderr
     assert "Ray" not in result.stderr and "prefect" not in result.stderr.lower()
+
+
+def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
+    # A database migrated by a Prefect this one does not know: its temporary server cannot start.
+    with sqlite3.connect(tmp_path / "prefect.db") as db:
+        db.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        db.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
+    env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "8"}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "The temporary Prefect server did not start. Run `prefect server start` to see why" in result.stderr
 
 
 @pytest.mark.parametrize("override, message", [
