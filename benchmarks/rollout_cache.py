@@ -58,8 +58,9 @@ def replay_vs_generation(scratch: str, steps: int) -> dict:
 
 
 def record_sizes(dump_dir: str) -> dict:
-    """Bytes of step 1's payload, of the marker Prefect persists, and of Prefect's own metadata - and what
-    Prefect's default record (one JSON with the base64 of a cloudpickle) of the same batch would weigh."""
+    """Bytes of step 1's payload and of the marker Prefect persists (its own metadata is derived from the
+    marker, not stored) - and what Prefect's default record (one JSON with the base64 of a cloudpickle)
+    of the same batch would weigh."""
     import base64
     from pathlib import Path
 
@@ -69,10 +70,8 @@ def record_sizes(dump_dir: str) -> dict:
 
     step_dir = next(Path(dump_dir).glob("*/*/1"))
     batch, _ = StepCache(str(step_dir.parent)).load(1)
-    prefect_metadata = next(Path(dump_dir, ".prefect").glob("*/*/1/meta.json"))
     return {"payload_bytes": (step_dir / "rollout.safetensors").stat().st_size,
             "marker_bytes": (step_dir / "meta.json").stat().st_size,
-            "prefect_metadata_bytes": prefect_metadata.stat().st_size,
             "default_prefect_record_bytes": len(base64.b64encode(cloudpickle.dumps(batch)))}
 
 
@@ -141,12 +140,12 @@ def main() -> None:
         workload, run = key.split("/")
         if run != "record":
             print(f"| {workload} | {run} | {row['gen']} | {row['step']} | {row['hits']} |")
-    print("| workload | payload bytes | meta.json (Prefect's record) | Prefect metadata | Prefect's default record would be |"
-          "\n|---|---|---|---|---|")
+    print("| workload | payload bytes | meta.json (Prefect's record) | Prefect's default record would be |"
+          "\n|---|---|---|---|")
     for key, row in replay.items():
         workload, run = key.split("/")
         if run == "record":
-            print(f"| {workload} | {row['payload_bytes']} | {row['marker_bytes']} | {row['prefect_metadata_bytes']} | "
+            print(f"| {workload} | {row['payload_bytes']} | {row['marker_bytes']} | "
                   f"{row['default_prefect_record_bytes']} |")
     print("| storage | payload MiB | raw read MiB/s | StepCache.load MiB/s | load time / raw read |\n|---|---|---|---|---|")
     for storage, row in throughput.items():

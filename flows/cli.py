@@ -43,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     cache_commands = cache.add_subparsers(dest="cache_command", required=True)
     for name, text in (("ls", "list projects, configs, steps, validity and sizes"),
                        ("show", "decode a cached step's prompts and responses, with their rewards"),
-                       ("rm", "remove a step's entries (and Prefect's records of them)")):
+                       ("rm", "remove a step's entries")):
         sub = cache_commands.add_parser(name, help=text)
         sub.add_argument("dump_dir")
         sub.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, region; no secrets)")
-        if name != "ls":
+        if name == "ls":
+            sub.add_argument("--quick", action="store_true",
+                             help="check markers and payload sizes only, without reading the payloads")
+        else:
             sub.add_argument("--step", type=int, required=True)
             sub.add_argument("--project", help="{experiment}_{project} directory (needed when there are several)")
             sub.add_argument("--config", dest="config_dir", help="GBS.._N.._in.._out.. directory (when several)")
@@ -122,14 +125,17 @@ def _cache(args) -> int:
     from storage import rollout_cache
 
     options = json.loads(args.storage_options)
-    entries = rollout_cache.scan(args.dump_dir, options)
+    verify = args.cache_command == "ls" and not args.quick
+    entries = rollout_cache.scan(args.dump_dir, options, verify=verify)
     if args.cache_command == "ls":
         print(f"{'project':<28} {'config':<24} {'step':>6} {'stage':<14} {'valid':<6} {'bytes':>10}  reason")
         for entry in entries:
             print(f"{entry.project:<28} {entry.config:<24} {entry.step:>6} {entry.stage:<14} "
                   f"{'yes' if entry.valid else 'NO':<6} {entry.nbytes:>10}  {entry.reason}")
         print(f"{len(entries)} entries, {sum(e.valid for e in entries)} valid, "
-              f"{sum(e.nbytes for e in entries)} payload bytes")
+              f"{sum(e.nbytes for e in entries)} payload bytes "
+              + ("(every payload read, checksummed and decoded, as a replay would)" if verify
+                 else "(markers and sizes checked; payloads not read)"))
         return 0
     matches = [e for e in entries if e.step == args.step and (args.project in (None, e.project))
                and (args.config_dir in (None, e.config)) and (args.stage in (None, e.stage))]
@@ -142,14 +148,8 @@ def _cache(args) -> int:
     (project, config_dir), = locations
     root = f"{args.dump_dir.rstrip('/')}/{project}/{config_dir}"
     if args.cache_command == "rm":
-        from tasks.caching import PREFECT_KEYS_DIR
-
-        for entry in matches:
-            step_cache = rollout_cache.StepCache(root, stage=entry.stage, storage_options=options)
-            step_cache.remove(args.step)
-            prefect_record = rollout_cache.StepCache(f"{args.dump_dir.rstrip('/')}/{PREFECT_KEYS_DIR}/{project}/{config_dir}",
-                                                     stage=entry.stage, storage_options=options)
-            prefect_record.remove(args.step)
+        for entry in matches:  # Prefect's record of an entry is derived from its marker: nothing else to remove
+            rollout_cache.StepCache(root, stage=entry.stage, storage_options=options).remove(args.step)
             print(f"removed {entry.stage} of step {args.step} from {root}")
         return 0
     return _show_step(rollout_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples)

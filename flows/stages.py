@@ -110,11 +110,12 @@ def _launch(task, args, kwargs, background: bool, finish: Callable[[StageRecord]
 def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[TensorDict, dict] | StageRecord | None:
     """The planned entry's fields and manifest, read through the cached task (a ``Cached`` run).
 
-    The task is called without a dump target, so even if Prefect ran its body it could not
-    overwrite the entry being replayed. None when the entry is damaged (with a warning).
+    Prefect's record of the entry is derived from its marker, so an entry written by another process
+    or tool is ``Cached`` too. The task is called without a dump target, so even if Prefect ran its body
+    (the entry vanished since it was planned) it could not overwrite the entry being replayed. None
+    when the entry is damaged (with a warning).
     """
     try:
-        cache.adopt(plan)
         record: StageRecord = task.with_options(**cache.task_options(plan))(*args, **kwargs)
         if record.fields is not None:
             return record

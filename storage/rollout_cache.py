@@ -124,6 +124,19 @@ def marker_name(stage: str) -> str:
     return _ROLLOUT_MARKER if stage == ROLLOUT_STAGE else f"{stage}{_MARKER_SUFFIX}"
 
 
+def parse_marker_key(key: str) -> tuple[str, int, str]:
+    """``(config directory, step, stage)`` of a marker path ``{config directory}/{step}/{marker}``.
+
+    Raises ``ValueError`` unless the step directory is a canonical integer and the file name is a
+    marker name (see :func:`marker_name`)."""
+    config_path, _, rest = key.strip("/").rpartition("/")
+    config_path, _, step_dir = config_path.rpartition("/")
+    stage = _stage_of(rest)
+    if not _STEP_DIR_NAME.fullmatch(step_dir) or stage is None or marker_name(stage) != rest:
+        raise ValueError(f"{key!r} is not a step-cache marker path ({{config}}/{{step}}/{{marker}})")
+    return config_path, int(step_dir), stage
+
+
 def parse_async_sample_id(sample_id: str) -> int:
     """Return the feed index of a fully-async sample id ``[uid_]sample_<epoch>_<index>`` (verl's rules).
 
@@ -391,8 +404,14 @@ class StepCache:
         write_with_retries(url, write, retries=self.write_retries, backoff_s=self.retry_backoff_s, error=CacheWriteError)
 
 
-def scan(dump_dir: str, storage_options: dict | None = None) -> list[CacheEntry]:
-    """Every stage entry under ``dump_dir`` (``{project}/{config}/{step}/``), sorted; one listing."""
+def scan(dump_dir: str, storage_options: dict | None = None, *, verify: bool = False) -> list[CacheEntry]:
+    """Every stage entry under ``dump_dir`` (``{project}/{config}/{step}/``), sorted; one listing.
+
+    Validity is cheap by default (each marker decodes and belongs where it lies; the payload has the
+    recorded size). ``verify`` also does what a replay's load does to every cheaply valid entry: read
+    the whole payload, check its sha256 and decode it, so an entry listed valid is one a run would
+    replay. That costs one full read of the cache.
+    """
     fs, root_path = open_fs(dump_dir, storage_options)
     keyed: list[tuple[str, str, _Candidate]] = []
     for (project, config, step_dir), files in _files_by_directory(fs, root_path, depth=3).items():
@@ -403,10 +422,16 @@ def scan(dump_dir: str, storage_options: dict | None = None) -> list[CacheEntry]
             step_path = join(root_path, project, config, step_dir)
             keyed.append((project, config, _Candidate(step_path, int(step_dir), stage, files)))
     statuses = _judge(fs, [candidate for _, _, candidate in keyed])
-    entries = [
-        CacheEntry(project, config, candidate.stage, status.step, status.valid, status.reason, status.nbytes)
-        for (project, config, candidate), status in zip(keyed, statuses)
-    ]
+    entries = []
+    for (project, config, candidate), status in zip(keyed, statuses):
+        valid, reason = status.valid, status.reason
+        if verify and valid:
+            try:
+                StepCache(join(dump_dir, project, config), stage=candidate.stage,
+                          storage_options=storage_options).load(status.step)
+            except CacheCorrupt as error:
+                valid, reason = False, error.reason
+        entries.append(CacheEntry(project, config, candidate.stage, status.step, valid, reason, status.nbytes))
     return sorted(entries, key=lambda entry: (entry.project, entry.config, entry.step, entry.stage))
 
 

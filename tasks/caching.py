@@ -3,46 +3,53 @@
 For a stage with ``skip.<stage>.enable`` and the current step in ``skip.<stage>.steps``, the stage
 task runs with a Prefect cache policy whose key is the step directory's commit marker,
 ``{experiment}_{project}/GBS.._N.._in.._out../{step}/meta.json``, and whose result storage is the
-cache root ``dump_dir`` itself:
+cache root ``dump_dir`` itself (:class:`StepCacheStorage`):
 
 * the task body writes the stage's tensors as the payload (``storage.rollout_cache.StepCache``) and
   returns a :class:`StageRecord`; Prefect then persists the record with :class:`ManifestSerializer`,
   whose bytes *are* the marker ``meta.json`` (a small JSON manifest with the payload's checksum),
-  and Prefect's own ~200-byte metadata under ``{dump_dir}/.prefect/`` (``key_storage``). So the
-  payload is written first and the marker last, and no tensor is ever inflated into a Prefect record;
+  written atomically. So the payload is written first and the marker last, and no tensor is ever
+  inflated into a Prefect record;
 * on a later call with the same key, in this run or any other process that reads the store, the
   task run is ``Cached``, its body does not run, and the record comes back without tensors; the
   flow then loads (and checksums) the payload through :class:`StepCache`.
 
-The marker is the source of truth. Before calling the task, the flow asks :meth:`StageCache.plan`
-which step to use (verl's ``cache`` / ``repeat`` rules over *valid* entries only); when none is
-usable the call is made with ``refresh_cache=True`` so a stale Prefect record can never shadow a
-regeneration. A damaged entry found at load time is reported and the stage is recomputed.
+The marker is the source of truth, and Prefect's own record of an entry is *derived* from it rather
+than stored (:class:`DerivedRecords`, the cache policy's ``key_storage``). A stored Prefect record
+names the serializer and the file that Prefect deserializes a result with; anyone able to write
+into a shared cache folder or bucket could then make every later run unpickle a file of their
+choice. Here nothing read from the cache chooses how it is deserialized: the serializer
+(:class:`ManifestSerializer`, JSON only) and the payload location are fixed by this code, and an
+entry whose marker does not validate does not exist for Prefect either.
+
+Before calling the task, the flow asks :meth:`StageCache.plan` which step to use (verl's ``cache`` /
+``repeat`` rules over *valid* entries only); when none is usable the call is made with
+``refresh_cache=True`` so a stale record can never shadow a regeneration. A damaged entry found at
+load time is reported and the stage is recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
+from prefect.results import ResultRecordMetadata
 from prefect.cache_policies import CacheKeyFnPolicy
-from prefect.filesystems import LocalFileSystem, RemoteFileSystem
-from prefect.results import ResultStore
+from prefect.filesystems import WritableFileSystem
 from prefect.serializers import Serializer
+from pydantic import Field
 from tensordict import TensorDict
 
 from configs.schema import PPOConfig, SkipStageConfig
 from storage.batch import NON_TENSOR_FIELDS, tensors_digest, with_non_tensor_columns
-from storage.fs import normalize_url
+from storage.fs import atomic_write, join, normalize_url, open_fs, write_with_retries
 from storage.rollout_cache import (CacheCorrupt, CacheWriteError, StepCache, config_dir, marker_name,
-                                   parse_async_sample_id)
+                                   parse_async_sample_id, parse_marker_key)
 
 logger = logging.getLogger(__name__)
-
-PREFECT_KEYS_DIR = ".prefect"
-"""Folder under ``dump_dir`` that mirrors the step tree with Prefect's record metadata."""
 
 
 @dataclass
@@ -148,11 +155,8 @@ class StageCache:
         self.prefix = root[len(dump_dir):].strip("/")
         self.cache = StepCache(root, stage=stage, storage_options=settings)
         self.result_storage = _saved_storage_block(dump_dir, settings)
-        key_root = f"{dump_dir}/{PREFECT_KEYS_DIR}"
-        self.key_storage = (LocalFileSystem(basepath=key_root) if "://" not in key_root
-                            else RemoteFileSystem(basepath=key_root, settings=settings))
-        self.records = ResultStore(result_storage=self.result_storage, metadata_storage=self.key_storage,
-                                   serializer=ManifestSerializer(), cache_result_in_memory=False)
+        self.key_storage = DerivedRecords(basepath=dump_dir, settings=settings,
+                                          storage_block_id=self.result_storage._block_document_id)
 
     def covers(self, step: int) -> bool:
         return self.skip.enable and step in self.skip.steps
@@ -166,13 +170,6 @@ class StageCache:
         """Compute the stage and dump it at ``step`` (replacing whatever Prefect recorded there)."""
         return CachePlan(self.stage, step, None, self._key(step))
 
-    def adopt(self, plan: CachePlan) -> None:
-        """Give Prefect a record of a valid entry it does not know (written by another tool, or a crash
-        between the marker and Prefect's metadata), so the task call that follows is ``Cached``."""
-        if not self.records.exists(plan.key):
-            manifest = self.cache.manifest(plan.load_step)
-            self.records.write(StageRecord(None, manifest.get("metrics", {}), manifest), key=plan.key)
-
     def _key(self, step: int) -> str:
         return f"{self.prefix}/{step}/{marker_name(self.stage)}"
 
@@ -185,11 +182,71 @@ class StageCache:
                 "cache_result_in_memory": False, "refresh_cache": not plan.hit_expected}
 
 
-def _saved_storage_block(dump_dir: str, settings: dict):
-    """A storage block rooted at ``dump_dir``, saved (Prefect requires it; it also makes Prefect record
+class StepCacheStorage(WritableFileSystem):
+    """Prefect's result storage for step-cache entries: the ``dump_dir`` (any fsspec URL), where the
+    record Prefect persists is the entry's marker, written atomically and with retries like every
+    other cache file (Prefect's own file blocks write in place, so a crash could leave half a marker)."""
+
+    _block_type_name = "ppoflow step cache"
+    _description = "A ppoflow step cache root (skip.<stage>.dump_dir): payloads and their commit markers."
+
+    basepath: str = Field(description="The cache root, a local path or fsspec URL.")
+    settings: dict = Field(default_factory=dict, description="fsspec options (endpoint; no credentials).")
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        fs, root = open_fs(self.basepath, self.settings)
+        return fs.cat_file(join(root, path))
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
+        fs, root = open_fs(self.basepath, self.settings)
+        url = join(root, path)
+        write_with_retries(url, lambda: atomic_write(fs, url, content), retries=3, backoff_s=0.5,
+                           error=CacheWriteError)
+        return url
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return self.write_path(path, content)
+
+
+class DerivedRecords(WritableFileSystem):
+    """The cache policy's ``key_storage``: Prefect's record of an entry, derived from its marker.
+
+    Reading the record of a key validates the marker at that key (it must decode as a manifest of
+    this step and stage) and returns metadata that names :class:`ManifestSerializer` and the marker
+    itself as the result; an invalid or absent marker raises, which Prefect reads as "no record".
+    Writing stores nothing: the marker Prefect has just written is the record. So there is no
+    Prefect-owned file in the cache to edit, poison or delete.
+    """
+
+    _block_type_name = "ppoflow step cache records"
+
+    basepath: str
+    settings: dict = Field(default_factory=dict)
+    storage_block_id: Optional[uuid.UUID] = None
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        config_path, step, stage = parse_marker_key(path)
+        StepCache(join(self.basepath, config_path), stage=stage, storage_options=self.settings).manifest(step)
+        return ResultRecordMetadata(storage_key=path, expiration=None, serializer=ManifestSerializer(),
+                                    storage_block_id=self.storage_block_id).dump_bytes()
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
+        return path
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return self.write_path(path, content)
+
+
+def _saved_storage_block(dump_dir: str, settings: dict) -> StepCacheStorage:
+    """The result storage block of ``dump_dir``, saved (Prefect requires it; it also makes Prefect record
     keys relative, so the cache stays valid when the folder is mounted elsewhere); named after it."""
-    block = (LocalFileSystem(basepath=dump_dir) if "://" not in dump_dir
-             else RemoteFileSystem(basepath=dump_dir, settings=settings))
+    block = StepCacheStorage(basepath=dump_dir, settings=settings)
     block.save("ppoflow-cache-" + hashlib.sha256(f"{dump_dir}|{sorted(settings.items())}".encode()).hexdigest()[:16],
                overwrite=True)
     return block
