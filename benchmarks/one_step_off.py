@@ -36,8 +36,8 @@ def main() -> None:
 
     import ray
 
-    from flows.tracking import read_metrics
-    from flows.train import ppo_train
+    from ppoflow.flows.tracking import read_metrics
+    from ppoflow.flows.train import ppo_train
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -37,7 +37,7 @@ def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: 
     """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones."""
     from prefect import flow
 
-    from flows.train import BARE_STAGES, STAGES, start_run, train_steps
+    from ppoflow.flows.train import BARE_STAGES, STAGES, start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
     run.stages = STAGES if prefect_tasks else BARE_STAGES
@@ -63,7 +63,7 @@ def main() -> None:
 
     import ray
 
-    from configs import load_config
+    from ppoflow.configs import load_config
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -35,8 +35,8 @@ WORKLOADS = {
 
 
 def replay_vs_generation(scratch: str, steps: int) -> dict:
-    from flows.tracking import read_metrics
-    from flows.train import ppo_train
+    from ppoflow.flows.tracking import read_metrics
+    from ppoflow.flows.train import ppo_train
 
     results = {}
     for name, workload in WORKLOADS.items():
@@ -66,7 +66,7 @@ def record_sizes(dump_dir: str) -> dict:
 
     import cloudpickle
 
-    from storage.rollout_cache import StepCache
+    from ppoflow.storage.rollout_cache import StepCache
 
     step_dir = next(Path(dump_dir).glob("*/*/1"))
     batch, _ = StepCache(str(step_dir.parent)).load(1)
@@ -79,9 +79,9 @@ def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: 
     import torch
     from tensordict import TensorDict
 
-    from storage.batch import with_non_tensor_columns
-    from storage.fs import open_fs
-    from storage.rollout_cache import StepCache
+    from ppoflow.storage.batch import with_non_tensor_columns
+    from ppoflow.storage.fs import open_fs
+    from ppoflow.storage.rollout_cache import StepCache
 
     rows, width = 1024, max(16, mib * 2**20 // (1024 * 21))  # 21 bytes per position: 2 int64 ids, a bool, a float32
     batch = TensorDict({"prompts": torch.randint(0, 32000, (rows, width)), "responses": torch.randint(0, 32000, (rows, width)),

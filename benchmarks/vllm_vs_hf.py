@@ -95,12 +95,13 @@ def main() -> None:
 
     import torch
 
-    from configs import load_config
-    from configs.schema import TinyModelConfig, installed_vllm_version
-    from workers.models import build_tiny_model, load_tokenizer
-    from workers.policy import ActorWorker
-    from workers.rollout import HFRolloutWorker, SamplingParams
-    from workers.vllm_rollout import VLLMRolloutWorker
+    from ppoflow.configs import load_config
+    from ppoflow.configs.rules import installed_vllm_version
+    from ppoflow.configs.schema import TinyModelConfig
+    from ppoflow.workers.models import build_tiny_model, load_tokenizer
+    from ppoflow.workers.policy import ActorWorker
+    from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
+    from ppoflow.workers.vllm_rollout import VLLMRolloutWorker
 
     if not torch.cuda.is_available() or installed_vllm_version() is None:
         sys.exit("needs a CUDA GPU and vllm (pip install 'ppoflow[vllm]')")

@@ -54,8 +54,8 @@ def perturb(actor, change: str) -> None:
 
 def ray_sync(cfg, repeats: int, change: str) -> float:
     """Median wall time of the weight_sync stage between the run's actor and rollout Ray actors."""
-    from flows.train import STAGES
-    from workers.group import start_workers
+    from ppoflow.flows.train import STAGES
+    from ppoflow.workers.group import start_workers
 
     import ray
 
@@ -82,8 +82,8 @@ def main() -> None:
 
     import ray
 
-    from configs import load_config
-    from workers.models import build_tiny_model, load_causal_lm
+    from ppoflow.configs import load_config
+    from ppoflow.workers.models import build_tiny_model, load_causal_lm
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []

@@ -3,7 +3,7 @@
 ``load_config("grpo_tiny", ["actor_rollout_ref.rollout.n=4"])`` merges ``ppo_trainer.yaml`` (the full
 default), the preset (a name in this folder or a path to any YAML file) and Hydra-style dotlist
 overrides with OmegaConf, resolves ``${...}`` interpolations, and validates the result against
-:mod:`configs.schema`. Every problem is collected into one :class:`ConfigError` whose lines name the
+:mod:`configs.schema` and :mod:`configs.rules`. Every problem is collected into one :class:`ConfigError` whose lines name the
 offending key and value, with the closest known key suggested for typos.
 """
 
@@ -20,8 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
-from configs.schema import STAGES_WITH_SKIP, PPOConfig, SkipStageConfig, cross_field_errors
-from storage.fs import normalize_url
+from ppoflow.configs.rules import cross_field_errors
+from ppoflow.configs.schema import PPOConfig, SkipStageConfig
+from ppoflow.configs.stages import STAGES_WITH_SKIP
+from ppoflow.storage.fs import normalize_url
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULTS_NAME = "ppo_trainer"
@@ -44,9 +46,8 @@ def preset_names() -> list[str]:
 
 def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPOConfig:
     """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides."""
-    merged = OmegaConf.merge(_read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml"),
-                             _read_yaml(_preset_path(config or DEMO_NAME)),
-                             _parse_overrides(overrides))
+    defaults = _read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
+    merged = OmegaConf.merge(defaults, _read_yaml(_preset_path(config or DEMO_NAME)), _parse_overrides(overrides))
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
     # with "cannot resolve" and hide which key the user has to set.
     problems = [(key, f"is required; set it with {key}=...")
@@ -57,6 +58,7 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
         container = OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
+    _fill_skip_defaults(container, OmegaConf.to_container(defaults.skip.rollout))
     _make_paths_absolute(container)
     try:
         cfg = PPOConfig.model_validate(container)
@@ -137,6 +139,16 @@ def _make_paths_absolute(container: dict) -> None:
             node[leaf] = normalize_url(value)
         elif isinstance(value, list):
             node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+
+
+def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
+    """Give every ``skip.<stage>`` section the defaults of ``skip.rollout`` in ``ppo_trainer.yaml``
+    (verl's role defaults, the same for every stage) for the keys it does not set."""
+    skip = container.get("skip")
+    if isinstance(skip, dict):
+        for stage, section in skip.items():
+            if isinstance(section, dict):
+                skip[stage] = {**stage_defaults, **section}
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:

@@ -26,9 +26,9 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.context import FlowRunContext, TaskRunContext
 
-from configs import config_as_dict
-from configs.schema import PPOConfig
-from storage.fs import atomic_write, join, open_fs
+from ppoflow.configs import config_as_dict
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.storage.fs import atomic_write, join, open_fs
 
 TABLE_COLUMNS = {"critic/score/mean": "score", "critic/rewards/mean": "rewards", "actor/pg_loss": "pg_loss",
                  "actor/grad_norm": "grad_norm", "actor/entropy": "entropy",

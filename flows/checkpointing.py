@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from configs.schema import PPOConfig
-from flows.stages import PendingStage, StageResult
-from storage.batch import decode_batch, encode_batch
-from storage.checkpoint import commit, latest, read_file, read_trainer_state, step_url, write_file
-from storage.fs import join
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.flows.stages import PendingStage, StageResult
+from ppoflow.storage.batch import decode_batch, encode_batch
+from ppoflow.storage.checkpoint import commit, latest, read_file, read_trainer_state, step_url, write_file
+from ppoflow.storage.fs import join
 
 if TYPE_CHECKING:
-    from flows.train import Run
+    from ppoflow.flows.train import Run
 
 IN_FLIGHT = "rollout_in_flight.safetensors"
 """A one_step_off checkpoint's batch generated for the next step."""

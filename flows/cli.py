@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("path")
     build.add_argument("overrides", nargs="*", help="TinyModelConfig fields, e.g. hidden_size=64")
 
-    from flows.replay import add_commands as add_replay_commands
+    from ppoflow.flows.replay import add_commands as add_replay_commands
 
     COMMANDS["replay"] = add_replay_commands(commands)
     args = parser.parse_args(argv)
-    from configs import ConfigError
+    from ppoflow.configs import ConfigError
 
     try:
         return COMMANDS[args.command](args)
@@ -90,17 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from configs import load_config
+    from ppoflow.configs import load_config
 
     load_config(args.config, args.overrides)  # fail before Prefect and Ray start
-    from flows.train import ppo_train
+    from ppoflow.flows.train import ppo_train
 
     ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
     return 0
 
 
 def _config(args) -> int:
-    from configs import config_as_dict, load_config, reference_table
+    from ppoflow.configs import config_as_dict, load_config, reference_table
 
     if args.reference:
         print(reference_table())
@@ -110,10 +110,10 @@ def _config(args) -> int:
 
 
 def _build_tiny_model(args) -> int:
-    from configs.schema import TinyModelConfig
+    from ppoflow.configs.schema import TinyModelConfig
     from omegaconf import OmegaConf
 
-    from workers.models import build_tiny_model
+    from ppoflow.workers.models import build_tiny_model
 
     spec = TinyModelConfig.model_validate(OmegaConf.to_container(OmegaConf.from_dotlist(args.overrides)))
     build_tiny_model(args.path, spec)
@@ -122,7 +122,7 @@ def _build_tiny_model(args) -> int:
 
 
 def _cache(args) -> int:
-    from storage import rollout_cache
+    from ppoflow.storage import rollout_cache
 
     options = json.loads(args.storage_options)
     verify = args.cache_command == "ls" and not args.quick
@@ -157,8 +157,8 @@ def _cache(args) -> int:
 
 def _show_step(step_cache, step: int, samples: int) -> int:
     """Print a cached step's manifest and its first trajectories, decoded and scored."""
-    from storage.batch import non_tensor_column
-    from tasks.algorithms.scoring import BUILTIN_SCORERS
+    from ppoflow.storage.batch import non_tensor_column
+    from ppoflow.algorithms.scoring import BUILTIN_SCORERS
 
     batch, manifest = step_cache.load(step)
     print(json.dumps({key: value for key, value in manifest.items() if key != "metrics"}, indent=2))
@@ -188,7 +188,7 @@ def _decoder(tokenizer_path: str | None):
         try:
             from transformers import AutoTokenizer
 
-            from workers.models import local_model_dir
+            from ppoflow.workers.models import local_model_dir
 
             tokenizer = AutoTokenizer.from_pretrained(local_model_dir(tokenizer_path))
         except (OSError, ValueError) as error:
@@ -203,7 +203,7 @@ def _decoder(tokenizer_path: str | None):
 
 
 def _serve(args) -> int:
-    from flows.deploy import serve_deployments
+    from ppoflow.flows.deploy import serve_deployments
 
     serve_deployments(args.replay_dir, args.cron, args.limit)
     return 0

@@ -11,8 +11,8 @@ from __future__ import annotations
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from flows.replay import regression_replay
-from flows.train import ppo_train
+from ppoflow.flows.replay import regression_replay
+from ppoflow.flows.train import ppo_train
 
 NIGHTLY = "0 3 * * *"
 

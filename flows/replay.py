@@ -36,10 +36,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from configs import DEMO_NAME, ConfigError, config_as_dict, load_config
-from configs.schema import PPOConfig
-from flows.tracking import read_metrics
-from storage.fs import atomic_write, join, normalize_url, open_fs
+from ppoflow.configs import DEMO_NAME, ConfigError, config_as_dict, load_config
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.flows.tracking import json_number, read_metrics
+from ppoflow.storage.fs import atomic_write, join, normalize_url, open_fs
 
 FORMAT_VERSION = 1
 BASELINE_FILE = "baseline.json"
@@ -143,7 +143,7 @@ def record(directory: str, config: str | None = None, overrides: Sequence[str] =
     for name in existing:
         fs.rm(f"{root}/{name}", recursive=True)
     run_dir = join(directory, "record")
-    from flows.train import ppo_train  # torch, Ray and the workers: imported when a run starts, not by the CLI
+    from ppoflow.flows.train import ppo_train  # torch, Ray and the workers: imported when a run starts, not by the CLI
 
     words = overrides + list(FORCED) + cache_overrides(directory, steps) + [f"trainer.default_local_dir={run_dir}"]
     ppo_train(config=config, overrides=words)
@@ -227,10 +227,6 @@ def _difference(before: Any, after: Any) -> float | None:
     return None
 
 
-def _json_number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -255,8 +251,8 @@ def replay_overrides(directory: str, baseline: dict, extra: Sequence[str], run_d
 
 def missing_cache_steps(cfg: PPOConfig, steps: int) -> list[tuple[int, str]]:
     """``(step, reason)`` for each of steps 1..``steps`` without a valid rollout entry in ``cfg``'s cache."""
-    from storage.rollout_cache import StepCache
-    from tasks.caching import run_cache_dir, storage_settings
+    from ppoflow.storage.rollout_cache import StepCache
+    from ppoflow.tasks.caching import run_cache_dir, storage_settings
 
     skip = cfg.skip["rollout"]
     cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))
@@ -291,7 +287,7 @@ def regression_replay(directory: str, overrides: list[str] = [], tolerances: dic
     fingerprint = config_fingerprint(cfg)
     logger.info("replaying %d steps of %s into %s (config %s the baseline's)", steps, directory, run_dir,
                 "same as" if fingerprint == baseline["config_fingerprint"] else "changed from")
-    from flows.train import ppo_train
+    from ppoflow.flows.train import ppo_train
 
     train_state = ppo_train(config=baseline["config"], overrides=words, return_state=True)
     train_state.result()  # a failed training run fails the replay with its own error
@@ -323,7 +319,7 @@ def regression_replay(directory: str, overrides: list[str] = [], tolerances: dic
 def _publish(directory: str, summary: dict, mismatches: list[dict], tolerances: Mapping[str, float]) -> None:
     """The table artifact of a check: one row per mismatch, or one row saying everything matched."""
     if mismatches:
-        table = [{**row, "tolerance": _json_number(tolerance_for(row["metric"], tolerances))}
+        table = [{**row, "tolerance": json_number(tolerance_for(row["metric"], tolerances))}
                  for row in mismatches[:ARTIFACT_ROWS]]
         shown = f" (the first {ARTIFACT_ROWS})" if len(mismatches) > ARTIFACT_ROWS else ""
         verdict = f"**FAILED**: {len(mismatches)} metric values differ{shown}"

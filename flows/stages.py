@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from tensordict import TensorDict
 
-from storage.rollout_cache import ROLLOUT_STAGE, CacheCorrupt, remap_to_prompts
-from tasks.caching import CachePlan, StageCache, StageRecord, StepDump
+from ppoflow.storage.rollout_cache import ROLLOUT_STAGE, CacheCorrupt, remap_to_prompts
+from ppoflow.tasks.caching import CachePlan, StageCache, StageRecord, StepDump
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import json
 import math
 import time
 
-from storage.fs import atomic_write, open_fs
+from ppoflow.storage.fs import atomic_write, open_fs
 
 PROGRESS_KEYS = {"critic/score/mean": "score", "timing_s/step": "s/step"}
 """What the progress bar shows after each step (plus the latest validation reward)."""
@@ -43,7 +43,7 @@ class Tracker:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics in every sink."""
-        line = json.dumps({"step": step, **{k: _json_number(v) for k, v in sorted(metrics.items())}}) + "\n"
+        line = json.dumps({"step": step, **{k: json_number(v) for k, v in sorted(metrics.items())}}) + "\n"
         if "file" in self.fs.protocol:
             with self.fs.open(self.metrics_path, "a") as handle:
                 handle.write(line)
@@ -82,5 +82,6 @@ def read_metrics(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in fs.cat_file(f"{path}/metrics.jsonl").decode().splitlines() if line]
 
 
-def _json_number(value: float) -> float | None:
+def json_number(value: float) -> float | None:
+    """``value`` as JSON can hold it: non-finite numbers (which JSON lacks) become null."""
     return value if math.isfinite(value) else None

@@ -32,30 +32,30 @@ from prefect.settings import get_current_settings
 from pydantic import Field
 from tensordict import TensorDict
 
-from configs import load_config
-from configs.schema import PPOConfig
-from flows.artifacts import RunArtifacts
-from flows.checkpointing import restore, resume_point, save_checkpoint
-from flows.metrics import data_metrics
-from flows.stages import PendingStage, StageResult, start_stage
-from flows.tracking import Tracker, read_metrics
-from storage.batch import NON_TENSOR_FIELDS, non_tensor_column
-from storage.checkpoint import latest
-from storage.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
-from tasks.advantage import advantage
-from tasks.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights
-from tasks.algorithms.kl import make_kl_controller
-from tasks.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
-from tasks.caching import StageCache, fingerprint, stage_caches
-from tasks.generate import generate
-from tasks.log_prob import old_log_prob, ref_log_prob
-from tasks.reward import decode_responses, reward
-from tasks.update import update_actor, update_critic
-from tasks.values import values
-from tasks.weight_sync import weight_sync
-from workers.group import Workers, start_local_workers, start_workers
-from workers.models import check_context_length, ensure_model, load_tokenizer
-from workers.rollout import SamplingParams
+from ppoflow.configs import load_config
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.flows.artifacts import RunArtifacts
+from ppoflow.flows.checkpointing import restore, resume_point, save_checkpoint
+from ppoflow.flows.metrics import data_metrics
+from ppoflow.flows.stages import PendingStage, StageResult, start_stage
+from ppoflow.flows.tracking import Tracker, read_metrics
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column
+from ppoflow.storage.checkpoint import latest
+from ppoflow.data.datasets import PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset
+from ppoflow.tasks.advantage import advantage
+from ppoflow.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights
+from ppoflow.algorithms.kl import make_kl_controller
+from ppoflow.algorithms.scoring import Scorer, load_custom_scorer, scorer_for
+from ppoflow.tasks.caching import StageCache, fingerprint, stage_caches
+from ppoflow.tasks.generate import generate
+from ppoflow.tasks.log_prob import old_log_prob, ref_log_prob
+from ppoflow.tasks.reward import decode_responses, reward
+from ppoflow.tasks.update import update_actor, update_critic
+from ppoflow.tasks.values import values
+from ppoflow.tasks.weight_sync import weight_sync
+from ppoflow.workers.group import Workers, start_local_workers, start_workers
+from ppoflow.workers.models import check_context_length, ensure_model, load_tokenizer
+from ppoflow.workers.rollout import SamplingParams
 
 
 STAGES = SimpleNamespace(generate=generate, reward=reward, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob,

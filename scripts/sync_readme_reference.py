@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from configs import reference_table  # noqa: E402
+from ppoflow.configs import reference_table  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"

@@ -45,18 +45,6 @@ import torch
 from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-ROLLOUT_FIELDS = (
-    "prompts",
-    "prompt_mask",
-    "responses",
-    "response_mask",
-    "rollout_log_probs",
-    "weight_version",
-    "group_index",
-    "uid",
-    "data_source",
-    "ground_truth",
-)
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
 RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
                    "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")

@@ -25,8 +25,8 @@ import re
 import torch
 from safetensors.torch import save as safetensors_save
 
-from storage.batch import read_safetensors
-from storage.fs import atomic_write, join, open_fs, read_with_sha256, write_with_retries
+from ppoflow.storage.batch import read_safetensors
+from ppoflow.storage.fs import atomic_write, join, open_fs, read_with_sha256, write_with_retries
 
 MARKER = "checkpoint.json"
 FORMAT_VERSION = 1

@@ -16,9 +16,8 @@ directory layout, and fixes what verl leaves unsafe:
   writes. verl's ``int()`` leniency would let ``007`` stand for step 7 while ``status(7)`` looks at ``7/``.
 * Listing is one recursive ``find`` (one paginated LIST on S3) plus one concurrent read of the markers.
 
-It also holds verl's two replay helpers: the V1 uid remapping that fits a cached step onto the
-current step's prompts (:func:`remap_to_prompts`) and the fully-async sample id parser
-(:func:`parse_async_sample_id`).
+It also holds verl's V1 uid remapping that fits a cached step onto the current step's prompts
+(:func:`remap_to_prompts`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ import torch
 from fsspec import AbstractFileSystem
 from tensordict import TensorDict
 
-from storage.batch import decode_batch, encode_batch, non_tensor_column, with_non_tensor_columns
-from storage.fs import (StorageError, StorageWriteError, atomic_write, join, normalize_url, open_fs, read_with_sha256,
+from ppoflow.storage.batch import decode_batch, encode_batch, non_tensor_column, with_non_tensor_columns
+from ppoflow.storage.fs import (StorageError, StorageWriteError, atomic_write, join, normalize_url, open_fs, read_with_sha256,
                         write_with_retries)
 
 logger = logging.getLogger(__name__)
@@ -135,24 +134,6 @@ def parse_marker_key(key: str) -> tuple[str, int, str]:
     if not _STEP_DIR_NAME.fullmatch(step_dir) or stage is None or marker_name(stage) != rest:
         raise ValueError(f"{key!r} is not a step-cache marker path ({{config}}/{{step}}/{{marker}})")
     return config_path, int(step_dir), stage
-
-
-def parse_async_sample_id(sample_id: str) -> int:
-    """Return the feed index of a fully-async sample id ``[uid_]sample_<epoch>_<index>`` (verl's rules).
-
-    Exactly one ``uid_`` prefix is stripped; the epoch is not checked; the index is parsed with
-    ``int()`` (so ``007``, ``+3``, `` 5`` and ``-1`` are accepted, as in verl).
-    """
-    body = sample_id.removeprefix("uid_")
-    parts = body.split("_")
-    if len(parts) != 3 or parts[0] != "sample":
-        raise ValueError(f"Invalid async rollout sample_id {sample_id!r}: expected [uid_]sample_<epoch>_<feed_index>")
-    try:
-        return int(parts[2])
-    except ValueError as error:
-        raise ValueError(
-            f"Invalid async rollout sample_id {sample_id!r}: feed index {parts[2]!r} is not an integer"
-        ) from error
 
 
 class StepCache:

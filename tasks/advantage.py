@@ -1,5 +1,5 @@
 """Stage 4, advantage: token rewards (scores minus an optional KL penalty) and the configured
-advantage estimator. Cheap tensor math on the driver; the formulas are in ``tasks.algorithms``."""
+advantage estimator. Cheap tensor math on the driver; the formulas are in ``algorithms``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from configs.schema import AlgorithmConfig
-from tasks.algorithms.advantages import compute_advantage
-from tasks.algorithms.kl import apply_kl_penalty
-from tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.configs.schema import AlgorithmConfig
+from ppoflow.algorithms.advantages import compute_advantage
+from ppoflow.algorithms.kl import apply_kl_penalty
+from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
 
 
 @task(name="advantage", cache_policy=NO_CACHE)

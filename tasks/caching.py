@@ -43,11 +43,10 @@ from prefect.serializers import Serializer
 from pydantic import Field
 from tensordict import TensorDict
 
-from configs.schema import PPOConfig, SkipStageConfig
-from storage.batch import NON_TENSOR_FIELDS, tensors_digest, with_non_tensor_columns
-from storage.fs import atomic_write, join, normalize_url, open_fs, write_with_retries
-from storage.rollout_cache import (CacheCorrupt, CacheWriteError, StepCache, config_dir, marker_name,
-                                   parse_async_sample_id, parse_marker_key)
+from ppoflow.configs.schema import PPOConfig, SkipStageConfig
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, tensors_digest
+from ppoflow.storage.fs import atomic_write, join, normalize_url, open_fs, write_with_retries
+from ppoflow.storage.rollout_cache import CacheWriteError, StepCache, config_dir, marker_name, parse_marker_key
 
 logger = logging.getLogger(__name__)
 
@@ -253,53 +252,5 @@ def _saved_storage_block(dump_dir: str, settings: dict) -> StepCacheStorage:
 
 
 def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
-    """The enabled step caches of a run, keyed by stage (``async_rollout`` has no step-keyed stage here)."""
-    return {stage: StageCache(stage, skip, cfg) for stage, skip in cfg.skip.items()
-            if skip.enable and stage != "async_rollout"}
-
-
-
-class SampleCache:
-    """verl's ``async_rollout`` role: per-sample entries for a streaming rollout, one per fed prompt.
-
-    A streaming rollout generates one prompt's ``n`` responses at a time and names the sample
-    ``[uid_]sample_{epoch}_{feed_index}``; the feed index (not the trainer step) keys the entry, in
-    the same directory layout as the step cache. Nothing here is a Prefect task: a per-sample task
-    run would cost more than the lookup.
-    """
-
-    def __init__(self, skip: SkipStageConfig, cfg: PPOConfig):
-        self.skip = skip
-        self.cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))
-
-    def feed_index(self, sample_id: str) -> int | None:
-        """The sample's feed index when this cache covers it, else None; a malformed id raises
-        ``ValueError`` whatever ``steps`` says (verl parses before it checks membership)."""
-        index = parse_async_sample_id(sample_id)
-        return index if index in self.skip.steps else None
-
-    def lookup(self, sample_id: str) -> TensorDict | None:
-        """The cached responses for ``sample_id`` (``cache``: its own entry; ``repeat``: the nearest), with
-        their ``uid`` rewritten to this sample's; None when there is nothing valid to replay."""
-        index = self.feed_index(sample_id)
-        load_index = None if index is None else self.cache.resolve(index, self.skip.action)
-        if load_index is None:
-            return None
-        try:
-            batch, _ = self.cache.load(load_index)
-        except CacheCorrupt as error:
-            logger.warning("cached sample %d is damaged (%s); generating", load_index, error)
-            return None
-        return with_non_tensor_columns(batch, {"uid": [sample_id] * batch.batch_size[0]})
-
-    def store(self, sample_id: str, batch: TensorDict) -> bool:
-        """Dump a freshly generated sample when covered; False (with a warning) if the write failed."""
-        index = self.feed_index(sample_id)
-        if index is None:
-            return False
-        try:
-            self.cache.write(index, batch)
-        except CacheWriteError as error:
-            logger.warning("could not cache sample %s: %s", sample_id, error)
-            return False
-        return True
+    """The enabled step caches of a run, keyed by stage."""
+    return {stage: StageCache(stage, skip, cfg) for stage, skip in cfg.skip.items() if skip.enable}

@@ -6,9 +6,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from storage.batch import NON_TENSOR_FIELDS
-from tasks.caching import StageRecord, StepDump, dump_stage
-from workers.rollout import SamplingParams
+from ppoflow.storage.batch import NON_TENSOR_FIELDS
+from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.workers.rollout import SamplingParams
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
 
 
 @task(name="old_log_prob", cache_policy=NO_CACHE)

@@ -14,9 +14,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from storage.batch import non_tensor_column
-from tasks.caching import StageRecord, StepDump, dump_stage
-from tasks.algorithms.scoring import Scorer, score_responses
+from ppoflow.storage.batch import non_tensor_column
+from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.algorithms.scoring import Scorer, score_responses
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:

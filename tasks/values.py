@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
 
 
 @task(name="values", cache_policy=NO_CACHE)

@@ -142,7 +142,7 @@ REPLAY_EPOCHS = "actor_rollout_ref.actor.ppo_epochs=2"
 @pytest.fixture(scope="session")
 def replay_baseline(prefect_server, ray_local, tiny_model, tmp_path_factory):
     """A 2-step golden baseline (``ppoflow replay record``), recorded once for the session."""
-    from flows.cli import main as cli
+    from ppoflow.flows.cli import main as cli
 
     root = tmp_path_factory.mktemp("replay")
     overrides = [word for word in small_run(tiny_model, root) if not word.startswith(("trainer.", "data.val_files"))]
@@ -175,8 +175,8 @@ def ray_local():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random-init tiny Llama + character tokenizer written with ``save_pretrained``."""
-    from configs.schema import TinyModelConfig
-    from workers.models import build_tiny_model
+    from ppoflow.configs.schema import TinyModelConfig
+    from ppoflow.workers.models import build_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny_llama"
     build_tiny_model(str(path), TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

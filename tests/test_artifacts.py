@@ -10,8 +10,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.runtime import flow_run
 
-from configs import load_config
-from flows.artifacts import RunArtifacts
+from ppoflow.configs import load_config
+from ppoflow.flows.artifacts import RunArtifacts
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SLUG = "ppoflow-art-test-1"

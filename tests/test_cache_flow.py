@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows.cli import main as cli
-from storage.rollout_cache import StepCache
+from ppoflow.flows.cli import main as cli
+from ppoflow.storage.rollout_cache import StepCache
 from tests.conftest import prefect_settings, small_run
-from flows.tracking import read_metrics
-from flows.train import ppo_train
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import ppo_train
 
 PROJECT = "grpo_tiny_ppoflow"
 CONFIG = "GBS4_N4_in8_out3"
@@ -201,7 +201,7 @@ def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides,
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     words = overrides + [f"trainer.default_local_dir={tmp_path}/run2", "trainer.total_training_steps=2",
                          "trainer.test_freq=-1"] + [f"skip.{key}={value}" for key, value in skip.items()]
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", *words], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *words], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     second = read_metrics(f"{tmp_path}/run2")

@@ -22,9 +22,9 @@ from prefect.results import ResultRecordMetadata, ResultStore
 from prefect.serializers import PickleSerializer
 from tensordict import TensorDict
 
-from storage.batch import with_non_tensor_columns
-from storage.rollout_cache import StepCache, scan
-from tasks.caching import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
+from ppoflow.storage.batch import with_non_tensor_columns
+from ppoflow.storage.rollout_cache import StepCache, scan
+from ppoflow.tasks.caching import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
 from tests.test_cache_flow import CONFIG, PROJECT, copy_dump, golden, rollout_skip, train  # noqa: F401 (fixture)
 
 

@@ -1,4 +1,4 @@
-"""Hand-computed checks of tasks.algorithms.correction (verl's rollout correction semantics)."""
+"""Hand-computed checks of algorithms.correction (verl's rollout correction semantics)."""
 
 import math
 import re
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tasks.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights, parse_is_threshold
+from ppoflow.algorithms.correction import compute_rejection_mask, compute_rollout_is_weights, parse_is_threshold
 
 T = torch.tensor
 

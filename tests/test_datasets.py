@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
-from storage.batch import non_tensor_column
-from storage.datasets import (PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset, read_rows,
+from ppoflow.configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
+from ppoflow.storage.batch import non_tensor_column
+from ppoflow.data.datasets import (PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset, read_rows,
                               write_rows, write_synthetic_dataset)
 
 # The tiny character tokenizer (workers/models.py): <pad>=0 <s>=1 </s>=2 <unk>=3, then one id per
@@ -32,7 +32,7 @@ def chat_row(content: str, truth, source: str = "synthetic/copy") -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from workers.models import load_tokenizer
+    from ppoflow.workers.models import load_tokenizer
 
     return load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
                                       dtype="float32", build=None))
@@ -185,7 +185,7 @@ def test_load_prompt_dataset_chat_and_plain_prompts(tmp_path, tokenizer):
 
 
 def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model):
-    from workers.models import load_tokenizer
+    from ppoflow.workers.models import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
                                            dtype="float32", build=None))

@@ -55,7 +55,7 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
 
     golden = replay_baseline
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--replay-dir", str(golden), "--limit", "1"],
+    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "serve", "--replay-dir", str(golden), "--limit", "1"],
                               env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deployments = wait_for_deployments(["ppo-train/ppo-train", "regression-replay/regression-replay"])
@@ -98,7 +98,7 @@ def test_prefect_yaml_deploys_both_deployments_to_a_work_pool(prefect_api, tmp_p
 
 
 def test_a_bad_override_fails_the_run_at_once_naming_the_key(prefect_api):
-    from flows.train import ppo_train
+    from ppoflow.flows.train import ppo_train
 
     state = ppo_train(overrides=["actor_rollout_ref.rollout.temprature=0.5"], return_state=True)
     assert state.is_failed() and "did you mean 'actor_rollout_ref.rollout.temperature'" in state.message

@@ -8,8 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from flows.tracking import read_metrics
-from flows.train import ppo_train
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import ppo_train
 
 
 def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, killed: list[int]) -> None:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.tracking import read_metrics
-from flows.train import ppo_train
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import ppo_train
 
 STEP_METRICS = ["training/global_step", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                 "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
@@ -80,7 +80,7 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
 
 
 def test_cli_rejects_bad_config_before_starting_anything():
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", "actor_rollout_ref.rollout.temprature=0.5",
+    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", "actor_rollout_ref.rollout.temprature=0.5",
                              "data.train_batch_size=0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "actor_rollout_ref.rollout.temprature: unknown key; did you mean 'actor_rollout_ref.rollout.temperature'" in result.stderr
@@ -95,7 +95,7 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
         db.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
     env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "8"}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
+    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
                             capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "The temporary Prefect server did not start. Run `prefect server start` to see why" in result.stderr

@@ -1,4 +1,4 @@
-"""Hand-computed checks of tasks.algorithms.kl (verl semantics)."""
+"""Hand-computed checks of algorithms.kl (verl semantics)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tasks.algorithms.kl import (
+from ppoflow.algorithms.kl import (
     KL_PENALTY_KINDS,
     AdaptiveKLController,
     FixedKLController,

@@ -1,4 +1,4 @@
-"""Hand-computed checks of tasks.algorithms.losses (verl semantics)."""
+"""Hand-computed checks of algorithms.losses (verl semantics)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tasks.algorithms.losses import (
+from ppoflow.algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_policy_loss,

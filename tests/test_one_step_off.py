@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.test_cache_flow import generate_states, rollout_skip
-from flows.tracking import read_metrics
-from flows.train import ppo_train
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import ppo_train
 
 
 @pytest.fixture

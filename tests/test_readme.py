@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from configs import reference_table
+from ppoflow.configs import reference_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

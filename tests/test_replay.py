@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from flows.replay import (DEFAULT_IGNORED, MISSING, ReplayError, add_commands, artifact_key, check,
+from ppoflow.flows.replay import (DEFAULT_IGNORED, MISSING, ReplayError, add_commands, artifact_key, check,
                           compare, parse_tolerances, record, regression_replay, tolerance_for)
-from flows.tracking import read_metrics
+from ppoflow.flows.tracking import read_metrics
 
 from tests.conftest import REPLAY_EPOCHS as EPOCHS
 from tests.conftest import REPLAY_STEPS as STEPS

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from flows.tracking import read_metrics
-from flows.train import ppo_train
-from storage import checkpoint
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import ppo_train
+from ppoflow.storage import checkpoint
 
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean",
             "response_length/mean", "training/epoch", "training/off_policy/trajectory_staleness/max")
 
 SLOW_SCORER = '''
 import time
-from tasks.algorithms.scoring import copy_score
+from ppoflow.algorithms.scoring import copy_score
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(0.01)  # widen each step so the test can kill the run in the middle of one
@@ -84,7 +84,7 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/straight"])
 
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    command = [sys.executable, "-m", "flows.cli", "train", *common, f"trainer.default_local_dir={tmp_path}/killed"]
+    command = [sys.executable, "-m", "ppoflow.flows.cli", "train", *common, f"trainer.default_local_dir={tmp_path}/killed"]
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = Path(tmp_path / "killed" / "global_step_2" / checkpoint.MARKER)
     deadline = time.monotonic() + 240

@@ -2,10 +2,10 @@
 
 import pytest
 
-from configs import load_config
-from flows.train import start_run
-from tasks.algorithms.scoring import score_responses
-from tasks.reward import score_on_ray
+from ppoflow.configs import load_config
+from ppoflow.flows.train import start_run
+from ppoflow.algorithms.scoring import score_responses
+from ppoflow.tasks.reward import score_on_ray
 
 
 def test_scoring_on_ray_equals_scoring_in_the_flow(prefect_api, ray_local):
@@ -24,7 +24,7 @@ def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):
 
 
 def test_scoring_on_ray_needs_a_cpu_beyond_the_actors(tiny_overrides, ray_local):
-    from workers.group import start_workers
+    from ppoflow.workers.group import start_workers
 
     cfg = load_config("grpo_tiny", tiny_overrides + ["reward_model.reward_manager=ray",
                                                      "actor_rollout_ref.rollout.resources.num_cpus=2",

@@ -23,9 +23,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from tensordict import TensorDict
 
-from storage import fs as storage_fs
-from storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
-from storage.rollout_cache import (
+from ppoflow.storage import fs as storage_fs
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
+from ppoflow.storage.rollout_cache import (
     FORMAT_VERSION,
     CacheCorrupt,
     CacheEntry,
@@ -33,7 +33,6 @@ from storage.rollout_cache import (
     StepCache,
     StepStatus,
     config_dir,
-    parse_async_sample_id,
     remap_to_prompts,
     scan,
 )
@@ -41,7 +40,7 @@ from storage.rollout_cache import (
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "ppoflow-test"  # created by the s3_server fixture
 CONFIG = dict(experiment_name="ut_exp", project_name="ut_proj", gbs=4, n=2, max_prompt_length=8, max_response_length=16)
-CACHE_LOGGER = "storage.rollout_cache"
+CACHE_LOGGER = "ppoflow.storage.rollout_cache"
 
 
 def make_batch(uids: list[str], seed: int = 0, prompt_length: int = 3, response_length: int = 4) -> TensorDict:
@@ -498,44 +497,12 @@ def test_remap_needs_cached_groups():
         remap_to_prompts(TensorDict({"x": torch.zeros(2)}, batch_size=[2]), ["p"], n=2)
 
 
-# -- async sample ids -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "sample_id, index",
-    [
-        ("sample_0_42", 42),
-        ("sample_3_1", 1),
-        ("uid_sample_0_42", 42),
-        ("uid_sample_3_1", 1),
-        ("sample_x_5", 5),
-        ("sample__5", 5),
-        ("sample_0_-1", -1),
-        ("sample_0_007", 7),
-        ("sample_0_+3", 3),
-        ("sample_0_ 5", 5),
-    ],
-)
-def test_parse_async_sample_id_accepts_verls_ids(sample_id: str, index: int):
-    assert parse_async_sample_id(sample_id) == index
-
-
-@pytest.mark.parametrize(
-    "sample_id",
-    ["bad_id", "sample_1", "sample_0_1_2", "Sample_0_1", "uid_uid_sample_0_1", "sample_0_abc", "sample_0_1e3", ""],
-)
-def test_parse_async_sample_id_rejects_with_the_id_named(sample_id: str):
-    with pytest.raises(ValueError, match="Invalid async rollout sample_id") as raised:
-        parse_async_sample_id(sample_id)
-    assert repr(sample_id) in str(raised.value)
-
-
 # -- S3 (moto server) -----------------------------------------------------------------------------
 
 CHILD_PROCESS = """
 import json, sys
-from storage.batch import non_tensor_column
-from storage.rollout_cache import StepCache
+from ppoflow.storage.batch import non_tensor_column
+from ppoflow.storage.rollout_cache import StepCache
 
 root, options = sys.argv[1], json.loads(sys.argv[2])
 cache = StepCache(root, storage_options=options)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tasks.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
+from ppoflow.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
                                       scorer_for)
 
 KEY = "custom_reward_function.path"

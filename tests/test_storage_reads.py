@@ -15,8 +15,8 @@ from safetensors.torch import load as reference_load
 from safetensors.torch import save
 from tensordict import TensorDict
 
-from storage.batch import decode_batch, encode_batch, read_safetensors, with_non_tensor_columns
-from storage.fs import read_with_sha256
+from ppoflow.storage.batch import decode_batch, encode_batch, read_safetensors, with_non_tensor_columns
+from ppoflow.storage.fs import read_with_sha256
 
 
 @pytest.mark.parametrize("size", [0, 5, (8 << 20) * 2 + 3])  # empty, one short chunk, three chunks

@@ -3,9 +3,9 @@
 import fsspec
 import torch
 
-from configs.schema import ModelConfig
-from flows.tracking import Tracker, read_metrics
-from workers.models import load_causal_lm, load_tokenizer
+from ppoflow.configs.schema import ModelConfig
+from ppoflow.flows.tracking import Tracker, read_metrics
+from ppoflow.workers.models import load_causal_lm, load_tokenizer
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):

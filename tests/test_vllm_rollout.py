@@ -31,13 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import ConfigError, load_config, schema
-from workers.models import load_tokenizer
-from workers.rollout import HFRolloutWorker, SamplingParams, step_seed
-from workers.vllm_rollout import (LOGPROBS_MODE, SEED_SPACE, WORKER_EXTENSION, VLLMRolloutWorker,
+from ppoflow.configs import ConfigError, load_config, rules
+from ppoflow.workers.models import load_tokenizer
+from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams, step_seed
+from ppoflow.workers.vllm_rollout import (LOGPROBS_MODE, SEED_SPACE, WORKER_EXTENSION, VLLMRolloutWorker,
                                   VLLMWeightLoader, bucket_bytes, bucket_tensors, engine_kwargs, request_seeds,
                                   rollout_batch, sampling_kwargs)
-from workers.weight_sync import TensorSlot, WeightUpdate, _raw_bytes, plan_buckets
+from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _raw_bytes, plan_buckets
 
 REPO = Path(__file__).resolve().parents[1]
 EOS, PAD = 2, 0
@@ -60,14 +60,14 @@ def problems_of(overrides: list[str]) -> list[tuple[str, str]]:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """Pretend a supported vLLM and a CUDA GPU are present, for the config rules only (nothing runs)."""
-    monkeypatch.setattr(schema, "installed_vllm_version", lambda: "0.11.0")
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.11.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
 # ------------------------------------------------------------------------------ config rules (CPU)
 
 
-@pytest.mark.skipif(schema.installed_vllm_version() is not None, reason="vllm is installed here")
+@pytest.mark.skipif(rules.installed_vllm_version() is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_installed_fails_at_config_time():
     problems = problems_of(GPU_OVERRIDES)
     assert any(key == "actor_rollout_ref.rollout.name" and "vllm is not installed" in message
@@ -75,7 +75,7 @@ def test_vllm_without_vllm_installed_fails_at_config_time():
 
 
 def test_vllm_without_a_cuda_gpu_fails_at_config_time(monkeypatch):
-    monkeypatch.setattr(schema, "installed_vllm_version", lambda: "0.11.0")
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.11.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert problems_of(GPU_OVERRIDES) == [
         ("actor_rollout_ref.rollout.name", ("vllm generates on CUDA GPUs but torch.cuda.is_available() is false "
@@ -93,13 +93,13 @@ def test_vllm_config_rules_on_version_parallelism_and_weight_sync(fake_vllm, mon
     assert key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and "num_gpus=1" in message
     ((key, message),) = problems_of(GPU_OVERRIDES + ["actor_rollout_ref.rollout.weight_sync.backend=gloo"])
     assert key == "actor_rollout_ref.rollout.weight_sync.backend" and "object_store" in message
-    monkeypatch.setattr(schema, "installed_vllm_version", lambda: "0.9.2")
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.9.2")
     ((key, message),) = problems_of(GPU_OVERRIDES)
     assert key == "actor_rollout_ref.rollout.name" and "vllm>=0.10.2" in message
 
 
 def test_vllm_config_loads_and_selects_the_vllm_worker(fake_vllm):
-    from workers.group import rollout_worker_class
+    from ppoflow.workers.group import rollout_worker_class
 
     cfg = load_config("grpo_tiny", GPU_OVERRIDES + ["actor_rollout_ref.rollout.resources.num_gpus=0.5"])
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -231,7 +231,7 @@ def test_weight_buckets_round_trip_through_bytes():
 
 
 def test_actor_updates_round_trip_through_the_vllm_transport(cpu_cfg):
-    from workers.policy import ActorWorker
+    from ppoflow.workers.policy import ActorWorker
 
     actor = ActorWorker(cpu_cfg)
     update = actor.prepare_weights()
@@ -258,7 +258,7 @@ def test_collective_weight_sync_is_refused_with_a_clear_message():
 
 
 def _prompt_batch(cfg, count: int):
-    from storage.datasets import ensure_datasets, load_prompt_dataset
+    from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
 
     ensure_datasets(cfg.data)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
@@ -279,8 +279,8 @@ def gpu(tmp_path_factory):
 
 def _build_model(path: Path, seed: int) -> str:
     """The tiny Llama with 64-wide attention heads (vLLM's attention kernels do not all take 16)."""
-    from configs.schema import TinyModelConfig
-    from workers.models import build_tiny_model
+    from ppoflow.configs.schema import TinyModelConfig
+    from ppoflow.workers.models import build_tiny_model
 
     build_tiny_model(str(path), TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                                 num_attention_heads=2, max_position_embeddings=64, seed=seed))
@@ -376,7 +376,7 @@ def test_greedy_outputs_and_log_probs_equal_the_transformers_engine(gpu_cfg, gpu
 
 @pytest.mark.gpu
 def test_sampled_log_probs_are_the_actors_at_the_sampling_temperature(gpu_overrides, gpu_prompts, engine):
-    from workers.policy import ActorWorker
+    from ppoflow.workers.policy import ActorWorker
 
     cfg = load_config("grpo_tiny", gpu_overrides + ["actor_rollout_ref.rollout.temperature=0.7"])
     batch = engine.generate(gpu_prompts, step=2, sampling=SamplingParams.for_training(cfg))
@@ -418,8 +418,8 @@ def test_n_top_k_top_p_and_max_length_are_honoured(gpu_cfg, gpu_prompts, engine)
 def test_weight_update_reaches_the_running_engine(gpu, gpu_cfg, gpu_prompts, engine):
     """Long prompts: their first KV block sits in vLLM's prefix cache after ``before``; an update that
     left it there would mix old-weight keys/values into ``after``."""
-    from workers.models import load_causal_lm
-    from workers.policy import ActorWorker
+    from ppoflow.workers.models import load_causal_lm
+    from ppoflow.workers.policy import ActorWorker
 
     sampling = _greedy(gpu_cfg)
     prompts = _long_prompts(gpu_prompts, engine.pad_token_id)
@@ -449,8 +449,8 @@ def test_weight_update_reaches_the_running_engine(gpu, gpu_cfg, gpu_prompts, eng
 @pytest.mark.gpu
 def test_vllm_engine_as_the_runs_ray_rollout_actor(gpu_overrides, gpu_prompts, request):
     """start_workers puts the vLLM engine in the rollout actor; weight_sync moves the actor's weights in."""
-    from flows.train import STAGES
-    from workers.group import start_workers
+    from ppoflow.flows.train import STAGES
+    from ppoflow.workers.group import start_workers
 
     request.getfixturevalue("ray_local")  # only once the GPU checks apply (a session fixture would start first)
 

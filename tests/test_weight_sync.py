@@ -2,8 +2,8 @@
 
 import torch
 
-from configs.schema import WeightSyncConfig
-from workers.weight_sync import WeightReceiver, WeightSender, bucket_size, plan_buckets
+from ppoflow.configs.schema import WeightSyncConfig
+from ppoflow.workers.weight_sync import WeightReceiver, WeightSender, bucket_size, plan_buckets
 
 
 def model(seed: int) -> torch.nn.Module:

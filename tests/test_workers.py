@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configs import load_config
-from storage.datasets import ensure_datasets, load_prompt_dataset
-from workers.critic import CriticWorker
-from workers.models import load_tokenizer
-from workers.policy import ActorWorker, ReferenceWorker
-from workers.rollout import HFRolloutWorker, SamplingParams
+from ppoflow.configs import load_config
+from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
+from ppoflow.workers.critic import CriticWorker
+from ppoflow.workers.models import load_tokenizer
+from ppoflow.workers.policy import ActorWorker, ReferenceWorker
+from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
 
 
 @pytest.fixture

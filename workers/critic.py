@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from configs.schema import PPOConfig
-from tasks.algorithms.advantages import masked_mean
-from tasks.algorithms.losses import compute_value_loss
-from workers.models import load_value_model
-from workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.algorithms.masked import masked_mean
+from ppoflow.algorithms.losses import compute_value_loss
+from ppoflow.workers.models import claim_resources, load_value_model
+from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
 class CriticWorker:
@@ -19,8 +19,7 @@ class CriticWorker:
 
     def __init__(self, cfg: PPOConfig):
         critic = cfg.critic
-        torch.set_num_threads(critic.resources.num_threads)
-        self.device = torch.device("cuda" if critic.resources.num_gpus > 0 else "cpu")
+        self.device = claim_resources(critic.resources)
         self.cfg = critic
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.schema import PPOConfig, ResourcesConfig
+from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
               "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -103,10 +103,10 @@ def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
 def rollout_worker_class(cfg: PPOConfig) -> type:
     """The generation engine ``actor_rollout_ref.rollout.name`` selects (vLLM is imported only when it runs)."""
     if cfg.actor_rollout_ref.rollout.name == "vllm":
-        from workers.vllm_rollout import VLLMRolloutWorker
+        from ppoflow.workers.vllm_rollout import VLLMRolloutWorker
 
         return VLLMRolloutWorker
-    from workers.rollout import HFRolloutWorker
+    from ppoflow.workers.rollout import HFRolloutWorker
 
     return HFRolloutWorker
 
@@ -115,8 +115,8 @@ def start_workers(cfg: PPOConfig) -> Workers:
     """Join (or start) Ray, check the roles fit, start one actor per role and wait until all loaded."""
     import ray
 
-    from workers.critic import CriticWorker
-    from workers.policy import ActorWorker, ReferenceWorker
+    from ppoflow.workers.critic import CriticWorker
+    from ppoflow.workers.policy import ActorWorker, ReferenceWorker
 
     roles = role_resources(cfg)
     started_ray = _connect_ray(cfg, roles)
@@ -150,8 +150,8 @@ def start_workers(cfg: PPOConfig) -> Workers:
 
 def start_local_workers(cfg: PPOConfig) -> Workers:
     """The same roles as plain in-process objects (no Ray): the baseline of the overhead benchmark."""
-    from workers.critic import CriticWorker
-    from workers.policy import ActorWorker, ReferenceWorker
+    from ppoflow.workers.critic import CriticWorker
+    from ppoflow.workers.policy import ActorWorker, ReferenceWorker
 
     return Workers(rollout=LocalRole(rollout_worker_class(cfg)(cfg)), actor=LocalRole(ActorWorker(cfg)),
                    ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,

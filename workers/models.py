@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 import torch
 
-from configs.schema import ModelConfig, TinyModelConfig
+from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 TINY_CHARACTERS = "0123456789+-=>:,|?abcdefghij"
@@ -24,6 +24,13 @@ TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% en
 """Concatenates message contents: lets verl-style chat-message datasets run on the tiny tokenizer."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def claim_resources(resources: ResourcesConfig) -> torch.device:
+    """Set this worker process's torch threads to its role's ``num_threads``; return its device
+    (the GPU when the role reserves one, else the CPU)."""
+    torch.set_num_threads(resources.num_threads)
+    return torch.device("cuda" if resources.num_gpus > 0 else "cpu")
 
 
 def holds_model(path: str) -> bool:

@@ -11,20 +11,19 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from configs.schema import PPOConfig, ResourcesConfig
-from tasks.algorithms.kl import kl_penalty
-from tasks.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
-from workers.models import load_causal_lm, load_tokenizer, save_pretrained
-from workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
-from workers.weight_sync import WeightSender, WeightUpdate, join_group
+from ppoflow.configs.schema import PPOConfig, ResourcesConfig
+from ppoflow.algorithms.kl import kl_penalty
+from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer, save_pretrained
+from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
+from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
 class PolicyModel:
     """A causal LM on its device that computes response log-probs at the rollout temperature."""
 
     def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None):
-        torch.set_num_threads(resources.num_threads)
-        self.device = torch.device("cuda" if resources.num_gpus > 0 else "cpu")
+        self.device = claim_resources(resources)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size

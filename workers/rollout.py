@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from configs.schema import PPOConfig
-from workers.models import load_causal_lm, load_tokenizer
-from workers.weight_sync import WeightReceiver, WeightUpdate, join_group
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
+from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ class HFRolloutWorker:
     """Sampling with a transformers causal LM (CPU or GPU)."""
 
     def __init__(self, cfg: PPOConfig):
-        torch.set_num_threads(cfg.actor_rollout_ref.rollout.resources.num_threads)
-        self.device = torch.device("cuda" if cfg.actor_rollout_ref.rollout.resources.num_gpus > 0 else "cpu")
+        self.device = claim_resources(cfg.actor_rollout_ref.rollout.resources)
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
         self.weight_version = 0

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict
 
-from configs.schema import OptimConfig
-from storage.batch import tensors_digest, trim_response_padding
-from storage.checkpoint import load_module, save_module
+from ppoflow.configs.schema import OptimConfig
+from ppoflow.storage.batch import tensors_digest, trim_response_padding
+from ppoflow.storage.checkpoint import load_module, save_module
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ serves ``generate``, ``apply_weights`` and ``join_weight_group`` exactly like th
 so the flow, the rollout cache and the trainers cannot tell the two apart. vLLM is an optional extra
 (``pip install 'ppoflow[vllm]'``) and is imported only when an engine is built: this module imports on
 a CPU machine without it, and the config loader rejects ``rollout.name=vllm`` there (see
-:func:`configs.schema.cross_field_errors`).
+:func:`ppoflow.configs.rules.cross_field_errors`).
 
 How the engine is driven (written against vLLM's offline ``LLM`` API):
 
@@ -54,15 +54,16 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
-from configs.schema import VLLM_MIN_VERSION, PPOConfig, installed_vllm_version, vllm_version_supported
-from workers.models import load_tokenizer, local_model_dir
-from workers.rollout import SamplingParams, step_seed
-from workers.weight_sync import TensorSlot, WeightUpdate, _fetch
+from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.models import claim_resources, load_tokenizer, local_model_dir
+from ppoflow.workers.rollout import SamplingParams, step_seed
+from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's log-probs after temperature scaling (see the module docstring for the exact quantity)."""
 
-WORKER_EXTENSION = "workers.vllm_rollout.VLLMWeightLoader"
+WORKER_EXTENSION = "ppoflow.workers.vllm_rollout.VLLMWeightLoader"
 """Qualified name of the class vLLM mixes into its GPU workers (``worker_extension_cls``)."""
 
 SEED_SPACE = 2**62
@@ -142,7 +143,7 @@ class VLLMRolloutWorker:
 
     def __init__(self, cfg: PPOConfig, **overrides):
         rollout = cfg.actor_rollout_ref.rollout
-        torch.set_num_threads(rollout.resources.num_threads)
+        claim_resources(rollout.resources)
         version = installed_vllm_version()
         if version is None or not vllm_version_supported(version):
             raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vllm>={VLLM_MIN_VERSION} on the machine "

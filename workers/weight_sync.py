@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from configs.schema import WeightSyncConfig
+from ppoflow.configs.schema import WeightSyncConfig
 
 
 @dataclass(frozen=True)

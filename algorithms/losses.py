@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.algorithms.advantages import masked_mean
+from ppoflow.algorithms.masked import masked_mean
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",

@@ -25,9 +25,9 @@ import fsspec
 import torch
 from tensordict import TensorDict
 
-from configs.schema import DataConfig, SyntheticDataConfig
-from storage.batch import with_non_tensor_columns
-from storage.fs import atomic_write, open_fs
+from ppoflow.configs.schema import DataConfig, SyntheticDataConfig
+from ppoflow.storage.batch import with_non_tensor_columns
+from ppoflow.storage.fs import atomic_write, open_fs
 
 SYNTHETIC_SOURCES = {"copy": "synthetic/copy"}
 

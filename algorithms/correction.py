@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tasks.algorithms.advantages import masked_mean
+from ppoflow.algorithms.masked import masked_mean
 
 _SAFETY_BOUND = 20.0
 _PREFIX = "rollout_corr/"
@@ -235,3 +235,37 @@ def compute_rejection_mask(
             keep = keep & option_keep
         metrics[_PREFIX + "rollout_rs_masked_fraction"] = masked_mean((~keep).to(mask.dtype), mask).item()
     return (mask * keep.to(mask.dtype)).to(response_mask.dtype), metrics
+
+
+def correct_off_policy(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_rs: str | None,
+    rollout_rs_threshold,
+    rollout_is: str | None,
+    rollout_is_threshold: float | int | str,
+    rollout_is_batch_normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """verl's decoupled correction between the trainer's old log-probs and the rollout's sampling ones.
+
+    Returns the response mask with rejected tokens or sequences zeroed (``rollout_rs``), the IS weights
+    (``rollout_is``; None when off) and the metrics: how far the two policies are apart
+    (``training/rollout_probs_diff_max`` / ``_mean``, verl's names, over valid tokens) and the
+    ``rollout_corr/*`` metrics of what was applied.
+    """
+    valid = response_mask.bool()
+    gap = (old_log_probs.exp() - rollout_log_probs.exp()).abs()[valid]
+    metrics = {"training/rollout_probs_diff_max": float(gap.max()), "training/rollout_probs_diff_mean": float(gap.mean())}
+    if rollout_rs:
+        response_mask, rejected = compute_rejection_mask(old_log_probs, rollout_log_probs, response_mask,
+                                                         options=rollout_rs, thresholds=rollout_rs_threshold)
+        metrics.update(rejected)
+    weights = None
+    if rollout_is:
+        weights, weighted = compute_rollout_is_weights(
+            old_log_probs, rollout_log_probs, response_mask, level=rollout_is, threshold=rollout_is_threshold,
+            batch_normalize=rollout_is_batch_normalize)
+        metrics.update(weighted)
+    return response_mask, weights, metrics

@@ -1,0 +1,195 @@
+"""Rules that relate several config keys: checked after the schema, before anything starts.
+
+Each rule returns ``(key, message)`` pairs naming the key a user should change; :func:`cross_field_errors`
+collects them all, so one run of ``ppoflow config`` lists every problem at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ppoflow.configs.schema import LOGGERS, PPOConfig
+
+SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+"""fsspec option names that carry credentials (s3fs: key, secret, token)."""
+
+
+def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """Rules that relate several keys, as ``(key, message)`` pairs; empty when the config is coherent."""
+    errors: list[tuple[str, str]] = []
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    trajectories = data.train_batch_size * rollout.n
+    mini = actor.ppo_mini_batch_size * rollout.n
+    if trajectories % mini:
+        errors.append(("actor_rollout_ref.actor.ppo_mini_batch_size",
+                       f"data.train_batch_size * rollout.n = {trajectories} trajectories is not divisible by "
+                       f"ppo_mini_batch_size * rollout.n = {mini}"))
+    if actor.ppo_micro_batch_size_per_gpu and mini % actor.ppo_micro_batch_size_per_gpu:
+        errors.append(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                       f"{actor.ppo_micro_batch_size_per_gpu} does not divide the mini-batch of {mini} trajectories"))
+    if cfg.use_critic:
+        critic_mini = cfg.critic.ppo_mini_batch_size * rollout.n
+        if trajectories % critic_mini:
+            errors.append(("critic.ppo_mini_batch_size",
+                           f"{trajectories} trajectories per step are not divisible by critic mini-batch {critic_mini}"))
+        if cfg.critic.ppo_micro_batch_size_per_gpu and critic_mini % cfg.critic.ppo_micro_batch_size_per_gpu:
+            errors.append(("critic.ppo_micro_batch_size_per_gpu",
+                           f"{cfg.critic.ppo_micro_batch_size_per_gpu} does not divide the critic mini-batch of {critic_mini}"))
+    if data.gen_batch_size is not None and data.gen_batch_size != data.train_batch_size:
+        errors.append(("data.gen_batch_size",
+                       f"{data.gen_batch_size} != data.train_batch_size {data.train_batch_size}: dynamic sampling "
+                       "(generating more prompts than are trained on) is not supported; leave it null"))
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.use_critic:
+        errors.append(("critic.enable", "algorithm.adv_estimator=gae needs a critic; set critic.enable=true or null"))
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
+        errors.append(("actor_rollout_ref.rollout.n",
+                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses of one prompt "
+                       f"and needs n >= 2, got {rollout.n}"))
+    if cfg.trainer.resume_mode == "resume_path" and not re.search(r"global_step_\d+/?$", cfg.trainer.resume_from_path or ""):
+        errors.append(("trainer.resume_from_path", f"resume_mode=resume_path needs a .../global_step_N directory, "
+                       f"got {cfg.trainer.resume_from_path!r}"))
+    if cfg.trainer.test_freq > 0 and data.val_files is None:
+        errors.append(("data.val_files", f"trainer.test_freq={cfg.trainer.test_freq} needs validation files"))
+    for name in cfg.trainer.logger:
+        if name not in LOGGERS:
+            errors.append(("trainer.logger", f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}"))
+    stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic}
+    for stage, skip in cfg.skip.items():
+        if not skip.enable:
+            continue
+        if not skip.steps:
+            errors.append((f"skip.{stage}.steps", "caching is enabled but no step is listed"))
+        if not stage_runs.get(stage, True):
+            errors.append((f"skip.{stage}.enable", f"this run has no {stage} stage to cache"))
+        secrets = sorted(key for key in skip.storage_options if SECRET_OPTION.search(key))
+        if secrets:
+            errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
+                           "Prefect run parameters, so pass credentials through the environment (e.g. "
+                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
+    errors += _resource_errors(cfg) + _correction_errors(cfg)
+    if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
+            and cfg.algorithm.kl_ctrl.type == "adaptive"):
+        errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
+                       "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
+    if rollout.name == "vllm":
+        errors += _vllm_errors(cfg)
+    return errors
+
+
+VLLM_MIN_VERSION = "0.10.2"
+"""Oldest vLLM the vllm engine runs on: its ``logprobs_mode`` engine argument (log-probs after temperature
+scaling, see :mod:`ppoflow.workers.vllm_rollout`) first shipped in 0.10.2."""
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, or None; reads package metadata only (importing vllm is slow)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_version_supported(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release >= Version(VLLM_MIN_VERSION).release
+    except InvalidVersion:
+        return True  # an unusual local build: let the engine itself decide
+
+
+def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """``rollout.name=vllm`` needs vLLM installed, a CUDA GPU here and GPUs reserved for the rollout."""
+    import torch
+
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    errors: list[tuple[str, str]] = []
+    # Joining a Ray cluster, the engine runs on its GPU nodes: this machine (the driver) needs neither.
+    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    version = installed_vllm_version() if local else VLLM_MIN_VERSION
+    if version is None:
+        errors.append((f"{key}.name", "vllm is not installed; install the optional extra (pip install "
+                       "'ppoflow[vllm]') on a CUDA machine, or use actor_rollout_ref.rollout.name=hf"))
+    elif not vllm_version_supported(version):
+        errors.append((f"{key}.name", f"vllm {version} is installed but rollout.name=vllm needs "
+                       f"vllm>={VLLM_MIN_VERSION} (logprobs_mode); upgrade it or use rollout.name=hf"))
+    if local and not torch.cuda.is_available():
+        errors.append((f"{key}.name", "vllm generates on CUDA GPUs but torch.cuda.is_available() is false on "
+                       "this machine; use actor_rollout_ref.rollout.name=hf"))
+    gpus, tp = rollout.resources.num_gpus, rollout.tensor_model_parallel_size
+    if gpus == 0:
+        errors.append((f"{key}.resources.num_gpus", "rollout.name=vllm runs on GPUs; reserve them with "
+                       f"{key}.resources.num_gpus > 0 (= tensor_model_parallel_size), or use rollout.name=hf"))
+    elif tp > 1 and gpus < tp:
+        errors.append((f"{key}.tensor_model_parallel_size", f"{tp} GPUs of tensor parallelism but the rollout "
+                       f"worker reserves {key}.resources.num_gpus={gpus:g}"))
+    if rollout.weight_sync.backend != "object_store":
+        errors.append((f"{key}.weight_sync.backend", f"{rollout.weight_sync.backend} is not supported with "
+                       "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
+                       "use object_store"))
+    return errors
+
+
+def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """verl's pool rules: training roles fit the trainer pool, the rollout fits its own pool."""
+    errors: list[tuple[str, str]] = []
+    arr = cfg.actor_rollout_ref
+    trainer_gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    rollout_gpus = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    training_roles = {"actor_rollout_ref.actor": arr.actor.resources}
+    if cfg.use_reference:
+        training_roles["actor_rollout_ref.ref"] = arr.ref.resources
+    if cfg.use_critic:
+        training_roles["critic"] = cfg.critic.resources
+    wanted = sum(resources.num_gpus for resources in training_roles.values())
+    if wanted > trainer_gpus:
+        errors.append(("trainer.n_gpus_per_node", f"the training roles reserve {wanted:g} GPUs "
+                       f"({', '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())}) "
+                       f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}"))
+    if arr.rollout.resources.num_gpus > rollout_gpus:
+        errors.append(("rollout.n_gpus_per_node", f"actor_rollout_ref.rollout.resources.num_gpus="
+                       f"{arr.rollout.resources.num_gpus:g} exceeds the rollout pool rollout.nnodes * "
+                       f"rollout.n_gpus_per_node = {rollout_gpus}"))
+    if trainer_gpus and trainer_gpus % arr.rollout.n and (arr.rollout.n * cfg.data.train_batch_size) % trainer_gpus:
+        errors.append(("actor_rollout_ref.rollout.n", f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
+                       "must divide the GPU count, or rollout.n * data.train_batch_size must be divisible by it"))
+    if cfg.trainer.mode == "one_step_off" and (trainer_gpus > 0) != (rollout_gpus > 0):
+        errors.append(("rollout.n_gpus_per_node", "one_step_off needs both pools on GPUs or both on CPUs "
+                       f"(training pool {trainer_gpus} GPUs, rollout pool {rollout_gpus})"))
+    if arr.rollout.weight_sync.backend == "nccl" and not (arr.actor.resources.num_gpus and arr.rollout.resources.num_gpus):
+        errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
+                       "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
+                       "(use object_store or gloo on CPUs)"))
+    return errors
+
+
+def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """The rollout-correction thresholds parse, and bypass mode is not combined with what it skips."""
+    from ppoflow.algorithms.correction import compute_rejection_mask, parse_is_threshold
+
+    errors: list[tuple[str, str]] = []
+    correction = cfg.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if correction.rollout_is is not None:
+        try:
+            parse_is_threshold(correction.rollout_is_threshold)
+        except (TypeError, ValueError) as error:
+            errors.append((f"{key}.rollout_is_threshold", str(error)))
+    if correction.rollout_rs is not None:
+        if correction.rollout_rs_threshold is None:
+            errors.append((f"{key}.rollout_rs_threshold", f"rollout_rs={correction.rollout_rs!r} needs thresholds"))
+        else:
+            import torch
+
+            try:  # the real parser on a one-token batch: same messages as at run time
+                compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                                       options=correction.rollout_rs, thresholds=correction.rollout_rs_threshold)
+            except (TypeError, ValueError) as error:
+                errors.append((f"{key}.rollout_rs", str(error)))
+    if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
+        errors.append((f"{key}.bypass_mode", "bypass mode uses the rollout's log-probs as old log-probs, so "
+                       "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false"))
+    return errors

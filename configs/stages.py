@@ -1,0 +1,40 @@
+"""The stages of a PPO step and their names, written once.
+
+Each stage has one name (its Prefect task, its docs), and two names users see elsewhere that follow
+verl where verl has them: its step-cache key (``skip.<skip>.*`` in the config, ``skip/<skip>/*`` in the
+metrics; verl calls the generation cache ``skip.rollout``) and its timing metric (``timing_s/<timing>``;
+verl's ``gen``, ``ref``, ``adv``, ``update_weights``). Everything that needs one of these names looks
+it up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageNames:
+    """The names of one stage."""
+
+    name: str
+    skip: str | None
+    """Step-cache key; None for stages whose result is never cached (updates, weight sync)."""
+    timing: str
+
+
+STAGES = (
+    StageNames("generate", skip="rollout", timing="gen"),
+    StageNames("reward", skip="reward", timing="reward"),
+    StageNames("old_log_prob", skip="old_log_prob", timing="old_log_prob"),
+    StageNames("ref_log_prob", skip="ref", timing="ref"),
+    StageNames("values", skip="values", timing="values"),
+    StageNames("advantage", skip="advantage", timing="adv"),
+    StageNames("update_critic", skip=None, timing="update_critic"),
+    StageNames("update_actor", skip=None, timing="update_actor"),
+    StageNames("weight_sync", skip=None, timing="update_weights"),
+)
+"""In the order a step runs them."""
+
+STAGE_NAMES = {stage.name: stage for stage in STAGES}
+STAGES_WITH_SKIP = tuple(stage.skip for stage in STAGES if stage.skip)
+"""The keys accepted under ``skip.``."""
