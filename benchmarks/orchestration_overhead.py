@@ -35,15 +35,22 @@ WORKLOADS = {
 
 def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
     """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones."""
+    import dataclasses
+
     from prefect import flow
 
-    from ppoflow.flows.train import BARE_STAGES, STAGES, start_run, train_steps
+    from ppoflow.flows.modes import make_trainer
+    from ppoflow.flows.stages import Stages
+    from ppoflow.flows.state import TrainerState
+    from ppoflow.flows.train import start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
-    run.stages = STAGES if prefect_tasks else BARE_STAGES
+    run = dataclasses.replace(run, stages=Stages(run.workers, run.stages.caches, orchestrated=prefect_tasks))
+    state = TrainerState(cfg, len(run.train_set))
+    mode = make_trainer(run, state)
 
     def loop() -> list[float]:
-        return [metrics["timing_s/step"] for _, metrics in train_steps(run, range(1, warmup + steps + 1))]
+        return [step.metrics["timing_s/step"] for step in train_steps(run, state, mode, range(1, warmup + steps + 1))]
 
     try:
         times = flow(name="overhead-benchmark")(loop)() if prefect_tasks else loop()

@@ -66,7 +66,7 @@ def record_sizes(dump_dir: str) -> dict:
 
     import cloudpickle
 
-    from ppoflow.storage.rollout_cache import StepCache
+    from ppoflow.storage.step_cache import StepCache
 
     step_dir = next(Path(dump_dir).glob("*/*/1"))
     batch, _ = StepCache(str(step_dir.parent)).load(1)
@@ -81,7 +81,7 @@ def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: 
 
     from ppoflow.storage.batch import with_non_tensor_columns
     from ppoflow.storage.fs import open_fs
-    from ppoflow.storage.rollout_cache import StepCache
+    from ppoflow.storage.step_cache import StepCache
 
     rows, width = 1024, max(16, mib * 2**20 // (1024 * 21))  # 21 bytes per position: 2 int64 ids, a bool, a float32
     batch = TensorDict({"prompts": torch.randint(0, 32000, (rows, width)), "responses": torch.randint(0, 32000, (rows, width)),

@@ -54,7 +54,7 @@ def perturb(actor, change: str) -> None:
 
 def ray_sync(cfg, repeats: int, change: str) -> float:
     """Median wall time of the weight_sync stage between the run's actor and rollout Ray actors."""
-    from ppoflow.flows.train import STAGES
+    from ppoflow.tasks.weight_sync import weight_sync
     from ppoflow.workers.group import start_workers
 
     import ray
@@ -62,12 +62,12 @@ def ray_sync(cfg, repeats: int, change: str) -> float:
     workers = start_workers(cfg)
     collective = cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
     try:
-        STAGES.weight_sync.fn(workers, collective)  # warm-up (and, with delta, the first full send)
+        weight_sync.fn(workers, collective)  # warm-up (and, with delta, the first full send)
         times = []
         for _ in range(repeats):
             ray.get(workers.actor.handle.__ray_call__.remote(perturb, change))
             start = time.perf_counter()
-            STAGES.weight_sync.fn(workers, collective)
+            weight_sync.fn(workers, collective)
             times.append(time.perf_counter() - start)
     finally:
         for handle in workers._handles:

@@ -230,8 +230,9 @@ class AlgorithmConfig(Section):
 class TrainerConfig(Section):
     project_name: str = Field(min_length=1, description="Project name (run directory, cache directory).")
     experiment_name: str = Field(min_length=1, description="Experiment name (run directory, cache directory).")
-    mode: Literal["sync", "one_step_off"] = Field(
-        description="sync: generate, then train; one_step_off: generate the next batch while training on this one.")
+    mode: str = Field(
+        description="Trainer mode: sync (generate, then train), one_step_off (generate the next batch while training "
+                    "on this one), or a mode registered with ppoflow.flows.modes.register_trainer.")
     nnodes: int = Field(ge=1, description="Nodes of the training pool (actor, ref, critic).")
     n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the training pool; 0 = CPU.")
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")

@@ -1,72 +1,55 @@
-"""Checkpointing a run and resuming it (the storage side is :mod:`storage.checkpoint`).
+"""Checkpointing a run and resuming it (the storage side is :mod:`ppoflow.storage.checkpoint`).
 
-A checkpoint holds everything the next steps depend on: the actor's (and critic's) weights and
-optimizer state, the dataloader position, the KL controller, the weight version, and - in
-one_step_off mode - the batch already generated for the next step. Sampling seeds depend only on
-``(seed, step)``, so a resumed run reproduces an uninterrupted one.
+A checkpoint holds everything the next steps depend on: the actor's (and critic's) weights and optimizer
+state, which the workers write themselves, and the states of the trainer and of its mode
+(``state_dict()``), of which this module knows nothing but their shape: JSON, except that a batch in them
+(one_step_off's batch generated for the next step) is written as safetensors beside the JSON. Sampling
+seeds depend only on ``(seed, step)``, so a resumed run reproduces an uninterrupted one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.flows.stages import PendingStage, StageResult
 from ppoflow.storage.batch import decode_batch, encode_batch
 from ppoflow.storage.checkpoint import commit, latest, read_file, read_trainer_state, step_url, write_file
 from ppoflow.storage.fs import join
+from ppoflow.workers.group import Workers
 
-if TYPE_CHECKING:
-    from ppoflow.flows.train import Run
-
-IN_FLIGHT = "rollout_in_flight.safetensors"
-"""A one_step_off checkpoint's batch generated for the next step."""
+BATCH_FILE = "{name}.safetensors"
+"""Where a batch found in a state dict under ``name`` is written inside the checkpoint directory."""
 
 
-def save_checkpoint(run: Run, step: int, pending: PendingStage | None) -> tuple[str, PendingStage | None]:
-    """Checkpoint everything a resumed run needs to reproduce the next steps exactly.
-
-    The actor (and critic) write their own weights and optimizer state; one_step_off's batch in
-    flight (generated for step+1) is awaited and saved too, so nothing generated is lost.
-    """
-    directory = step_url(run.cfg.trainer.default_local_dir, step)
+def save_checkpoint(cfg: PPOConfig, workers: Workers, step: int, states: dict[str, dict]) -> str:
+    """Write the workers' weights and optimizers, then ``states`` (``{part: state_dict}``), then commit."""
+    directory = step_url(cfg.trainer.default_local_dir, step)
     files = {f"actor/{name}": entry for name, entry in
-             run.workers.get(run.workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()}
-    if run.cfg.use_critic:
+             workers.get(workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()}
+    if cfg.use_critic:
         files.update({f"critic/{name}": entry for name, entry in
-                      run.workers.get(run.workers.critic.submit("save_checkpoint", join(directory, "critic"))).items()})
-    if pending is not None:
-        generated = pending.result()
-        files[IN_FLIGHT] = write_file(join(directory, IN_FLIGHT), encode_batch(generated.fields))
-        pending = PendingStage(lambda: generated)
-    state = {"global_step": step, "dataloader": run.loader.state_dict(), "kl_controller": run.kl_controller.state_dict(),
-             "weight_version": step,  # the actor updates once per step
-             "epochs": {str(k): v for k, v in run.epochs.items() if k > step}}
-    return commit(run.cfg.trainer.default_local_dir, step, files, state), pending
+                      workers.get(workers.critic.submit("save_checkpoint", join(directory, "critic"))).items()})
+    saved = {}
+    for part, state in states.items():
+        saved[part] = _externalize(state, part, directory, files)
+    return commit(cfg.trainer.default_local_dir, step, files, {"global_step": step, **saved})
 
 
-def restore(run: Run, directory: str) -> tuple[int, PendingStage | None]:
-    """Load a checkpoint into the run's workers and loader; return the first step to train and the
-    batch that was in flight. The caller then pushes the restored weights to the rollout worker."""
-    marker, state = read_trainer_state(directory)
+def restore_checkpoint(cfg: PPOConfig, workers: Workers, directory: str) -> tuple[int, dict[str, dict]]:
+    """Load a checkpoint into the workers; return its step and the states saved with it (batches decoded)."""
+    marker, saved = read_trainer_state(directory)
     files = marker["files"]
 
     def entries(role: str) -> dict:
         return {name.split("/", 1)[1]: entry for name, entry in files.items() if name.startswith(f"{role}/")}
 
-    run.workers.get(run.workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"),
-                                             state["weight_version"]))
-    if run.cfg.use_critic:
-        run.workers.get(run.workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
-    run.loader.load_state_dict(state["dataloader"])
-    run.kl_controller.load_state_dict(state["kl_controller"])
-    run.epochs.update({int(step): epoch for step, epoch in state["epochs"].items()})
-    in_flight = None
-    if IN_FLIGHT in files:
-        batch = decode_batch(read_file(join(directory, IN_FLIGHT), files[IN_FLIGHT]))
-        in_flight = PendingStage(lambda: StageResult(batch, {}))
-        run.launch_versions[state["global_step"] + 1] = int(batch["weight_version"].max())
-    return state["global_step"] + 1, in_flight
+    step = saved.pop("global_step")
+    parts = {part: _internalize(state, directory, files) for part, state in saved.items()}
+    workers.get(workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"),
+                                     parts["trainer"]["weight_version"]))
+    if cfg.use_critic:
+        workers.get(workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
+    return step, parts
 
 
 def resume_point(cfg: PPOConfig) -> str | None:
@@ -76,3 +59,23 @@ def resume_point(cfg: PPOConfig) -> str | None:
     if cfg.trainer.resume_mode == "resume_path":
         return cfg.trainer.resume_from_path
     return latest(cfg.trainer.default_local_dir)
+
+
+def _externalize(value, name: str, directory: str, files: dict):
+    """``value`` as JSON, with every batch in it written to its own file and replaced by a reference."""
+    if isinstance(value, TensorDict):
+        file_name = BATCH_FILE.format(name=name.replace("/", "."))
+        files[file_name] = write_file(join(directory, file_name), encode_batch(value))
+        return {"batch_file": file_name}
+    if isinstance(value, dict):
+        return {key: _externalize(item, f"{name}/{key}", directory, files) for key, item in value.items()}
+    return value
+
+
+def _internalize(value, directory: str, files: dict):
+    """The inverse of :func:`_externalize`: references replaced by the verified, decoded batches."""
+    if isinstance(value, dict):
+        if set(value) == {"batch_file"}:
+            return decode_batch(read_file(join(directory, value["batch_file"]), files[value["batch_file"]]))
+        return {key: _internalize(item, directory, files) for key, item in value.items()}
+    return value

@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args) -> int:
     from ppoflow.configs import load_config
 
-    load_config(args.config, args.overrides)  # fail before Prefect and Ray start
-    from ppoflow.flows.train import ppo_train
+    cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
+    from ppoflow.flows.train import check_mode, ppo_train
+
+    check_mode(cfg)
 
     ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
     return 0
@@ -122,11 +124,11 @@ def _build_tiny_model(args) -> int:
 
 
 def _cache(args) -> int:
-    from ppoflow.storage import rollout_cache
+    from ppoflow.storage import step_cache
 
     options = json.loads(args.storage_options)
     verify = args.cache_command == "ls" and not args.quick
-    entries = rollout_cache.scan(args.dump_dir, options, verify=verify)
+    entries = step_cache.scan(args.dump_dir, options, verify=verify)
     if args.cache_command == "ls":
         print(f"{'project':<28} {'config':<24} {'step':>6} {'stage':<14} {'valid':<6} {'bytes':>10}  reason")
         for entry in entries:
@@ -149,10 +151,10 @@ def _cache(args) -> int:
     root = f"{args.dump_dir.rstrip('/')}/{project}/{config_dir}"
     if args.cache_command == "rm":
         for entry in matches:  # Prefect's record of an entry is derived from its marker: nothing else to remove
-            rollout_cache.StepCache(root, stage=entry.stage, storage_options=options).remove(args.step)
+            step_cache.StepCache(root, stage=entry.stage, storage_options=options).remove(args.step)
             print(f"removed {entry.stage} of step {args.step} from {root}")
         return 0
-    return _show_step(rollout_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples)
+    return _show_step(step_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples)
 
 
 def _show_step(step_cache, step: int, samples: int) -> int:

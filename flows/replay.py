@@ -251,8 +251,8 @@ def replay_overrides(directory: str, baseline: dict, extra: Sequence[str], run_d
 
 def missing_cache_steps(cfg: PPOConfig, steps: int) -> list[tuple[int, str]]:
     """``(step, reason)`` for each of steps 1..``steps`` without a valid rollout entry in ``cfg``'s cache."""
-    from ppoflow.storage.rollout_cache import StepCache
-    from ppoflow.tasks.caching import run_cache_dir, storage_settings
+    from ppoflow.storage.step_cache import StepCache
+    from ppoflow.tasks.stages import run_cache_dir, storage_settings
 
     skip = cfg.skip["rollout"]
     cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))

@@ -1,134 +1,90 @@
-"""Starting one stage task of a step, through the stage's step cache when ``skip.<stage>`` covers it.
+"""Calling the declared stages of a step: through their step cache, timed under verl's names, their
+fields merged into the step's batch and their metrics into the step's metrics.
 
-The rules (verl's, plus the safety verl lacks) in the order they apply:
-
-1. a step outside ``skip.<stage>.steps`` (or caching off) just runs the task;
-2. otherwise :meth:`tasks.caching.StageCache.plan` picks the entry to replay among *valid*
-   entries (``cache``: this step's; ``repeat``: this step's, else the nearest below, else above);
-3. with an entry, the task is called with that entry's key and shows as ``Cached``; its tensors are
-   then loaded and checksummed. A rollout is fitted onto this step's prompts (verl's V1 uid remap);
-   any other stage must have been computed from exactly this input (its fingerprint), or it is
-   recomputed;
-4. without one, or when loading fails, the task runs with ``refresh_cache`` and dumps its result
-   at this step.
+A training step is a :class:`StepData`: its number, its batch (from generation on), its metrics. A stage
+call is one line in the loop (``stages.call("reward", step, ...)``); everything around the stage's own
+work - the cache's replay or dump, the fingerprint a replayed result must match, the timing - happens
+here, the same way for every stage.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from tensordict import TensorDict
 
-from ppoflow.storage.rollout_cache import ROLLOUT_STAGE, CacheCorrupt, remap_to_prompts
-from ppoflow.tasks.caching import CachePlan, StageCache, StageRecord, StepDump
-
-logger = logging.getLogger(__name__)
+from ppoflow.storage.batch import StageResult
+from ppoflow.storage.step_cache import PendingStage, StageCache, fingerprint, start_stage
+from ppoflow.tasks.stages import STAGES
+from ppoflow.workers.group import Workers
 
 
 @dataclass
-class StageResult:
-    """A stage's new batch fields and its metrics, including how the cache served it (``skip/<stage>/*``).
+class StepData:
+    """One training step as the loop builds it: the batch (set by generation, extended by every stage)
+    and the step's metrics (``timing_s/*`` included)."""
 
-    ``background_seconds``: for a call started in the background, how long it ran (submission to
-    completion), which is what one-step-off overlaps with training.
-    """
+    step: int
+    batch: TensorDict | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
-    fields: TensorDict
-    metrics: dict[str, float]
-    background_seconds: float | None = None
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the wall time of the block to ``timing_s/<name>``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{name}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
-
-class PendingStage:
-    """A started stage call: ``result()`` runs it (when not started in the background) or waits for it."""
-
-    def __init__(self, finish: Callable[[], StageResult]):
-        self._finish = finish
-
-    def result(self) -> StageResult:
-        return self._finish()
-
-
-def start_stage(cache: StageCache | None, task, step: int, *args, fingerprint: str | None = None,
-                meta: dict | None = None, prompt_uids: list[str] | None = None, n: int = 1,
-                background: bool = False, **kwargs) -> PendingStage:
-    """Start ``task(*args, **kwargs)`` for ``step``, replaying or dumping its result as configured.
-
-    ``background`` submits the task as a Prefect future (one-step-off generation); a replay is never
-    started in the background: it is resolved when awaited and starts no generation. ``fingerprint``
-    identifies a non-rollout stage's input; ``meta`` goes into the manifest; ``prompt_uids`` and
-    ``n`` fit a replayed rollout onto this step's prompts.
-    """
-    if cache is None or not cache.covers(step):
-        return _launch(task, args, kwargs, background, lambda record: StageResult(record.fields, record.metrics))
-    meta = {**(meta or {}), **({"input_fingerprint": fingerprint} if fingerprint else {})}
-    miss = {f"skip/{cache.stage}/hit": 0.0}
-
-    def compute_and_dump(plan: CachePlan, background: bool) -> PendingStage:
-        return _launch(task.with_options(**cache.task_options(plan)), args,
-                       {**kwargs, "dump": StepDump(cache.cache, step, meta)}, background,
-                       lambda record: StageResult(record.fields, {**record.metrics, **miss}))
-
-    plan = cache.plan(step)
-    if not plan.hit_expected:
-        return compute_and_dump(plan, background)
-
-    def replay() -> StageResult:
-        replayed = _replay(cache, task, plan, args, kwargs)
-        if isinstance(replayed, StageRecord):  # Prefect ran the body after all: a fresh, undumped result
-            return StageResult(replayed.fields, {**replayed.metrics, **miss})
-        if replayed is not None and _fits(cache.stage, replayed[1], fingerprint):
-            fields, manifest = replayed
-            if cache.stage == ROLLOUT_STAGE:
-                fields = remap_to_prompts(fields, prompt_uids, n)
-            return StageResult(fields, {**manifest.get("metrics", {}), f"skip/{cache.stage}/hit": 1.0,
-                                        f"skip/{cache.stage}/load_step": float(plan.load_step)})
-        return compute_and_dump(cache.plan_dump(step), background=False).result()
-
-    return PendingStage(replay)
-
-
-def _launch(task, args, kwargs, background: bool, finish: Callable[[StageRecord], StageResult]) -> PendingStage:
-    """Call the task when awaited, or submit it now (a Prefect future in the flow's task runner)."""
-    if not background:
-        return PendingStage(lambda: finish(task(*args, **kwargs)))
-    submitted = time.perf_counter()
-    finished: list[float] = []
-    future = task.submit(*args, **kwargs)
-    future.add_done_callback(lambda _: finished.append(time.perf_counter()))
-
-    def wait() -> StageResult:
-        result = finish(future.result())
-        result.background_seconds = (finished[0] if finished else time.perf_counter()) - submitted
+    def merge(self, result: StageResult) -> StageResult:
+        """Take a stage's new fields into the batch and its metrics into the step's metrics."""
+        if result.fields is not None:
+            if self.batch is None:
+                self.batch = result.fields
+            else:
+                self.batch.update(result.fields)
+        self.metrics.update(result.metrics)
         return result
 
-    return PendingStage(wait)
 
+class Stages:
+    """The run's stages, called as Prefect task runs (``orchestrated``) or as plain functions (the
+    overhead benchmark's baseline), each through its step cache when ``skip.<stage>`` enables one."""
 
-def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[TensorDict, dict] | StageRecord | None:
-    """The planned entry's fields and manifest, read through the cached task (a ``Cached`` run).
+    def __init__(self, workers: Workers, caches: dict[str, StageCache], *, orchestrated: bool):
+        self.workers, self.caches, self.orchestrated = workers, caches, orchestrated
 
-    Prefect's record of the entry is derived from its marker, so an entry written by another process
-    or tool is ``Cached`` too. The task is called without a dump target, so even if Prefect ran its body
-    (the entry vanished since it was planned) it could not overwrite the entry being replayed. None
-    when the entry is damaged (with a warning).
-    """
-    try:
-        record: StageRecord = task.with_options(**cache.task_options(plan))(*args, **kwargs)
-        if record.fields is not None:
-            return record
-        return cache.cache.load(record.manifest["global_steps"])
-    except CacheCorrupt as error:
-        logger.warning("cached %s of step %d is damaged (%s); recomputing", cache.stage, plan.load_step, error)
-        return None
+    def task(self, name: str):
+        """The stage's Prefect task, or its plain function when not orchestrated."""
+        task = STAGES[name].task
+        return task if self.orchestrated else task.fn
 
+    def call(self, name: str, step: StepData, *args, **kwargs) -> StageResult:
+        """Run stage ``name`` for ``step`` and merge its result; timed as ``timing_s/<its timing name>``.
 
-def _fits(stage: str, manifest: dict, fingerprint: str | None) -> bool:
-    """A non-rollout entry is reused only for the input it was computed from."""
-    if stage == ROLLOUT_STAGE or manifest.get("input_fingerprint") == fingerprint:
-        return True
-    logger.warning("cached %s of step %s was computed from a different input; recomputing",
-                   stage, manifest.get("global_steps"))
-    return False
+        A cached result of a forward pass or of a later stage is reused only for exactly this batch
+        (and, for a forward pass, the worker's exact weights)."""
+        stage = STAGES[name]
+        with step.timed(stage.names.timing):
+            requires = None
+            cache = self.caches.get(name)
+            if cache is not None and cache.covers(step.step):
+                role = getattr(self.workers, stage.weights) if stage.weights else None
+                weights = self.workers.get(role.submit("weights_digest")) if role else None
+                requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
+            result = start_stage(cache, self.task(name), step.step, *args, requires=requires, **kwargs).result()
+        return step.merge(result)
+
+    def start(self, name: str, step: int, *args, **options) -> PendingStage:
+        """Start stage ``name`` for step ``step`` through its cache without waiting (``options`` as
+        :func:`~ppoflow.storage.step_cache.start_stage` takes them: ``background``, ``requires``, ...)."""
+        return start_stage(self.caches.get(name), self.task(name), step, *args, **options)
+
+    def run(self, name: str, *args, **kwargs) -> StageResult:
+        """Run stage ``name`` outside any step and its cache (validation, weight pushes)."""
+        return self.task(name)(*args, **kwargs)

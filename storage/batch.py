@@ -32,6 +32,8 @@ Added by later stages: ``token_level_scores`` / ``token_level_rewards`` (reward,
 The encoding is safetensors: tensors are raw little-endian buffers, and the non-tensor columns and
 the batch size travel as JSON in the safetensors header. Decoding never unpickles anything, so a
 cache read from shared storage cannot execute code.
+
+Every stage returns a :class:`StageResult`: the fields it adds to the batch and its metrics.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -49,6 +52,15 @@ NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
 RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
                    "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
 """Fields aligned with the response tokens ([N, R]); :func:`trim_response_padding` slices them together."""
+
+@dataclass
+class StageResult:
+    """What every stage returns: the fields it adds to the step batch (None when it adds none, as the
+    updates and the weight sync) and its metrics (verl's names)."""
+
+    fields: TensorDict | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
 
 _NON_TENSOR_KEY = "ppoflow.non_tensor"
 _BATCH_SIZE_KEY = "ppoflow.batch_size"

@@ -10,14 +10,13 @@ Layout (verl's ``global_step_{N}`` directories)::
                               checkpoint.json             commit marker, written LAST: every file's size and sha256
     {run_dir}/latest_checkpointed_iteration.txt           verl's pointer, informational
 
-A directory is *complete* only when ``checkpoint.json`` exists and every file it lists has the
-listed size; loading also checks the sha256. An incomplete directory (a crash mid-save) is never
-chosen for resuming.
+``checkpoint.json`` is a commit marker (:mod:`ppoflow.storage.marker`, the same primitive as the step
+cache's): a directory is *complete* only when it exists and every file it lists has the listed size;
+loading also checks the sha256. An incomplete directory (a crash mid-save) is never chosen for resuming.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -26,15 +25,16 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from ppoflow.storage.batch import read_safetensors
-from ppoflow.storage.fs import atomic_write, join, open_fs, read_with_sha256, write_with_retries
+from ppoflow.storage.fs import StorageError, atomic_write, join, open_fs, write_with_retries
+from ppoflow.storage.marker import MarkerFormat, file_entry, read_verified, size_problem
 
 MARKER = "checkpoint.json"
-FORMAT_VERSION = 1
+CHECKPOINT_MARKER = MarkerFormat(version=1, fields={"global_step": int})
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message names the file."""
+class CheckpointError(StorageError):
+    """A checkpoint file that cannot be used; ``path`` names it."""
 
 
 def step_url(run_dir: str, step: int) -> str:
@@ -45,16 +45,13 @@ def write_file(url: str, data: bytes, *, retries: int = 3, backoff_s: float = 0.
     """Write one checkpoint file atomically (with retries); return its manifest entry."""
     fs, path = open_fs(url)
     write_with_retries(url, lambda: atomic_write(fs, path, data), retries=retries, backoff_s=backoff_s)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return file_entry(data)
 
 
 def read_file(url: str, entry: dict) -> memoryview:
-    """Read one checkpoint file and check it against its manifest entry."""
+    """Read one checkpoint file and check it against its manifest entry (:class:`CheckpointError` if not)."""
     fs, path = open_fs(url)
-    data, digest = read_with_sha256(fs, path)
-    if len(data) != entry["bytes"] or digest != entry["sha256"]:
-        raise CheckpointError(f"{url}: size or checksum does not match {MARKER}")
-    return data
+    return read_verified(fs, path, entry, error=CheckpointError)
 
 
 def save_module(directory: str, model: torch.nn.Module, optimizer_state: dict) -> dict[str, dict]:
@@ -71,7 +68,7 @@ def load_module(directory: str, entries: dict[str, dict], model: torch.nn.Module
     weights, _ = read_safetensors(read_file(join(directory, "model.safetensors"), entries["model.safetensors"]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any(name not in weights for name in _unique(model)):
-        raise CheckpointError(f"{directory}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
+        raise CheckpointError(directory, f"weights do not fit the model (missing {missing}, unexpected {unexpected})")
     data = read_file(join(directory, "optimizer.pt"), entries["optimizer.pt"])
     return torch.load(io.BytesIO(data), weights_only=True)
 
@@ -81,8 +78,7 @@ def commit(run_dir: str, step: int, files: dict[str, dict], trainer_state: dict)
     directory = step_url(run_dir, step)
     files = {**files, "trainer_state.json": write_file(join(directory, "trainer_state.json"),
                                                        json.dumps(trainer_state, sort_keys=True).encode())}
-    marker = {"format_version": FORMAT_VERSION, "global_step": step, "files": files}
-    write_file(join(directory, MARKER), json.dumps(marker, sort_keys=True, indent=1).encode())
+    write_file(join(directory, MARKER), CHECKPOINT_MARKER.encode(files, global_step=step))
     write_file(join(run_dir, "latest_checkpointed_iteration.txt"), str(step).encode())
     return directory
 
@@ -91,13 +87,11 @@ def manifest(directory: str) -> dict | None:
     """The marker of a complete checkpoint directory; None when it is absent or incomplete."""
     fs, path = open_fs(directory)
     try:
-        marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
-        for name, entry in marker["files"].items():
-            if fs.size(f"{path}/{name}") != entry["bytes"]:
-                return None
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        marker = CHECKPOINT_MARKER.decode(fs.cat_file(f"{path}/{MARKER}"))
+        sizes = {name: _size(fs, f"{path}/{name}") for name in marker["files"]}
+    except (OSError, ValueError):
         return None
-    return marker
+    return None if size_problem(sizes, marker["files"]) else marker
 
 
 def latest(run_dir: str) -> str | None:
@@ -119,9 +113,16 @@ def read_trainer_state(directory: str) -> tuple[dict, dict]:
     """The marker and the trainer state of a checkpoint directory (which must be complete)."""
     marker = manifest(directory)
     if marker is None:
-        raise CheckpointError(f"{directory} is not a complete checkpoint (no valid {MARKER})")
+        raise CheckpointError(directory, f"not a complete checkpoint (no valid {MARKER})")
     state = json.loads(bytes(read_file(join(directory, "trainer_state.json"), marker["files"]["trainer_state.json"])))
     return marker, state
+
+
+def _size(fs, path: str) -> int | None:
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
 
 
 def _unique(model: torch.nn.Module) -> dict[str, torch.Tensor]:

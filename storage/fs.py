@@ -10,6 +10,8 @@ Why they exist:
   can see half a file. :func:`atomic_write` makes local writes atomic; an object-store PUT already is.
 * Every payload read back is checked against its recorded sha256; :func:`read_with_sha256` hashes
   while it reads, so the check costs little beyond the read itself.
+* s3fs turns ``find(maxdepth=...)`` into one LIST request per directory; :func:`files_by_directory`
+  lists a whole tree with one paginated recursive listing instead.
 """
 
 from __future__ import annotations
@@ -89,6 +91,30 @@ def read_with_sha256(fs: AbstractFileSystem, path: str) -> tuple[memoryview, str
         if hashing is not None:
             hashing.result()
     return view[:done], digest.hexdigest()
+
+
+def files_by_directory(fs: AbstractFileSystem, root_path: str, depth: int) -> dict[tuple[str, ...], dict[str, int]]:
+    """Files exactly ``depth`` directories below ``root_path``, as ``{directory parts: {name: size}}``;
+    one recursive ``find`` without ``maxdepth``. A missing root has no files."""
+    try:
+        found = fs.find(root_path, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = root_path.rstrip("/") + "/"
+    grouped: dict[tuple[str, ...], dict[str, int]] = {}
+    for path, info in found.items():
+        parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+        if len(parts) == depth + 1:
+            grouped.setdefault(tuple(parts[:-1]), {})[parts[-1]] = info["size"]
+    return grouped
+
+
+def remove_if_present(fs: AbstractFileSystem, path: str) -> None:
+    """Delete the file at ``path``; one that is already gone is fine."""
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
 
 
 def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:

@@ -10,12 +10,13 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import AlgorithmConfig
 from ppoflow.algorithms.advantages import compute_advantage
 from ppoflow.algorithms.kl import apply_kl_penalty
-from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.storage.batch import StageResult
+from ppoflow.storage.step_cache import cacheable
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
-def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller,
-              dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> StageResult:
     """``token_level_rewards``, ``advantages`` and ``returns`` [N, R]; updates the adaptive KL controller."""
     metrics: dict[str, float] = {}
     rewards = batch["token_level_scores"]
@@ -30,4 +31,4 @@ def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
     out = TensorDict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
                      batch_size=batch.batch_size)
-    return dump_stage(dump, out, metrics)
+    return StageResult(out, metrics)

@@ -6,14 +6,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from ppoflow.storage.batch import NON_TENSOR_FIELDS
-from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult
+from ppoflow.storage.step_cache import cacheable
 from ppoflow.workers.rollout import SamplingParams
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams,
-             dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
     Only tensors travel to the rollout worker; the per-prompt columns (uid, data_source,
@@ -22,6 +22,4 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams,
     """
     rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
                                                  sampling=sampling))
-    batch = rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]])
-    versions = batch["weight_version"]
-    return dump_stage(dump, batch, {}, meta={"weight_version": {"min": int(versions.min()), "max": int(versions.max())}})
+    return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]))

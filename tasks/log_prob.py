@@ -7,18 +7,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.storage.batch import StageResult
+from ppoflow.storage.step_cache import cacheable
 
 
 @task(name="old_log_prob", cache_policy=NO_CACHE)
-def old_log_prob(workers, batch_ref, dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def old_log_prob(workers, batch_ref) -> StageResult:
     """``old_log_probs`` [N, R] of the responses under the current (pre-update) actor weights."""
     out = workers.get(workers.actor.submit("compute_log_prob", batch_ref))
-    return dump_stage(dump, TensorDict({"old_log_probs": out["log_probs"]}, batch_size=out.batch_size), {})
+    return StageResult(TensorDict({"old_log_probs": out["log_probs"]}, batch_size=out.batch_size))
 
 
 @task(name="ref_log_prob", cache_policy=NO_CACHE)
-def ref_log_prob(workers, batch_ref, dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def ref_log_prob(workers, batch_ref) -> StageResult:
     """``ref_log_probs`` [N, R] of the responses under the reference policy."""
     out = workers.get(workers.ref.submit("compute_log_prob", batch_ref))
-    return dump_stage(dump, TensorDict({"ref_log_probs": out["log_probs"]}, batch_size=out.batch_size), {})
+    return StageResult(TensorDict({"ref_log_probs": out["log_probs"]}, batch_size=out.batch_size))

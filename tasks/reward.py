@@ -14,9 +14,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from ppoflow.storage.batch import non_tensor_column
-from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
 from ppoflow.algorithms.scoring import Scorer, score_responses
+from ppoflow.storage.batch import StageResult, non_tensor_column
+from ppoflow.storage.step_cache import cacheable
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
@@ -55,8 +55,8 @@ def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: l
 
 
 @task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0,
-           dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
 
     ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`)."""
@@ -68,5 +68,5 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
     token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)
     token_level_scores[torch.arange(mask.shape[0]), last_token] = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
-    return dump_stage(dump, TensorDict({"token_level_scores": token_level_scores * mask}, batch_size=batch.batch_size),
-                      metrics)
+    return StageResult(TensorDict({"token_level_scores": token_level_scores * mask}, batch_size=batch.batch_size),
+                       metrics)

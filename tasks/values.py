@@ -5,10 +5,12 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ppoflow.tasks.caching import StageRecord, StepDump, dump_stage
+from ppoflow.storage.batch import StageResult
+from ppoflow.storage.step_cache import cacheable
 
 
 @task(name="values", cache_policy=NO_CACHE)
-def values(workers, batch_ref, dump: StepDump | None = None) -> StageRecord:
+@cacheable
+def values(workers, batch_ref) -> StageResult:
     """``values`` [N, R] from the critic worker."""
-    return dump_stage(dump, workers.get(workers.critic.submit("compute_values", batch_ref)), {})
+    return StageResult(workers.get(workers.critic.submit("compute_values", batch_ref)))

@@ -10,12 +10,16 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from ppoflow.storage.batch import StageResult
+
 
 @task(name="weight_sync", cache_policy=NO_CACHE)
-def weight_sync(workers, collective: bool) -> int:
-    """Move the actor's current weights into the rollout worker; returns the weight version it now serves."""
+def weight_sync(workers, collective: bool) -> StageResult:
+    """Move the actor's current weights into the rollout worker (which then stamps their version on what
+    it samples)."""
     update = workers.actor.submit("prepare_weights")
     applied = workers.rollout.submit("apply_weights", update)
     if collective:
         workers.get([workers.actor.submit("broadcast_weights", update), applied])
-    return workers.get(applied)
+    workers.get(applied)
+    return StageResult(None)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from ppoflow.flows.cli import main as cli
-from ppoflow.storage.rollout_cache import StepCache
+from ppoflow.storage.step_cache import StepCache
 from tests.conftest import prefect_settings, small_run
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
@@ -178,7 +178,7 @@ def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local
     reward_only = {"reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[1]"}
     caplog.set_level("WARNING")
     rows, _ = train(golden.overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run", 1, reward_only)
-    assert rows[0]["skip/reward/hit"] == 0 and "computed from a different input" in caplog.text
+    assert rows[0]["skip/reward/hit"] == 0 and "does not match this run (input_fingerprint:" in caplog.text
 
 
 def test_a_failing_dump_is_a_warning_and_leaves_nothing_valid(prefect_api, ray_local, overrides, tmp_path,

@@ -23,8 +23,8 @@ from prefect.serializers import PickleSerializer
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import with_non_tensor_columns
-from ppoflow.storage.rollout_cache import StepCache, scan
-from ppoflow.tasks.caching import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
+from ppoflow.storage.step_cache import StepCache, scan
+from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
 from tests.test_cache_flow import CONFIG, PROJECT, copy_dump, golden, rollout_skip, train  # noqa: F401 (fixture)
 
 
@@ -64,7 +64,7 @@ def vouch_for(step_dir, payload: bytes) -> None:
     """Replace the rollout payload with ``payload`` and rewrite the marker to match its size and checksum."""
     (step_dir / "rollout.safetensors").write_bytes(payload)
     manifest = json.loads((step_dir / "meta.json").read_text())
-    manifest.update(payload_bytes=len(payload), checksum=f"sha256:{hashlib.sha256(payload).hexdigest()}")
+    manifest["files"]["rollout.safetensors"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     (step_dir / "meta.json").write_text(json.dumps(manifest))
 
 

@@ -1,16 +1,18 @@
-"""The pieces of stage caching that need no server: records and fingerprints."""
+"""The pieces of stage caching that need no server: records, the dump hook and fingerprints."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from ppoflow.storage.batch import with_non_tensor_columns
-from ppoflow.storage.rollout_cache import CacheWriteError, StepCache
-from ppoflow.tasks.caching import ManifestSerializer, StageRecord, StepDump, dump_stage, fingerprint
+from ppoflow.storage.batch import StageResult, with_non_tensor_columns
+from ppoflow.storage.step_cache import CacheWriteError, StepCache, StepDump, cacheable, fingerprint
+from ppoflow.storage.step_cache.prefect import ManifestSerializer, StageRecord
+from ppoflow.storage.step_cache.store import encode_manifest
 
 
 def sample_batch(uid: str = "u", rows: int = 2, fill: int = 1) -> TensorDict:
@@ -25,7 +27,7 @@ def test_manifest_serializer_writes_only_the_manifest_and_refuses_a_failed_dump(
     manifest = cache.write_payload(3, sample_batch())
     serializer = ManifestSerializer()
     blob = serializer.dumps(StageRecord(sample_batch(), {}, manifest))
-    assert blob == StepCache.encode_manifest(manifest)  # the marker bytes, no tensors
+    assert blob == encode_manifest(manifest)  # the marker bytes, no tensors
     back = serializer.loads(blob)
     assert back.fields is None and back.manifest == manifest
     with pytest.raises(ValueError, match="no cache entry"):
@@ -42,15 +44,33 @@ def test_fingerprint_depends_on_values_not_on_layout():
     assert fingerprint(batch, weights="a") != fingerprint(batch, weights="b")
 
 
-def test_dump_stage_reports_a_failed_write_as_a_metric(tmp_path, monkeypatch, caplog):
+def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, monkeypatch, caplog):
     cache = StepCache(str(tmp_path / "root"), stage="reward", write_retries=1, retry_backoff_s=0)
+    record = StepDump(cache, 2, {"input_fingerprint": "x"}).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
+    assert record.manifest["metrics"] == {"reward/x/mean": 0.5} and record.manifest["input_fingerprint"] == "x"
 
     def refuse(*args, **kwargs):
         raise CacheWriteError("somewhere", "refused")
 
     monkeypatch.setattr(cache, "write_payload", refuse)
     caplog.set_level(logging.WARNING)
-    record = dump_stage(StepDump(cache, 4, {}), sample_batch(), {"reward/x/mean": 0.5})
+    record = StepDump(cache, 4, {}).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
     assert record.manifest is None and record.metrics == {"reward/x/mean": 0.5, "skip/reward/dump_failed": 1.0}
     assert "could not cache reward of step 4" in caplog.text
-    assert dump_stage(None, sample_batch(), {}).manifest is None
+
+
+def test_cacheable_adds_the_dump_keyword_and_nothing_else(tmp_path):
+    calls = []
+
+    @cacheable
+    def stage(batch: TensorDict, scale: int = 1) -> StageResult:
+        calls.append(scale)
+        return StageResult(batch, {"m": float(scale)})
+
+    assert list(inspect.signature(stage).parameters) == ["batch", "scale", "dump"]
+    plain = stage(sample_batch(), scale=2)
+    assert type(plain) is StageResult and plain.metrics == {"m": 2.0}
+    cache = StepCache(str(tmp_path / "root"))
+    dumped = stage(sample_batch(), 3, dump=StepDump(cache, 1, {}))
+    assert isinstance(dumped, StageRecord) and dumped.manifest["metrics"] == {"m": 3.0}
+    assert calls == [2, 3] and not cache.status(1).valid  # payload only: Prefect commits the marker

@@ -105,4 +105,6 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     assert sorted(resumed) == [1, 2, 3, 4]
     assert_same_steps(rows_by_step(tmp_path / "straight"), resumed, [1, 2, 3, 4])
     state = json.loads((tmp_path / "killed" / "global_step_2" / "trainer_state.json").read_text())
-    assert state["global_step"] == 2 and "rollout_in_flight.safetensors" in json.loads(marker.read_text())["files"]
+    in_flight = "mode.in_flight.3.safetensors"  # the batch generated for step 3, written beside the state
+    assert state["global_step"] == 2 and in_flight in json.loads(marker.read_text())["files"]
+    assert state["mode"]["in_flight"]["3"] == {"batch_file": in_flight}

@@ -3,7 +3,7 @@
 import pytest
 
 from ppoflow.configs import load_config
-from ppoflow.flows.train import start_run
+from ppoflow.flows.run import start_run
 from ppoflow.algorithms.scoring import score_responses
 from ppoflow.tasks.reward import score_on_ray
 

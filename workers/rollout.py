@@ -10,7 +10,7 @@ actor recomputes exactly the same quantity), and the weight version that produce
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tensordict import TensorDict
@@ -47,6 +47,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -1,8 +1,8 @@
-"""Tests of the per-step cache (storage/rollout_cache.py) and its fsspec helpers (storage/fs.py).
+"""Tests of the step cache's store (storage/step_cache/) and its fsspec helpers (storage/fs.py).
 
 They start from verl's skip tests (layout, valid-step scan, cache/repeat resolution) and add what
 verl leaves untested: commit markers, corruption, write failures, stage isolation, the V1 uid
-remapping, the async sample-id edge cases and S3 listings seen from another process.
+remapping and S3 listings seen from another process.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import uuid
@@ -25,22 +26,15 @@ from tensordict import TensorDict
 
 from ppoflow.storage import fs as storage_fs
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
-from ppoflow.storage.rollout_cache import (
-    FORMAT_VERSION,
-    CacheCorrupt,
-    CacheEntry,
-    CacheWriteError,
-    StepCache,
-    StepStatus,
-    config_dir,
-    remap_to_prompts,
-    scan,
-)
+from ppoflow.storage.step_cache import (CacheCorrupt, CacheEntry, CacheWriteError, StepCache, config_dir,
+                                        remap_to_prompts, scan)
+from ppoflow.storage.step_cache.manifest import STEP_MARKER, StepStatus, decode_manifest
+from ppoflow.storage.step_cache.store import encode_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "ppoflow-test"  # created by the s3_server fixture
 CONFIG = dict(experiment_name="ut_exp", project_name="ut_proj", gbs=4, n=2, max_prompt_length=8, max_response_length=16)
-CACHE_LOGGER = "ppoflow.storage.rollout_cache"
+CACHE_LOGGER = "ppoflow.storage.step_cache"
 
 
 def make_batch(uids: list[str], seed: int = 0, prompt_length: int = 3, response_length: int = 4) -> TensorDict:
@@ -99,7 +93,7 @@ def write_steps(cache: StepCache, steps: list[int]) -> None:
 
 
 def warnings_text(caplog: pytest.LogCaptureFixture) -> str:
-    return "\n".join(record.getMessage() for record in caplog.records if record.name == CACHE_LOGGER)
+    return "\n".join(record.getMessage() for record in caplog.records if record.name.startswith(CACHE_LOGGER))
 
 
 # -- layout --------------------------------------------------------------------------------------
@@ -144,16 +138,15 @@ def test_round_trip_and_manifest(cache: StepCache):
     batch = make_batch(["a", "a", "b", "b"])
     manifest = cache.write(7, batch, meta={"weight_version": 3, "sampling": {"temperature": 1.0}})
     payload = Path(cache.payload_url(7)).read_bytes()
-    assert manifest["format_version"] == FORMAT_VERSION
+    assert manifest["format_version"] == STEP_MARKER.version
     assert manifest["stage"] == "rollout"
     assert manifest["global_steps"] == 7
     assert manifest["num_trajectories"] == 4
-    assert manifest["payload"] == "rollout.safetensors"
-    assert manifest["payload_bytes"] == len(payload)
-    assert manifest["checksum"] == "sha256:" + hashlib.sha256(payload).hexdigest()
+    assert manifest["files"] == {"rollout.safetensors": {"bytes": len(payload),
+                                                         "sha256": hashlib.sha256(payload).hexdigest()}}
     assert manifest["sampling"] == {"temperature": 1.0}
     marker = Path(cache.marker_url(7)).read_bytes()
-    assert marker == StepCache.encode_manifest(manifest)
+    assert marker == encode_manifest(manifest)
     assert list(json.loads(marker)) == sorted(manifest)
     assert cache.status(7) == StepStatus(step=7, valid=True, reason="", nbytes=len(payload))
 
@@ -181,19 +174,25 @@ def test_write_marker_refuses_a_manifest_of_another_step(cache: StepCache):
     [
         (b"\x00garbage", "Expecting value"),
         (b"[1, 2]", "not an object"),
-        (b'{"format_version": 1}', "lacks"),
+        (b'{"format_version": 2}', "field 'stage'"),
         ("bool", "expected int"),
-        ("version", "format_version 2"),
-        ("checksum", "sha256"),
+        ("version", "format_version 1"),
+        ("checksum", "expected {bytes: int >= 0, sha256: hex}"),
+        ("two payloads", "exactly one payload"),
+        ("unsafe name", "unsafe file name"),
     ],
 )
 def test_decode_manifest_rejects_bad_markers(cache: StepCache, data, message):
     manifest = cache.write(1, make_batch(["a"]))
-    changes = {"bool": {"payload_bytes": True}, "version": {"format_version": 2}, "checksum": {"checksum": "md5:00"}}
+    entry = manifest["files"]["rollout.safetensors"]
+    changes = {"bool": {"num_trajectories": True}, "version": {"format_version": 1},
+               "checksum": {"files": {"rollout.safetensors": {**entry, "sha256": "md5:00"}}},
+               "two payloads": {"files": {"rollout.safetensors": entry, "x.safetensors": entry}},
+               "unsafe name": {"files": {"../rollout.safetensors": entry}}}
     if isinstance(data, str):
-        data = StepCache.encode_manifest({**manifest, **changes[data]})
-    with pytest.raises(ValueError, match=message):
-        StepCache.decode_manifest(data)
+        data = json.dumps({**manifest, **changes[data]}).encode()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode_manifest(data)
 
 
 # -- resolution (verl's cases) --------------------------------------------------------------------
@@ -257,7 +256,7 @@ def test_truncated_payload_reads_invalid(cache: StepCache, caplog: pytest.LogCap
     payload = Path(cache.payload_url(3))
     size = payload.stat().st_size
     payload.write_bytes(payload.read_bytes()[:120])
-    assert_skipped(cache, 3, f"payload size 120 != {size} recorded", caplog)
+    assert_skipped(cache, 3, f"rollout.safetensors has 120 bytes, {size} recorded", caplog)
 
 
 def test_missing_payload_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFixture):
@@ -275,8 +274,8 @@ def test_bad_marker_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFix
         "garbage": b"\xff\xfe not json",
         "truncated": marker.read_bytes()[:40],
         "empty": b"",
-        "other_step": StepCache.encode_manifest({**manifest, "global_steps": 4}),
-        "other_stage": StepCache.encode_manifest({**manifest, "stage": "reward"}),
+        "other_step": encode_manifest({**manifest, "global_steps": 4}),
+        "other_stage": encode_manifest({**manifest, "stage": "reward"}),
     }
     marker.write_bytes(replacements[damage])
     reason = {"other_step": "global_steps 4", "other_stage": "stage 'reward'"}.get(damage, "unreadable meta.json")
@@ -502,7 +501,7 @@ def test_remap_needs_cached_groups():
 CHILD_PROCESS = """
 import json, sys
 from ppoflow.storage.batch import non_tensor_column
-from ppoflow.storage.rollout_cache import StepCache
+from ppoflow.storage.step_cache import StepCache
 
 root, options = sys.argv[1], json.loads(sys.argv[2])
 cache = StepCache(root, storage_options=options)

@@ -1,0 +1,192 @@
+"""Trainer modes: who generates when, and when the new weights reach the rollout worker.
+
+The training loop (:func:`ppoflow.flows.train.train_steps`) is the same for every mode; it calls the
+mode's hooks (verl's V1 trainer lifecycle) around the PPO step::
+
+    on_train_begin
+    per step:  on_step_begin -> on_sample_begin -> sample -> on_sample_end -> PPO update -> on_step_end
+               on_validate_begin -> validation -> on_validate_end      (on validation steps)
+    on_train_end
+
+``sample`` (stage 1) waits for the step's generation wherever it was started, checks that a restarted
+rollout worker did not sample it with other weights, and records the step's staleness. A mode decides
+only where generation is started (:meth:`TrainerMode.launch`) and where weights are pushed
+(:meth:`TrainerMode.push_weights`). A new mode is a subclass registered by name::
+
+    @register_trainer("my_mode")
+    class MyMode(TrainerMode): ...
+
+and chosen with ``trainer.mode=my_mode``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+from ppoflow.flows.run import RunContext
+from ppoflow.flows.stages import StepData
+from ppoflow.flows.state import TrainerState
+from ppoflow.storage.batch import StageResult, non_tensor_column
+from ppoflow.storage.step_cache import PendingStage, remap_to_prompts
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODES: dict[str, type[TrainerMode]] = {}
+
+
+def register_trainer(name: str):
+    """Class decorator: make a :class:`TrainerMode` subclass available as ``trainer.mode=<name>``."""
+    def register(cls: type[TrainerMode]) -> type[TrainerMode]:
+        if name in TRAINER_MODES:
+            raise ValueError(f"trainer mode {name!r} is already registered ({TRAINER_MODES[name].__qualname__})")
+        cls.name = name
+        TRAINER_MODES[name] = cls
+        return cls
+    return register
+
+
+def make_trainer(run: RunContext, state: TrainerState) -> TrainerMode:
+    """The mode ``trainer.mode`` names."""
+    name = run.cfg.trainer.mode
+    if name not in TRAINER_MODES:
+        raise ValueError(f"trainer.mode={name!r} is not a registered trainer mode; known: {', '.join(TRAINER_MODES)}")
+    return TRAINER_MODES[name](run, state)
+
+
+class TrainerMode:
+    """A generation schedule around the PPO step; the base class generates each step's batch when it is
+    needed and pushes weights only when asked."""
+
+    name: ClassVar[str]
+
+    def __init__(self, run: RunContext, state: TrainerState):
+        self.run, self.state = run, state
+        self.in_flight: dict[int, PendingStage] = {}
+        """Generation started for a step, not yet consumed."""
+        self.launch_versions: dict[int, int] = {}
+        """The weight version the rollout served when each in-flight generation started."""
+        self.synced_version = 0
+        """The weight version the rollout worker serves."""
+
+    # -- the lifecycle hooks (no-ops unless a mode needs them) -----------------------------------------
+
+    def on_train_begin(self, steps: range) -> None: ...
+
+    def on_step_begin(self, step: StepData) -> None: ...
+
+    def on_sample_begin(self, step: StepData) -> None:
+        """Start the step's generation unless it already runs (started a step ahead, or restored)."""
+        if step.step not in self.in_flight:
+            self.launch(step.step, background=False)
+
+    def on_sample_end(self, step: StepData) -> None: ...
+
+    def on_step_end(self, step: StepData) -> None: ...
+
+    def on_validate_begin(self, step: int) -> None: ...
+
+    def on_validate_end(self, step: int) -> None: ...
+
+    def on_train_end(self) -> None: ...
+
+    # -- what every mode does the same way ----------------------------------------------------------
+
+    def launch(self, step: int, *, background: bool) -> None:
+        """Start generating ``step``'s batch with the weights the rollout serves now; with ``background``
+        as a Prefect future that runs while this thread goes on (replays never start in the background)."""
+        run = self.run
+        prompts = run.prompts(step, self.state.prompt_rows(step))
+        uids, n = non_tensor_column(prompts, "uid"), run.cfg.actor_rollout_ref.rollout.n
+        self.launch_versions[step] = self.synced_version
+        self.in_flight[step] = run.stages.start(
+            "generate", step, run.workers, prompts, step, run.sampling, meta=run.rollout_identity(),
+            fit=lambda cached: remap_to_prompts(cached, uids, n), background=background)
+
+    def sample(self, step: StepData) -> None:
+        """Stage 1: wait for the step's batch and take it into ``step``. A batch that a restarted rollout
+        worker sampled with its initial weights is generated again, with the weights it should have had."""
+        pending = self.in_flight.pop(step.step)
+        generated = pending.result()
+        if not _replayed(generated) and self.sampled_with_other_weights(step.step, generated):
+            self.push_weights()
+            self.launch(step.step, background=False)
+            pending = self.in_flight.pop(step.step)
+            generated = pending.result()
+            step.metrics["training/rollout_regenerated"] = 1.0
+        self.launch_versions.pop(step.step, None)
+        step.merge(generated)
+        if not _replayed(generated):  # a replayed batch's weight versions are history
+            staleness = (step.step - 1 - step.batch["weight_version"]).float()
+            step.metrics.update({"training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
+                                 "training/off_policy/trajectory_staleness/max": float(staleness.max())})
+        if pending.background_seconds is not None:
+            gen = step.metrics.get("timing_s/gen", 0.0)
+            step.metrics["timing_s/generate_async"] = pending.background_seconds
+            step.metrics["perf/generate_overlap_ratio"] = max(0.0, 1 - gen / max(pending.background_seconds, 1e-9))
+
+    def sampled_with_other_weights(self, step: int, generated: StageResult) -> bool:
+        """Whether the batch came from other weights than the ones pushed before its generation started
+        (Ray restarted a dead rollout worker, which then serves its initial weights)."""
+        expected = self.launch_versions.get(step, self.synced_version)
+        versions = generated.fields["weight_version"]
+        if bool((versions == expected).all()):
+            return False
+        logger.warning("step %d was generated with weight version %s instead of %d: the rollout worker was "
+                       "restarted; re-syncing its weights and generating again", step, sorted(set(versions.tolist())),
+                       expected)
+        return True
+
+    def push_weights(self) -> None:
+        """Stage 6: the rollout worker takes the actor's current weights."""
+        run = self.run
+        collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
+        run.stages.run("weight_sync", run.workers, collective)
+        self.synced_version = self.state.weight_version
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep of the mode: a batch generated for a later step (its fields)."""
+        return {"in_flight": {str(step): pending.result().fields for step, pending in self.in_flight.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for step, fields in state.get("in_flight", {}).items():
+            self.in_flight[int(step)] = PendingStage.done(StageResult(fields))
+            self.launch_versions[int(step)] = int(fields["weight_version"].max())
+
+
+def _replayed(generated: StageResult) -> bool:
+    return generated.metrics.get("skip/rollout/hit") == 1.0
+
+
+@register_trainer("sync")
+class SyncTrainer(TrainerMode):
+    """Generate, train, then push the new weights: every sample comes from the current policy."""
+
+    def on_step_end(self, step: StepData) -> None:
+        with step.timed("update_weights"):
+            self.push_weights()
+
+
+@register_trainer("one_step_off")
+class OneStepOffTrainer(TrainerMode):
+    """verl's one-step-off order: wait for the batch generated during the previous step (with the weights
+    before that step's update), push the current weights, start generating the next batch, then train on
+    this one. Generation overlaps training and every sample is exactly one update old. A step that the
+    rollout cache will replay starts no generation."""
+
+    def on_train_begin(self, steps: range) -> None:
+        self.last_step = steps[-1] if steps else 0
+
+    def on_sample_begin(self, step: StepData) -> None:
+        if step.step not in self.in_flight:  # the first step, or one after a replayed step
+            self.launch(step.step, background=True)
+
+    def on_sample_end(self, step: StepData) -> None:
+        with step.timed("sync_rollout_weights"):
+            with step.timed("update_weights"):
+                self.push_weights()
+            if step.step < self.last_step:
+                self.launch(step.step + 1, background=True)
+
+    def on_validate_begin(self, step: int) -> None:
+        self.push_weights()  # validate this step's weights, not the ones the next batch samples with

@@ -1,0 +1,28 @@
+"""The step cache: a stage's result per training step on any fsspec storage, replayed as Prefect
+task-result caching (verl's SkipManager ``cache`` and ``repeat``, made safe).
+
+One home, in the order a reader meets it:
+
+* :mod:`.manifest` - the layout (verl's ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out../{step}/``)
+  and the commit marker of an entry, as pure functions;
+* :mod:`.store` - :class:`StepCache`, one stage's entries: atomic writes, cheap validity, ``cache`` /
+  ``repeat`` resolution over valid entries only, verified loads (size, sha256, safetensors; nothing is
+  unpickled);
+* :mod:`.scan` - every entry under a root, for the CLI and the regression replay;
+* :mod:`.remap` - fitting a cached rollout onto this step's prompts (verl's V1 uid remap);
+* :mod:`.prefect` - what Prefect persists (the marker, through :class:`ManifestSerializer`) and how
+  its record of an entry is derived from the marker, never read from the cache;
+* :mod:`.stage_cache` - calling a stage through its cache (:func:`start_stage`): the rules, applied
+  from outside the stage's body.
+"""
+
+from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, config_dir, marker_name, payload_name
+from ppoflow.storage.step_cache.remap import remap_to_prompts
+from ppoflow.storage.step_cache.scan import CacheEntry, scan
+from ppoflow.storage.step_cache.stage_cache import (PendingStage, StageCache, StepDump, cacheable, fingerprint,
+                                                    start_stage)
+from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache
+
+__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "PendingStage", "StageCache", "StepCache",
+           "StepDump", "cacheable", "config_dir", "fingerprint", "marker_name", "payload_name", "remap_to_prompts",
+           "scan", "start_stage"]

@@ -1,0 +1,139 @@
+"""The step cache as Prefect task-result caching: what Prefect stores, reads and deserializes.
+
+A cached stage task runs with a cache policy whose key is the entry's marker path relative to
+``dump_dir`` and whose result storage is ``dump_dir`` itself (:class:`StepCacheStorage`). The record
+Prefect persists is a :class:`StageRecord`, serialized by :class:`ManifestSerializer` as the entry's
+marker and nothing else: tensors never enter a Prefect record, and the marker is written after the
+task body wrote the payload, so it commits the entry.
+
+Prefect's own record of an entry (its metadata: which serializer to use, which file holds the result)
+is *derived* from the marker rather than stored (:class:`DerivedRecords`, the policy's
+``key_storage``). A stored record would let anyone who can write into a shared cache folder or bucket
+name the pickle serializer and a file of their choice, and every later run replaying from it would
+unpickle that file. Here the serializer (JSON manifests only) and the file read are fixed by this
+code, and an entry whose marker does not validate does not exist for Prefect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.filesystems import WritableFileSystem
+from prefect.results import ResultRecordMetadata
+from prefect.serializers import Serializer
+from pydantic import Field
+
+from ppoflow.storage.batch import StageResult
+from ppoflow.storage.fs import atomic_write, join, open_fs, write_with_retries
+from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key
+from ppoflow.storage.step_cache.store import CacheWriteError, StepCache, encode_manifest
+
+
+@dataclass
+class StageRecord(StageResult):
+    """A stage's result as the step cache persists it: after a dumping run ``fields`` holds the tensors
+    and ``manifest`` the committed entry's marker; a record read back from the cache has
+    ``fields=None`` and the manifest to load them from. ``manifest`` is None when the dump failed."""
+
+    manifest: dict | None = None
+
+
+class ManifestSerializer(Serializer):
+    """Persists a :class:`StageRecord` as its manifest (the marker) and reads a marker back as one."""
+
+    type: Literal["ppoflow-step-manifest"] = "ppoflow-step-manifest"
+
+    def dumps(self, obj: Any) -> bytes:
+        if not isinstance(obj, StageRecord) or obj.manifest is None:
+            # Refusing leaves Prefect's transaction uncommitted: no marker, no record, nothing valid.
+            raise ValueError("no cache entry to commit (the payload was not written)")
+        return encode_manifest(obj.manifest)
+
+    def loads(self, blob: bytes) -> StageRecord:
+        manifest = decode_manifest(blob)
+        return StageRecord(fields=None, metrics=manifest.get("metrics", {}), manifest=manifest)
+
+
+class StepCacheStorage(WritableFileSystem):
+    """Prefect's result storage for step-cache entries: the ``dump_dir`` (any fsspec URL). What Prefect
+    persists here is an entry's marker, written atomically and with retries like every other cache file
+    (Prefect's own file blocks write in place, so a crash could leave half a marker)."""
+
+    _block_type_name = "ppoflow step cache"
+    _description = "A ppoflow step cache root (skip.<stage>.dump_dir): payloads and their commit markers."
+
+    basepath: str = Field(description="The cache root, a local path or fsspec URL.")
+    settings: dict = Field(default_factory=dict, description="fsspec options (endpoint; no credentials).")
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        fs, root = open_fs(self.basepath, self.settings)
+        return fs.cat_file(join(root, path))
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
+        fs, root = open_fs(self.basepath, self.settings)
+        url = join(root, path)
+        write_with_retries(url, lambda: atomic_write(fs, url, content), retries=3, backoff_s=0.5,
+                           error=CacheWriteError)
+        return url
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return self.write_path(path, content)
+
+
+class DerivedRecords(WritableFileSystem):
+    """The cache policy's ``key_storage``: Prefect's record of an entry, derived from its marker.
+
+    Reading the record of a key validates the marker at that key (it must decode as a manifest of
+    this step and stage) and returns metadata that names :class:`ManifestSerializer` and the marker
+    itself as the result; an invalid or absent marker raises, which Prefect reads as "no record".
+    Writing stores nothing: the marker Prefect has just written is the record. So there is no
+    Prefect-owned file in the cache to edit, poison or delete.
+    """
+
+    _block_type_name = "ppoflow step cache records"
+
+    basepath: str
+    settings: dict = Field(default_factory=dict)
+    storage_block_id: Optional[uuid.UUID] = None
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        config_path, step, stage = parse_marker_key(path)
+        StepCache(join(self.basepath, config_path), stage=stage, storage_options=self.settings).manifest(step)
+        return ResultRecordMetadata(storage_key=path, expiration=None, serializer=ManifestSerializer(),
+                                    storage_block_id=self.storage_block_id).dump_bytes()
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
+        return path
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return self.write_path(path, content)
+
+
+class PrefectStore:
+    """Where Prefect keeps the records of one cache root, and the task options that use it."""
+
+    def __init__(self, dump_dir: str, settings: dict):
+        self.result_storage = StepCacheStorage(basepath=dump_dir, settings=settings)
+        # Prefect requires a saved block for result storage; saving also makes its keys relative, so the
+        # cache stays valid when the folder is mounted elsewhere. One block per root and options.
+        name = hashlib.sha256(f"{dump_dir}|{sorted(settings.items())}".encode()).hexdigest()[:16]
+        self.result_storage.save(f"ppoflow-cache-{name}", overwrite=True)
+        self.key_storage = DerivedRecords(basepath=dump_dir, settings=settings,
+                                          storage_block_id=self.result_storage._block_document_id)
+
+    def task_options(self, key: str, *, refresh: bool) -> dict:
+        """``with_options`` arguments that make a stage task a persisted Prefect cache entry at ``key``;
+        ``refresh`` runs the body even when an entry exists (and replaces it)."""
+        policy = CacheKeyFnPolicy(cache_key_fn=lambda context, parameters: key).configure(key_storage=self.key_storage)
+        return {"cache_policy": policy, "result_storage": self.result_storage, "result_serializer": ManifestSerializer(),
+                "persist_result": True, "cache_result_in_memory": False, "refresh_cache": refresh}

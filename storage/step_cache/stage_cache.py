@@ -1,0 +1,241 @@
+"""Calling a stage through its step cache: the rules, applied from outside the stage's body.
+
+The rules (verl's, plus the safety verl lacks) in the order they apply:
+
+1. a step outside ``skip.<stage>.steps`` (or a stage without a cache) just runs the task;
+2. otherwise :meth:`StageCache.plan` picks the entry to replay among *valid* entries (``cache``: this
+   step's; ``repeat``: this step's, else the nearest below, else above);
+3. with an entry, the task is called with that entry's key and shows as ``Cached``; its tensors are
+   then loaded and checksummed. The entry is used only if what it recorded matches what the caller
+   ``requires`` (the input a stage was computed from; the model, tokenizer and sampling settings a
+   rollout was sampled with); a rollout is then fitted onto this step's prompts (``fit``);
+4. without one, or when loading or matching fails, the task runs with ``refresh_cache`` and its result
+   is dumped at this step: the stage function writes the payload through the ``dump`` parameter that
+   :func:`cacheable` gives it, and Prefect commits the marker after the task.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tensordict import TensorDict
+
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult, tensors_digest
+from ppoflow.storage.step_cache.manifest import marker_name
+from ppoflow.storage.step_cache.prefect import PrefectStore, StageRecord
+from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepDump:
+    """Where a stage writes its result's payload, and what else the entry's manifest records."""
+
+    cache: StepCache
+    step: int
+    meta: dict
+
+    def write(self, result: StageResult) -> StageRecord:
+        """Write ``result``'s payload (with retries); a write that still fails is a warning and the metric
+        ``skip/<stage>/dump_failed``, and leaves nothing valid: training goes on."""
+        meta = {**self.meta, "metrics": result.metrics}
+        if "weight_version" in result.fields.keys():  # the weights that sampled a rollout
+            versions = result.fields["weight_version"]
+            meta["weight_version"] = {"min": int(versions.min()), "max": int(versions.max())}
+        try:
+            manifest = self.cache.write_payload(self.step, result.fields, meta=meta)
+        except CacheWriteError as error:
+            logger.warning("could not cache %s of step %d: %s", self.cache.stage, self.step, error)
+            return StageRecord(result.fields, {**result.metrics, f"skip/{self.cache.stage}/dump_failed": 1.0})
+        return StageRecord(result.fields, result.metrics, manifest)
+
+
+def cacheable(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
+    """Give a stage function an optional keyword ``dump``: given a :class:`StepDump`, the function's result
+    is written there before the task returns. The stage's own body never sees it."""
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def run(*args, dump: StepDump | None = None, **kwargs) -> StageResult:
+        result = stage(*args, **kwargs)
+        return result if dump is None else dump.write(result)
+
+    dump = inspect.Parameter("dump", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="StepDump | None")
+    run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), dump])
+    return run
+
+
+def fingerprint(batch: TensorDict, **context: Any) -> str:
+    """A checksum of the batch's tensor fields (and ``context``): a cached stage result is only
+    reused for exactly the input it was computed from."""
+    tensors = batch.exclude(*NON_TENSOR_FIELDS)
+    return tensors_digest({name: tensors[name] for name in tensors.keys()}, repr(sorted(context.items())))
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How one stage call of one step uses the cache."""
+
+    step: int
+    load_step: int | None  # the entry to replay (``step`` itself or repeat's substitute); None = compute and dump
+    key: str  # Prefect cache key: the marker path relative to dump_dir
+
+    @property
+    def hit_expected(self) -> bool:
+        return self.load_step is not None
+
+
+class StageCache:
+    """One stage's step cache in a run: its entries, the steps it covers, its action, its Prefect store.
+
+    ``key`` is the stage's cache key (``skip.<key>``, ``skip/<key>/*`` metrics); ``root`` the run's
+    configuration directory under ``dump_dir``.
+    """
+
+    def __init__(self, key: str, dump_dir: str, root: str, *, steps: list[int], action: str,
+                 storage_options: dict):
+        self.key, self.steps, self.action = key, frozenset(steps), action
+        self.entries = StepCache(root, stage=key, storage_options=storage_options)
+        self.prefix = self.entries.root[len(dump_dir):].strip("/")
+        self.store = PrefectStore(dump_dir, storage_options)
+
+    def covers(self, step: int) -> bool:
+        return step in self.steps
+
+    def plan(self, step: int) -> CachePlan:
+        """verl's rules over valid entries: ``cache`` replays this step, ``repeat`` the nearest one."""
+        load_step = self.entries.resolve(step, self.action)
+        return self.plan_dump(step) if load_step is None else CachePlan(step, load_step, self.record_key(load_step))
+
+    def plan_dump(self, step: int) -> CachePlan:
+        """Compute the stage and dump it at ``step`` (replacing whatever entry was there)."""
+        return CachePlan(step, None, self.record_key(step))
+
+    def record_key(self, step: int) -> str:
+        return f"{self.prefix}/{step}/{marker_name(self.key)}"
+
+    def task_options(self, plan: CachePlan) -> dict:
+        return self.store.task_options(plan.key, refresh=not plan.hit_expected)
+
+
+class PendingStage:
+    """A started stage call. ``result()`` runs it (when not started in the background) or waits for it,
+    once; ``background_seconds`` is, for a call started in the background, how long it ran
+    (submission to completion): what one-step-off overlaps with training."""
+
+    def __init__(self, finish: Callable[[], StageResult]):
+        self._finish = finish
+        self._result: StageResult | None = None
+        self.background_seconds: float | None = None
+
+    def result(self) -> StageResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+    @classmethod
+    def done(cls, result: StageResult) -> PendingStage:
+        """A call whose result is already there (a batch restored from a checkpoint)."""
+        pending = cls(lambda: result)
+        pending.result()
+        return pending
+
+
+def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | None = None,
+                requires: dict | None = None, fit: Callable[[TensorDict], TensorDict] | None = None,
+                background: bool = False, **kwargs) -> PendingStage:
+    """Start ``task(*args, **kwargs)`` for ``step``, replaying or dumping its result as ``cache`` says.
+
+    ``background`` submits the task as a Prefect future (one-step-off generation); a replay is never
+    started in the background: it is resolved when awaited and starts no generation. ``meta`` and
+    ``requires`` go into a dumped entry's manifest; a replayed entry must have recorded ``requires``
+    exactly; ``fit`` adapts a replayed entry's fields to this step.
+    """
+    if cache is None or not cache.covers(step):
+        return _launch(task, args, kwargs, background, lambda result: result)
+    requires = json.loads(json.dumps(requires or {}))  # as a manifest gives it back
+    meta = {**(meta or {}), **requires}
+    miss = {f"skip/{cache.key}/hit": 0.0}
+
+    def compute_and_dump(plan: CachePlan, background: bool) -> PendingStage:
+        return _launch(task.with_options(**cache.task_options(plan)), args,
+                       {**kwargs, "dump": StepDump(cache.entries, step, meta)}, background,
+                       lambda record: StageResult(record.fields, {**record.metrics, **miss}))
+
+    plan = cache.plan(step)
+    if not plan.hit_expected:
+        return compute_and_dump(plan, background)
+
+    def replay() -> StageResult:
+        replayed = _replay(cache, task, plan, args, kwargs)
+        if isinstance(replayed, StageResult):  # Prefect ran the body after all: a fresh, undumped result
+            return StageResult(replayed.fields, {**replayed.metrics, **miss})
+        if replayed is not None:
+            fields, manifest = replayed
+            differences = _differences(requires, manifest)
+            if not differences:
+                return StageResult(fit(fields) if fit else fields,
+                                   {**manifest.get("metrics", {}), f"skip/{cache.key}/hit": 1.0,
+                                    f"skip/{cache.key}/load_step": float(plan.load_step)})
+            logger.warning("cached %s of step %d does not match this run (%s); recomputing", cache.key,
+                           plan.load_step, "; ".join(differences))
+        return compute_and_dump(cache.plan_dump(step), background=False).result()
+
+    return PendingStage(replay)
+
+
+def _launch(task, args, kwargs, background: bool, finish: Callable[[StageResult], StageResult]) -> PendingStage:
+    """Call the task when awaited, or submit it now (a Prefect future in the flow's task runner)."""
+    if not background:
+        return PendingStage(lambda: finish(task(*args, **kwargs)))
+    submitted = time.perf_counter()
+    finished: list[float] = []
+    future = task.submit(*args, **kwargs)
+    future.add_done_callback(lambda _: finished.append(time.perf_counter()))
+
+    def wait() -> StageResult:
+        result = finish(future.result())
+        pending.background_seconds = (finished[0] if finished else time.perf_counter()) - submitted
+        return result
+
+    pending = PendingStage(wait)
+    return pending
+
+
+def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[TensorDict, dict] | StageResult | None:
+    """The planned entry's fields and manifest, read through the cached task (a ``Cached`` run).
+
+    Prefect's record of the entry is derived from its marker, so an entry written by another process
+    or tool is ``Cached`` too. The task is called without a dump target, so even if Prefect ran its body
+    (the entry vanished since it was planned) it could not overwrite the entry being replayed. None
+    when the entry is damaged (with a warning).
+    """
+    try:
+        record = task.with_options(**cache.task_options(plan))(*args, **kwargs)
+        if not isinstance(record, StageRecord) or record.fields is not None:
+            return record
+        return cache.entries.load(record.manifest["global_steps"])
+    except CacheCorrupt as error:
+        logger.warning("cached %s of step %d is damaged (%s); recomputing", cache.key, plan.load_step, error)
+        return None
+
+
+def _differences(required: dict, manifest: dict, prefix: str = "") -> list[str]:
+    """``name: recorded -> required`` for each required value the manifest recorded otherwise (nested
+    mappings are compared key by key)."""
+    differences = []
+    for name, value in required.items():
+        recorded = manifest.get(name)
+        if isinstance(value, dict) and isinstance(recorded, dict):
+            differences += _differences(value, recorded, f"{prefix}{name}.")
+        elif recorded != value:
+            differences.append(f"{prefix}{name}: {recorded!r} recorded, {value!r} here")
+    return differences
