@@ -16,17 +16,17 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from workloads import built_in  # noqa: E402 (benchmarks/ is the script's folder)
 
 WORKLOAD = ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
             "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
             "data.max_response_length=48", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "data.val_files=null", "trainer.test_freq=-1", "trainer.logger=[]"]
+            "trainer.test_freq=-1", "trainer.logger=[]"]
 
 
 def main() -> None:
@@ -45,8 +45,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for mode in ("sync", "one_step_off"):
             run_dir = f"{scratch}/{mode}"
-            ppo_train(config="grpo_tiny", overrides=WORKLOAD + [
-                f"actor_rollout_ref.model.path={scratch}/model", f"data.train_files={scratch}/train.parquet",
+            ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + [
                 f"trainer.mode={mode}", f"trainer.total_training_steps={args.steps}",
                 f"trainer.default_local_dir={run_dir}"])
             rows = read_metrics(run_dir)[2:]  # skip warm-up (and the first one-step-off step, which cannot overlap)

@@ -18,19 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORKLOADS = {
-    "demo": [],  # grpo_tiny as shipped: 16 prompts x 8 samples, 3-token responses, 332k parameters
-    "larger": ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
-               "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
-               "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
-}
+from workloads import WORKLOADS, built_in  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
@@ -77,10 +70,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name in WORKLOADS if args.workload == "all" else [args.workload]:
-            overrides = WORKLOADS[name] + [f"actor_rollout_ref.model.path={scratch}/{name}-model",
-                                           f"data.train_files={scratch}/{name}-train.parquet",
-                                           f"data.val_files={scratch}/{name}-val.parquet",
-                                           f"trainer.default_local_dir={scratch}/{name}-run"]
+            overrides = WORKLOADS[name] + built_in(scratch, name, validation=True) + [
+                f"trainer.default_local_dir={scratch}/{name}-run"]
             cfg = load_config("grpo_tiny", overrides)
             modes = {"bare": (False, False), "ray": (True, False), "prefect": (False, True), "prefect+ray": (True, True)}
             times = {mode: measure(cfg, ray_workers=r, prefect_tasks=p, steps=args.steps, warmup=args.warmup)

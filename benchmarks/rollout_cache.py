@@ -18,20 +18,13 @@ import logging
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORKLOADS = {
-    "demo": [],
-    "larger": ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
-               "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
-               "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
-}
+from workloads import WORKLOADS, built_in  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 def replay_vs_generation(scratch: str, steps: int) -> dict:
@@ -40,8 +33,7 @@ def replay_vs_generation(scratch: str, steps: int) -> dict:
 
     results = {}
     for name, workload in WORKLOADS.items():
-        base = workload + [f"actor_rollout_ref.model.path={scratch}/{name}-model",
-                           f"data.train_files={scratch}/{name}-train.parquet", "data.val_files=null",
+        base = workload + built_in(scratch, name) + [
                            "trainer.test_freq=-1", "trainer.logger=[]", f"trainer.total_training_steps={steps}",
                            "skip.rollout.enable=true", f"skip.rollout.dump_dir={scratch}/{name}-dump",
                            f"skip.rollout.steps={list(range(1, steps + 1))}"]

@@ -26,7 +26,6 @@ import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZES = {  # Llama shapes built from config (hidden, intermediate, layers, heads); heads are 64 wide
     "tiny": (128, 256, 2, 2),

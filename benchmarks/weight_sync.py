@@ -14,12 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODELS = {  # Llama shapes built from config: (hidden, intermediate, layers, heads)
     "tiny (332k params)": (128, 256, 2, 4),

@@ -2,8 +2,9 @@
 
 ``load_config("grpo_tiny", ["actor_rollout_ref.rollout.n=4"])`` merges ``ppo_trainer.yaml`` (the full
 default), the preset (a name in this folder or a path to any YAML file) and Hydra-style dotlist
-overrides with OmegaConf, resolves ``${...}`` interpolations, and validates the result against
-:mod:`configs.schema` and :mod:`configs.rules`. Every problem is collected into one :class:`ConfigError` whose lines name the
+overrides with OmegaConf, resolves ``${...}`` interpolations, drops a preset's model or data recipe whose
+path an override replaced (:data:`RECIPES`), and validates the result against :mod:`configs.schema` and
+:mod:`configs.rules`. Every problem is collected into one :class:`ConfigError` whose lines name the
 offending key and value, with the closest known key suggested for typos.
 """
 
@@ -14,8 +15,10 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated, get_args, get_origin
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
@@ -47,7 +50,8 @@ def preset_names() -> list[str]:
 def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPOConfig:
     """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides."""
     defaults = _read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
-    merged = OmegaConf.merge(defaults, _read_yaml(_preset_path(config or DEMO_NAME)), _parse_overrides(overrides))
+    given = _parse_overrides(overrides)
+    merged = OmegaConf.merge(defaults, _read_yaml(_preset_path(config or DEMO_NAME)), given)
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
     # with "cannot resolve" and hide which key the user has to set.
     problems = [(key, f"is required; set it with {key}=...")
@@ -59,11 +63,12 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
     _fill_skip_defaults(container, OmegaConf.to_container(defaults.skip.rollout))
+    _drop_recipes_of_replaced_paths(container, given, [word.partition("=")[0] for word in overrides])
     _make_paths_absolute(container)
     try:
         cfg = PPOConfig.model_validate(container)
     except ValidationError as error:
-        raise ConfigError([_describe(issue) for issue in error.errors()]) from None
+        raise ConfigError(validation_problems(error)) from None
     problems = cross_field_errors(cfg)
     if problems:
         raise ConfigError(problems)
@@ -88,11 +93,17 @@ def _preset_path(config: str) -> Path:
     return path
 
 
-def _read_yaml(path: Path):
+def _read_yaml(path: Path) -> DictConfig:
     try:
-        return OmegaConf.load(path)
+        text = path.read_text()
+        # OmegaConf.load takes a top-level string for more YAML ("words" -> {"words": None}): look first
+        top = yaml.safe_load(text)
+        if top is None or isinstance(top, dict):
+            return OmegaConf.create(text)
     except Exception as error:  # yaml and OmegaConf raise many types; name the file
         raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
+    raise ConfigError([(str(path), "a config file holds a mapping of sections (data:, trainer:, ...) at its top "
+                                   f"level, not a {type(top).__name__}")])
 
 
 _YAML_11_BOOLEANS = {"yes", "no", "on", "off", "y", "n"}
@@ -118,6 +129,30 @@ def _parse_overrides(overrides: Sequence[str]):
     return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
 
 
+RECIPES = {"actor_rollout_ref.model.path": "actor_rollout_ref.model.build", "critic.model.path": "critic.model.build",
+           "data.train_files": "data.synthetic", "data.val_files": "data.synthetic"}
+"""Path keys and the recipe section that writes what they name when it is missing (a tiny model, synthetic
+data). A recipe belongs to the paths it was written for: see :func:`_drop_recipes_of_replaced_paths`."""
+
+
+def _drop_recipes_of_replaced_paths(container: dict, given, override_keys: Sequence[str]) -> None:
+    """Null a preset's recipe when an override points its path elsewhere and overrides none of its keys.
+
+    Without this, a typo in a real model path (or data file) silently trained a freshly built random
+    model (or freshly generated synthetic data). An override of a recipe key (``...model.build.seed=1``,
+    ``data.synthetic.train_rows=64``) asks for building or generating explicitly; a path overridden to
+    null names nothing to build.
+    """
+    for path_key, recipe_key in RECIPES.items():
+        if path_key not in override_keys or OmegaConf.select(given, path_key) is None:
+            continue
+        if any(key == recipe_key or key.startswith(f"{recipe_key}.") for key in override_keys):
+            continue
+        section, leaf = _parent(container, recipe_key)
+        if section is not None:
+            section[leaf] = None
+
+
 PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path",
              "actor_rollout_ref.model.tokenizer_path", "critic.model.path", "critic.model.tokenizer_path",
              "trainer.default_local_dir", "trainer.resume_from_path")
@@ -128,17 +163,24 @@ directory here, once, so that Ray workers (which may run elsewhere) see the same
 def _make_paths_absolute(container: dict) -> None:
     keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
     for key in keys:
-        *parents, leaf = key.split(".")
-        node = container
-        for parent in parents:
-            node = node.get(parent) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or node.get(leaf) is None:
+        node, leaf = _parent(container, key)
+        if node is None or node.get(leaf) is None:
             continue
         value = node[leaf]
         if isinstance(value, str):
             node[leaf] = normalize_url(value)
         elif isinstance(value, list):
             node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+
+
+def _parent(container: dict, key: str) -> tuple[dict | None, str]:
+    """The mapping holding dotted ``key`` in ``container`` (None when a section on the way is not one), and
+    the key's last part."""
+    *parents, leaf = key.split(".")
+    node = container
+    for parent in parents:
+        node = node.get(parent) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
 
 
 def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
@@ -156,6 +198,11 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [key for name, value in node.items() for key in _missing_keys(value, f"{prefix}{name}.")]
     return [prefix[:-1]] if node == "???" else []
+
+
+def validation_problems(error: ValidationError) -> list[tuple[str, str]]:
+    """A schema's :class:`ValidationError` as ``(dotted key, message)`` pairs, for a :class:`ConfigError`."""
+    return [_describe(issue) for issue in error.errors()]
 
 
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
@@ -232,5 +279,14 @@ def reference_table() -> str:
 
 
 def _type_name(annotation) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
+    text = str(_without_constraints(annotation)).replace("typing.", "").replace("NoneType", "None")
     return text.replace("<class '", "").replace("'>", "").replace("|", "\\|")
+
+
+def _without_constraints(annotation):
+    """``list[Annotated[float, Field(ge=0, lt=1)]]`` -> ``list[float]``: the range is in the meaning column."""
+    if get_origin(annotation) is Annotated:
+        return _without_constraints(get_args(annotation)[0])
+    if get_origin(annotation) is list:
+        return list[_without_constraints(get_args(annotation)[0])]
+    return annotation

@@ -67,7 +67,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
                            "Prefect run parameters, so pass credentials through the environment (e.g. "
                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
-    errors += _resource_errors(cfg) + _correction_errors(cfg)
+    errors += _resource_errors(cfg) + _correction_errors(cfg) + _optimizer_errors(cfg)
     if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
             and cfg.algorithm.kl_ctrl.type == "adaptive"):
         errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
@@ -163,6 +163,25 @@ def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
                        "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
                        "(use object_store or gloo on CPUs)"))
+    return errors
+
+
+def _optimizer_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """Each trained role's optimizer settings, given to ``torch.optim.AdamW`` as the worker will (on a
+    one-element parameter): whatever torch refuses is reported now, naming the key, not in the worker."""
+    import torch
+
+    roles = {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim}
+    if cfg.use_critic:
+        roles["critic.optim"] = cfg.critic.optim
+    errors: list[tuple[str, str]] = []
+    for key, optim in roles.items():
+        try:
+            torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=optim.lr, betas=tuple(optim.betas),
+                              weight_decay=optim.weight_decay)
+        except (TypeError, ValueError) as error:
+            errors.append((key, f"torch.optim.AdamW refuses lr={optim.lr!r}, betas={optim.betas!r}, "
+                                f"weight_decay={optim.weight_decay!r}: {error}"))
     return errors
 
 

@@ -10,9 +10,10 @@ wherever the concept exists; the names of the algorithms' choices come from the 
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from ppoflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ppoflow.algorithms.correction import IS_LEVELS
@@ -24,16 +25,18 @@ LOGGERS = ("console", "tensorboard")
 
 
 class Section(BaseModel):
-    """Base of every config section: strict types, unknown keys rejected, immutable once built."""
+    """Base of every config section: strict types, unknown keys rejected, immutable once built, and no
+    float may be inf or nan (YAML's ``.inf``/``.nan`` would otherwise pass every range check)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------------------- data
 
 
 class SyntheticDataConfig(Section):
-    """Built-in synthetic task; when set, missing ``train_files``/``val_files`` are generated from it."""
+    """Built-in synthetic task; when set, missing ``train_files``/``val_files`` are generated from it
+    (see ``DataConfig.synthetic`` for when a preset's task applies)."""
 
     task: Literal["copy"] = Field("copy", description="Synthetic task: `copy` = repeat the prompt's digits, then stop.")
     digits: int = Field(2, ge=1, le=8, description="Digits per prompt.")
@@ -57,14 +60,19 @@ class DataConfig(Section):
     truncation: Literal["error", "left", "right"] = Field(description="What to do with an overlong prompt that is not filtered.")
     seed: int = Field(description="Seed of the dataloader's shuffle.")
     shuffle: bool = Field(description="Shuffle the train set every epoch.")
-    synthetic: Optional[SyntheticDataConfig] = Field(description="Generate the data files from a built-in task when they are missing.")
+    synthetic: Optional[SyntheticDataConfig] = Field(
+        description="Generate the data files from a built-in task when they are missing, announced on the console. "
+                    "A preset's task belongs to the preset's files: a `key=value` override of `data.train_files` or "
+                    "`data.val_files` drops it unless a `data.synthetic.*` key is overridden too (e.g. "
+                    "`data.synthetic.seed=0`), so a missing file is an error, never fresh synthetic data.")
 
 
 # ---------------------------------------------------------------------------------------- models
 
 
 class TinyModelConfig(Section):
-    """A random-init Llama with a character tokenizer, built into `model.path` when it holds no model."""
+    """A random-init Llama with a character tokenizer, built into `model.path` when it holds no model
+    (see ``ModelConfig.build`` for when a preset's recipe applies)."""
 
     hidden_size: int = Field(128, ge=8, description="Llama hidden size.")
     intermediate_size: int = Field(256, ge=8, description="Llama MLP size.")
@@ -73,13 +81,27 @@ class TinyModelConfig(Section):
     max_position_embeddings: int = Field(64, ge=8, description="Longest prompt + response the model accepts.")
     seed: int = Field(0, description="Seed of the random initialisation.")
 
+    @field_validator("num_attention_heads")
+    @classmethod
+    def _heads_divide_hidden_size(cls, heads: int, info: ValidationInfo) -> int:
+        """Each head takes ``hidden_size / heads`` dimensions; transformers would fail only when building."""
+        hidden = info.data.get("hidden_size")  # absent when hidden_size itself was invalid
+        if hidden is not None and hidden % heads:
+            raise PydanticCustomError("heads_divide_hidden_size", "must divide hidden_size={hidden_size}",
+                                      {"hidden_size": hidden})
+        return heads
+
 
 class ModelConfig(Section):
     path: str = Field(description="Hugging Face causal-LM directory (local path or fsspec URL).")
     tokenizer_path: Optional[str] = Field(description="Tokenizer directory; null = `path`.")
     trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
-    build: Optional[TinyModelConfig] = Field(description="Build a tiny model into `path` when it holds none (demo and tests).")
+    build: Optional[TinyModelConfig] = Field(
+        description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "
+                    "the console. A recipe belongs to the path it was written for: a `key=value` override of this "
+                    "model's `path` drops the preset's recipe unless a `build.*` key of the same model is overridden "
+                    "too (e.g. `build.seed=0`), so a path without a model is an error, never a fresh random model.")
 
 
 class ResourcesConfig(Section):
@@ -90,9 +112,13 @@ class ResourcesConfig(Section):
     num_threads: int = Field(ge=1, description="torch.set_num_threads inside the actor.")
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+"""An AdamW moving-average coefficient: torch accepts [0, 1)."""
+
+
 class OptimConfig(Section):
     lr: float = Field(gt=0, description="AdamW learning rate.")
-    betas: list[float] = Field(min_length=2, max_length=2, description="AdamW betas.")
+    betas: list[AdamBeta] = Field(min_length=2, max_length=2, description="AdamW betas, each in [0, 1).")
     weight_decay: float = Field(ge=0, description="AdamW weight decay.")
     lr_warmup_steps: int = Field(ge=0, description="Linear warm-up of the learning rate over this many updates.")
 
@@ -269,6 +295,11 @@ class SkipStageConfig(Section):
     steps: list[int] = Field(description="Training steps whose result may be loaded or dumped.")
     action: Literal["cache", "repeat"] = Field(description="cache = this step's own dump; repeat = the nearest dumped step.")
     storage_options: dict = Field(description="fsspec options (endpoint; never credentials) for dump_dir.")
+    allow_mismatch: bool = Field(description="Replay entries recorded with other sampling settings, model or tokenizer "
+                                             "(a deliberate cross-config replay); the differences are still logged.")
+    timeout_s: float = Field(gt=0, description="A storage call that takes longer is abandoned (the stage is computed "
+                                               "instead, with a warning); a stall is reported while it lasts.")
+    retries: int = Field(ge=0, description="Retries of a failed cache write (with backoff) before it is given up.")
 
 
 class PPOConfig(Section):

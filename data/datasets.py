@@ -25,6 +25,7 @@ import fsspec
 import torch
 from tensordict import TensorDict
 
+from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import DataConfig, SyntheticDataConfig
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.fs import atomic_write, open_fs
@@ -53,16 +54,24 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
             write_rows(url, records)
 
 
-def ensure_datasets(data: DataConfig) -> None:
-    """Generate the configured synthetic files when ``data.synthetic`` is set and they are missing."""
+def files_to_generate(data: DataConfig) -> dict[str, str]:
+    """The data files :func:`ensure_datasets` will write, by key (``data.train_files``/``data.val_files``):
+    those missing when ``data.synthetic`` is set; none otherwise."""
     if data.synthetic is None:
-        return
-    train = _single_file(data.train_files, "data.train_files")
-    val = _single_file(data.val_files, "data.val_files") if data.val_files is not None else None
-    missing = [url for url in (train, val) if url is not None and not _exists(url)]
+        return {}
+    files = {key: _single_file(value, key) for key, value in (("data.train_files", data.train_files),
+                                                             ("data.val_files", data.val_files)) if value is not None}
+    return {key: url for key, url in files.items() if not _exists(url)}
+
+
+def ensure_datasets(data: DataConfig) -> None:
+    """Generate the configured synthetic files when ``data.synthetic`` is set and they are missing, saying so."""
+    missing = files_to_generate(data)
+    for url in missing.values():
+        # print, not a logger: inside the flow (log_prints) it reaches the console and the Prefect UI
+        print(f"writing the synthetic {data.synthetic.task} task to {url} (data.synthetic is set and {url} is missing)")
     if missing:
-        write_synthetic_dataset(data.synthetic, train if train in missing else None,
-                                val if val in missing else None)
+        write_synthetic_dataset(data.synthetic, missing.get("data.train_files"), missing.get("data.val_files"))
 
 
 def write_rows(url: str, rows: list[dict]) -> None:
@@ -83,23 +92,53 @@ def write_rows(url: str, rows: list[dict]) -> None:
 
 
 def read_rows(files: str | Sequence[str], *, key: str) -> list[dict]:
-    """Read every row of the parquet/JSONL ``files``; errors name ``key`` and the file."""
+    """Read every row of the parquet/JSONL ``files``; a missing, unreadable, malformed or empty file is a
+    :class:`ConfigError` naming ``key`` and the file."""
     rows: list[dict] = []
     for url in [files] if isinstance(files, str) else files:
-        if not _exists(url):
-            raise FileNotFoundError(f"{key}: no such file {url!r}")
+        rows += _read_file(url, key)
+    if not rows:
+        raise ConfigError([(key, f"{files!r} holds no rows")])
+    return rows
+
+
+def _read_file(url: str, key: str) -> list[dict]:
+    if not url.endswith((".parquet", ".jsonl", ".json")):
+        raise ConfigError([(key, f"{url!r} is neither .parquet nor .jsonl")])
+    if not _exists(url):
+        raise ConfigError([(key, f"no such file {url!r}")])
+    try:
         with fsspec.open(os.path.expanduser(url), "rb") as handle:
             data = handle.read()
-        if url.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    except OSError as error:
+        raise ConfigError([(key, f"cannot read {url!r}: {error}")]) from None
+    if url.endswith(".parquet"):
+        import pyarrow
+        import pyarrow.parquet as pq
 
-            rows += pq.read_table(io.BytesIO(data)).to_pylist()
-        elif url.endswith((".jsonl", ".json")):
-            rows += [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-        else:
-            raise ValueError(f"{key}: {url!r} is neither .parquet nor .jsonl")
-    if not rows:
-        raise ValueError(f"{key}: {files!r} holds no rows")
+        try:
+            return pq.read_table(io.BytesIO(data)).to_pylist()
+        except pyarrow.ArrowException as error:  # a zero-byte or truncated file, or not parquet at all
+            raise ConfigError([(key, f"{url!r} is not a readable parquet file: {error}")]) from None
+    try:
+        return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError([(key, f"{url!r} is not JSON lines (one JSON object per line): {error}")]) from None
+
+
+def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) -> list[dict]:
+    """:func:`read_rows`, then every row must hold verl's columns: the prompt (``data.prompt_key``),
+    ``data_source``, and a ``reward_model`` mapping; :class:`ConfigError` naming ``key`` and the row if not."""
+    rows = read_rows(files, key=key)
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError([(key, f"row {index} is not a mapping of columns, got {row!r:.80}")])
+        for column in (data.prompt_key, "data_source", "reward_model"):
+            if row.get(column) is None:
+                raise ConfigError([(key, f"row {index} has no {column!r} value (columns: {sorted(row)})")])
+        if not isinstance(row["reward_model"], dict):
+            raise ConfigError([(key, f"row {index} reward_model must be a mapping with ground_truth, "
+                                     f"got {row['reward_model']!r:.80}")])
     return rows
 
 
@@ -133,30 +172,37 @@ class PromptDataset:
 
 
 def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
-    """Read and tokenize a dataset, filtering or truncating prompts longer than ``max_prompt_length``."""
+    """Read and tokenize a dataset (:func:`read_prompt_rows`, :func:`tokenize_rows`)."""
+    return tokenize_rows(read_prompt_rows(files, data, key=key), data, tokenizer, key=key)
+
+
+def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
+    """Tokenize the prompts of :func:`read_prompt_rows`' rows, filtering or truncating those longer than
+    ``data.max_prompt_length``; a prompt that cannot be used is a :class:`ConfigError` naming ``key``."""
     prompt_ids, sources, truths, indices = [], [], [], []
-    for index, row in enumerate(read_rows(files, key=key)):
-        for column in (data.prompt_key, "data_source", "reward_model"):
-            if row.get(column) is None:
-                raise ValueError(f"{key}: row {index} has no {column!r} value (columns: {sorted(row)})")
-        if not isinstance(row["reward_model"], dict):
-            raise ValueError(f"{key}: row {index} reward_model must be a mapping with ground_truth, "
-                             f"got {row['reward_model']!r:.80}")
-        ids = _tokenize_prompt(row[data.prompt_key], tokenizer)
+    for index, row in enumerate(rows):
+        ids = _tokenize_prompt(row[data.prompt_key], tokenizer, key=key, index=index)
         if len(ids) > data.max_prompt_length:
             if data.filter_overlong_prompts:
                 continue
             if data.truncation == "error":
-                raise ValueError(f"{key}: row {index} prompt has {len(ids)} tokens > data.max_prompt_length="
-                                 f"{data.max_prompt_length} (set data.filter_overlong_prompts=true or data.truncation)")
+                raise ConfigError([(key, f"row {index} prompt has {len(ids)} tokens > data.max_prompt_length="
+                                         f"{data.max_prompt_length} (set data.filter_overlong_prompts=true or "
+                                         "data.truncation)")])
             ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
         prompt_ids.append(ids)
         sources.append(row["data_source"])
         truths.append(row["reward_model"].get("ground_truth"))
         indices.append(index)
     if not prompt_ids:
-        raise ValueError(f"{key}: every prompt is longer than data.max_prompt_length={data.max_prompt_length}")
+        raise ConfigError([(key, f"every prompt is longer than data.max_prompt_length={data.max_prompt_length}")])
     return PromptDataset(prompt_ids, sources, truths, indices)
+
+
+def check_batch_fits(num_rows: int, batch_size: int) -> None:
+    """A step trains on ``batch_size`` distinct prompts: :class:`ConfigError` when the train set has fewer."""
+    if num_rows < batch_size:
+        raise ConfigError([("data.train_batch_size", f"{batch_size} is larger than the {num_rows} train prompts")])
 
 
 class PromptLoader:
@@ -167,8 +213,7 @@ class PromptLoader:
     """
 
     def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, seed: int):
-        if num_rows < batch_size:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the {num_rows} train prompts")
+        check_batch_fits(num_rows, batch_size)
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
         self.epoch, self.batch_in_epoch = 0, 0
 
@@ -199,22 +244,24 @@ class PromptLoader:
         return order
 
 
-def _tokenize_prompt(prompt, tokenizer) -> list[int]:
+def _tokenize_prompt(prompt, tokenizer, *, key: str, index: int) -> list[int]:
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat_template")
+            raise ConfigError([(key, f"row {index}: the prompt is a list of chat messages but the tokenizer has no "
+                                     "chat_template")])
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     else:
-        raise ValueError(f"a prompt must be a string or a list of {{role, content}} messages, got {prompt!r:.80}")
+        raise ConfigError([(key, f"row {index}: a prompt must be a string or a list of {{role, content}} messages, "
+                                 f"got {prompt!r:.80}")])
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _single_file(files: str | list[str], key: str) -> str:
     if isinstance(files, list):
         if len(files) != 1:
-            raise ValueError(f"{key}: data.synthetic writes one file, got {len(files)}")
+            raise ConfigError([(key, f"data.synthetic writes one file, got {len(files)}")])
         return files[0]
     return files
 

@@ -4,6 +4,10 @@
 the tiny GRPO demo). ``ppoflow config`` prints the merged, validated config or the key reference.
 ``ppoflow cache ls|show|rm DUMP_DIR`` inspects step caches. ``ppoflow build-tiny-model DIR`` writes
 the demo's random-init model and tokenizer.
+
+A user error (a bad value, file, module or location) ends with exit code 2 and a message naming the key
+or file, before Prefect or Ray start (``train`` runs :func:`~ppoflow.flows.preflight.preflight` first);
+``ppoflow --debug ...`` (or ``PPOFLOW_DEBUG=1``) shows its traceback too.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import sys
 
 QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
              "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1",
-             # Without PREFECT_API_URL, Prefect starts a temporary server whose fresh database takes
-             # ~20 s to migrate on a small machine; its default 20 s start-up timeout is too short.
+             # Without PREFECT_API_URL, Prefect starts a temporary server whose fresh database is slow to
+             # migrate on a small machine, often past its default start-up timeout (docs/benchmarks.md).
              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+
+
+DEBUG_ENV = "PPOFLOW_DEBUG"
+"""Set to 1 to see the traceback of a user error (as ``--debug`` does); by default it is one message."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         # at exit; nothing is lost that matters to a throwaway server, so keep the console clean.
         os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
     parser = argparse.ArgumentParser(prog="ppoflow", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", default=os.environ.get(DEBUG_ENV) == "1",
+                        help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="run the training flow")
@@ -58,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                              help="stage entry (show: default rollout; rm: default every stage)")
         if name == "show":
             sub.add_argument("--samples", type=int, default=8, help="how many trajectories to print")
+            sub.add_argument("--max-bytes", type=int, default=1 << 30,
+                             help="refuse a payload larger than this many bytes before reading it (default 1 GiB)")
 
     serve = commands.add_parser("serve", help="register the ppo-train and regression-replay deployments and run them")
     serve.add_argument("--replay-dir", default="regression/golden", help="golden directory of `ppoflow replay record`")
@@ -77,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ConfigError as error:
+        if args.debug:
+            raise
         print(f"ppoflow: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:
@@ -93,9 +107,11 @@ def _train(args) -> int:
     from ppoflow.configs import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
+    from ppoflow.flows.preflight import preflight
     from ppoflow.flows.train import check_mode, ppo_train
 
     check_mode(cfg)
+    preflight(cfg)
 
     ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
     return 0
@@ -112,21 +128,58 @@ def _config(args) -> int:
 
 
 def _build_tiny_model(args) -> int:
-    from ppoflow.configs.schema import TinyModelConfig
     from omegaconf import OmegaConf
+    from pydantic import ValidationError
 
+    from ppoflow.configs import ConfigError, validation_problems
+    from ppoflow.configs.schema import TinyModelConfig
     from ppoflow.workers.models import build_tiny_model
 
-    spec = TinyModelConfig.model_validate(OmegaConf.to_container(OmegaConf.from_dotlist(args.overrides)))
+    try:
+        spec = TinyModelConfig.model_validate(OmegaConf.to_container(OmegaConf.from_dotlist(args.overrides)))
+    except ValidationError as error:
+        raise ConfigError(validation_problems(error)) from None
     build_tiny_model(args.path, spec)
     print(f"wrote {args.path}")
     return 0
 
 
 def _cache(args) -> int:
+    """``cache ls|show|rm``; bad options, an unreadable dump_dir or a damaged entry end in one line and exit 2."""
+    from ppoflow.configs import ConfigError
+    from ppoflow.storage.fs import StorageError
+
+    try:
+        return _cache_command(args, _storage_options(args.storage_options))
+    except (ConfigError, StorageError, OSError) as error:
+        if args.debug:
+            raise
+        if isinstance(error, ConfigError):  # --storage-options
+            message = "; ".join(f"{key}: {text}" for key, text in error.problems)
+        elif isinstance(error, StorageError):  # a damaged or oversized entry: "path: reason"
+            message = str(error)
+        else:  # dump_dir itself: permissions, an unreachable endpoint
+            message = f"{args.dump_dir}: {type(error).__name__}: {error}"
+        print(f"ppoflow: {message}", file=sys.stderr)
+        return 2
+
+
+def _storage_options(text: str) -> dict:
+    """``--storage-options``: a JSON object, or :class:`ConfigError`."""
+    from ppoflow.configs import ConfigError
+
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError([("--storage-options", f"{text!r} is not JSON ({error})")]) from None
+    if not isinstance(options, dict):
+        raise ConfigError([("--storage-options", f"{text!r} is not a JSON object of fsspec options")])
+    return options
+
+
+def _cache_command(args, options: dict) -> int:
     from ppoflow.storage import step_cache
 
-    options = json.loads(args.storage_options)
     verify = args.cache_command == "ls" and not args.quick
     entries = step_cache.scan(args.dump_dir, options, verify=verify)
     if args.cache_command == "ls":
@@ -144,7 +197,7 @@ def _cache(args) -> int:
     locations = sorted({(e.project, e.config) for e in matches})
     if len(locations) != 1:
         found = ", ".join(f"{p}/{c}" for p, c in locations) or "none"
-        print(f"ppoflow: step {args.step} matches {len(locations)} cache directories ({found}); "
+        print(f"ppoflow: {args.dump_dir}: step {args.step} matches {len(locations)} cache directories ({found}); "
               "narrow it with --project/--config", file=sys.stderr)
         return 2
     (project, config_dir), = locations
@@ -154,15 +207,16 @@ def _cache(args) -> int:
             step_cache.StepCache(root, stage=entry.stage, storage_options=options).remove(args.step)
             print(f"removed {entry.stage} of step {args.step} from {root}")
         return 0
-    return _show_step(step_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples)
+    return _show_step(step_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples,
+                      args.max_bytes)
 
 
-def _show_step(step_cache, step: int, samples: int) -> int:
+def _show_step(step_cache, step: int, samples: int, max_bytes: int) -> int:
     """Print a cached step's manifest and its first trajectories, decoded and scored."""
     from ppoflow.storage.batch import non_tensor_column
     from ppoflow.algorithms.scoring import BUILTIN_SCORERS
 
-    batch, manifest = step_cache.load(step)
+    batch, manifest = step_cache.load(step, max_bytes=max_bytes)
     print(json.dumps({key: value for key, value in manifest.items() if key != "metrics"}, indent=2))
     if "responses" not in batch.keys():
         print(batch)

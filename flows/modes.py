@@ -99,9 +99,11 @@ class TrainerMode:
         prompts = run.prompts(step, self.state.prompt_rows(step))
         uids, n = non_tensor_column(prompts, "uid"), run.cfg.actor_rollout_ref.rollout.n
         self.launch_versions[step] = self.synced_version
+        cached = run.stages.caches.get("generate")
         self.in_flight[step] = run.stages.start(
-            "generate", step, run.workers, prompts, step, run.sampling, meta=run.rollout_identity(),
-            fit=lambda cached: remap_to_prompts(cached, uids, n), background=background)
+            "generate", step, run.workers, prompts, step, run.sampling, background=background,
+            meta=run.rollout_record(), identity=run.rollout_identity if cached and cached.covers(step) else None,
+            fit=lambda entry: remap_to_prompts(entry, uids, n))
 
     def sample(self, step: StepData) -> None:
         """Stage 1: wait for the step's batch and take it into ``step``. A batch that a restarted rollout
@@ -109,7 +111,10 @@ class TrainerMode:
         pending = self.in_flight.pop(step.step)
         generated = pending.result()
         if not _replayed(generated) and self.sampled_with_other_weights(step.step, generated):
-            self.push_weights()
+            # The batch must come from the weights it was started with; if the actor has moved on since
+            # (generation ran ahead), those are the weights pushed last, which the actor kept.
+            moved_on = self.launch_versions.get(step.step, self.synced_version) != self.state.weight_version
+            self.push_weights(again=moved_on)
             self.launch(step.step, background=False)
             pending = self.in_flight.pop(step.step)
             generated = pending.result()
@@ -137,12 +142,13 @@ class TrainerMode:
                        expected)
         return True
 
-    def push_weights(self) -> None:
-        """Stage 6: the rollout worker takes the actor's current weights."""
+    def push_weights(self, again: bool = False) -> None:
+        """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last)."""
         run = self.run
         collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
-        run.stages.run("weight_sync", run.workers, collective)
-        self.synced_version = self.state.weight_version
+        run.stages.run("weight_sync", run.workers, collective, again)
+        if not again:
+            self.synced_version = self.state.weight_version
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep of the mode: a batch generated for a later step (its fields)."""

@@ -1,13 +1,22 @@
 """Where step metrics go: ``metrics.jsonl`` in the run directory (always), a console progress bar
-with the live reward (``console``), and TensorBoard event files (``tensorboard``)."""
+with the live reward (``console``), and TensorBoard event files (``tensorboard``).
+
+``metrics.jsonl`` is appended to, one JSON row per step, so a crash (a power loss, a full disk) can leave
+its last line torn. Readers skip such a line with a warning; a resumed run moves it, with the rows of
+the steps it is about to run again, to ``metrics.discarded-<UTC stamp>.jsonl`` beside it: set aside,
+never silently lost.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-import time
+from datetime import datetime, timezone
 
 from ppoflow.storage.fs import atomic_write, open_fs
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_KEYS = {"critic/score/mean": "score", "timing_s/step": "s/step"}
 """What the progress bar shows after each step (plus the latest validation reward)."""
@@ -21,13 +30,10 @@ class Tracker:
         self.fs.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = f"{self.run_dir}/metrics.jsonl"
         if self.fs.exists(self.metrics_path):
-            if first_step > 1:  # resumed: keep the rows up to the checkpoint, drop what the crashed run logged after it
-                kept = [line for line in self.fs.cat_file(self.metrics_path).decode().splitlines(keepends=True)
-                        if line.strip() and json.loads(line)["step"] < first_step]
-                atomic_write(self.fs, self.metrics_path, "".join(kept).encode())
+            if first_step > 1:  # resumed: keep the rows up to the checkpoint, set aside what comes after it
+                self._set_aside_rows_from(first_step)
             else:  # an earlier run of this experiment: keep its rows aside
-                stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-                self.fs.mv(self.metrics_path, f"{self.run_dir}/metrics-{stamp}.jsonl")
+                self.fs.mv(self.metrics_path, f"{self.run_dir}/metrics-{_utc_stamp()}.jsonl")
         self.progress = None
         self.tensorboard = None
         if "console" in loggers:
@@ -40,6 +46,21 @@ class Tracker:
             if "file" not in self.fs.protocol:
                 raise ValueError(f"trainer.logger=tensorboard needs a local trainer.default_local_dir, got {run_dir!r}")
             self.tensorboard = SummaryWriter(log_dir=f"{self.run_dir}/tensorboard")
+
+    def _set_aside_rows_from(self, first_step: int) -> None:
+        """Keep the rows of steps before ``first_step``; move the rows of later steps (which the resumed
+        run logs again) and lines that are not rows (a torn last line), byte for byte, to a
+        ``metrics.discarded-*`` file, written before ``metrics.jsonl`` is rewritten without them."""
+        kept, discarded = [], []
+        for _, line in _lines(self.fs.cat_file(self.metrics_path)):
+            row = _parse_row(line)
+            (kept if row is not None and row["step"] < first_step else discarded).append(line + b"\n")
+        if discarded:
+            aside = f"{self.run_dir}/metrics.discarded-{_utc_stamp()}.jsonl"
+            atomic_write(self.fs, aside, b"".join(discarded))
+            logger.warning("resuming at step %d: set aside %d line(s) of %s (rows of steps from %d on, or torn) "
+                           "in %s", first_step, len(discarded), self.metrics_path, first_step, aside)
+        atomic_write(self.fs, self.metrics_path, b"".join(kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics in every sink."""
@@ -77,11 +98,42 @@ class Tracker:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The rows of a run directory's ``metrics.jsonl``."""
+    """The rows of a run directory's ``metrics.jsonl``; a torn last line (a crash mid-append) is skipped
+    with a warning, any other line that is not a row raises ``ValueError`` naming the file and line."""
     fs, path = open_fs(run_dir)
-    return [json.loads(line) for line in fs.cat_file(f"{path}/metrics.jsonl").decode().splitlines() if line]
+    url = f"{path}/metrics.jsonl"
+    lines = _lines(fs.cat_file(url))
+    rows = []
+    for position, (number, line) in enumerate(lines):
+        row = _parse_row(line)
+        if row is not None:
+            rows.append(row)
+        elif position == len(lines) - 1:
+            logger.warning("skipping the torn last line (line %d) of %s: %r", number, url, line[:80])
+        else:
+            raise ValueError(f"{url}: line {number} is not a metrics row: {line[:80]!r}")
+    return rows
 
 
 def json_number(value: float) -> float | None:
     """``value`` as JSON can hold it: non-finite numbers (which JSON lacks) become null."""
     return value if math.isfinite(value) else None
+
+
+def _lines(data: bytes) -> list[tuple[int, bytes]]:
+    """The non-blank lines of a ``metrics.jsonl`` file's bytes, with their line numbers (from 1)."""
+    return [(number, line) for number, line in enumerate(data.splitlines(), 1) if line.strip()]
+
+
+def _parse_row(line: bytes) -> dict | None:
+    """One ``metrics.jsonl`` line as a row (a JSON object with an integer ``step``), None if it is not one."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deeply
+        return None
+    return row if isinstance(row, dict) and type(row.get("step")) is int else None
+
+
+def _utc_stamp() -> str:
+    """A UTC time stamp for the names of set-aside files, to the microsecond so that two never collide."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")

@@ -31,7 +31,7 @@ from ppoflow.algorithms.correction import correct_off_policy
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.flows.artifacts import RunArtifacts
-from ppoflow.flows.checkpointing import restore_checkpoint, resume_point, save_checkpoint
+from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.metrics import data_metrics
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
 from ppoflow.flows.run import RunContext, start_run
@@ -105,13 +105,13 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
     step = StepData(0)
     tracker = None
     try:
-        resume = resume_point(cfg)
+        restored = restore_newest(cfg, run.workers)  # the newest checkpoint that loads, per trainer.resume_mode
+        resume = restored.directory if restored else None
         first_step = 1
-        if resume:
-            restored_step, parts = restore_checkpoint(cfg, run.workers, resume)
-            state.load_state_dict(parts["trainer"])
-            mode.load_state_dict(parts["mode"])
-            first_step = restored_step + 1
+        if restored:
+            state.load_state_dict(restored.parts["trainer"])
+            mode.load_state_dict(restored.parts["mode"])
+            first_step = restored.step + 1
             mode.push_weights()  # the rollout worker serves the restored weights
         tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
         artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
@@ -179,7 +179,7 @@ def ppo_train(
              "trainer.mode": mode}
     cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in typed.items() if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
-    # Each task run's "Finished in state Completed()" line costs ~3 ms of console rendering and buries
-    # the progress bar; task states still reach the Prefect API and UI without it.
+    # Each task run's "Finished in state Completed()" line costs console rendering time (docs/benchmarks.md)
+    # and buries the progress bar; task states still reach the Prefect API and UI without it.
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     return train(cfg)

@@ -154,7 +154,7 @@ def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str,
     size is copied. Raises ``ValueError`` naming the first entry that does not fit.
 
     Why not the safetensors package's readers: ``safetensors.torch.load`` copies every tensor out of
-    the buffer (as long as the read itself for a 64 MiB step), and ``safe_open`` maps local files only,
+    the buffer (about as long as the read itself, docs/benchmarks.md), and ``safe_open`` maps local files only,
     while the payload here was already read (and hashed) from any fsspec store.
     """
     payload = memoryview(payload).cast("B")

@@ -12,7 +12,11 @@ Layout (verl's ``global_step_{N}`` directories)::
 
 ``checkpoint.json`` is a commit marker (:mod:`ppoflow.storage.marker`, the same primitive as the step
 cache's): a directory is *complete* only when it exists and every file it lists has the listed size;
-loading also checks the sha256. An incomplete directory (a crash mid-save) is never chosen for resuming.
+loading also checks the sha256. An incomplete directory (a crash mid-save) is never chosen for resuming,
+and whatever else a run directory holds (a stray file named like a checkpoint, a marker of the wrong
+shape or of another step) is skipped, never an error: :func:`complete_checkpoints` lists what is left,
+newest first, so that a resume can fall back to an older checkpoint when a newer one fails
+:func:`verify_checkpoint` (a file whose bytes changed after it was committed).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Iterator
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -30,7 +35,7 @@ from ppoflow.storage.marker import MarkerFormat, file_entry, read_verified, size
 
 MARKER = "checkpoint.json"
 CHECKPOINT_MARKER = MarkerFormat(version=1, fields={"global_step": int})
-_STEP_DIR = re.compile(r"global_step_(\d+)")
+_STEP_DIR = re.compile(r"global_step_(0|[1-9]\d*)")  # one spelling per step: step_url's
 
 
 class CheckpointError(StorageError):
@@ -64,13 +69,34 @@ def save_module(directory: str, model: torch.nn.Module, optimizer_state: dict) -
 
 
 def load_module(directory: str, entries: dict[str, dict], model: torch.nn.Module) -> dict:
-    """Restore a role's weights (in place) from ``directory``; return its optimizer state."""
-    weights, _ = read_safetensors(read_file(join(directory, "model.safetensors"), entries["model.safetensors"]))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or any(name not in weights for name in _unique(model)):
-        raise CheckpointError(directory, f"weights do not fit the model (missing {missing}, unexpected {unexpected})")
-    data = read_file(join(directory, "optimizer.pt"), entries["optimizer.pt"])
-    return torch.load(io.BytesIO(data), weights_only=True)
+    """Restore a role's weights (in place) from ``directory``; return its optimizer state.
+
+    Weights that do not fit the model (names or shapes) raise :class:`CheckpointError` before any of
+    them is loaded, as does a file that cannot be decoded.
+    """
+    weights = read_decoded(directory, entries, "model.safetensors", lambda data: read_safetensors(data)[0])
+    current = model.state_dict()
+    missing = [name for name in _unique(model) if name not in weights]
+    unexpected = [name for name in weights if name not in current]
+    misshapen = [name for name, tensor in weights.items() if name in current and tensor.shape != current[name].shape]
+    if missing or unexpected or misshapen:
+        raise CheckpointError(directory, f"weights do not fit the model (missing {missing}, unexpected {unexpected}, "
+                                         f"other shape {misshapen})")
+    model.load_state_dict(weights, strict=False)
+    return read_decoded(directory, entries, "optimizer.pt", lambda data: torch.load(io.BytesIO(data), weights_only=True))
+
+
+def read_decoded(directory: str, files: dict[str, dict], name: str, decode):
+    """``decode`` applied to the verified file ``name`` of a checkpoint directory (``files``: its marker
+    entries); :class:`CheckpointError` when the file is not listed, does not verify or cannot be decoded."""
+    url = join(directory, name)
+    if name not in files:
+        raise CheckpointError(url, f"not listed in {MARKER}")
+    data = read_file(url, files[name])
+    try:
+        return decode(data)
+    except Exception as error:  # json, safetensors, torch.load and tensordict each raise their own types
+        raise CheckpointError(url, f"cannot be decoded: {error}") from error
 
 
 def commit(run_dir: str, step: int, files: dict[str, dict], trainer_state: dict) -> str:
@@ -84,38 +110,70 @@ def commit(run_dir: str, step: int, files: dict[str, dict], trainer_state: dict)
 
 
 def manifest(directory: str) -> dict | None:
-    """The marker of a complete checkpoint directory; None when it is absent or incomplete."""
+    """The marker of a complete checkpoint directory; None when it is absent, malformed or incomplete."""
     fs, path = open_fs(directory)
     try:
         marker = CHECKPOINT_MARKER.decode(fs.cat_file(f"{path}/{MARKER}"))
         sizes = {name: _size(fs, f"{path}/{name}") for name in marker["files"]}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply to parse
         return None
     return None if size_problem(sizes, marker["files"]) else marker
 
 
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """The complete ``global_step_N`` directories under ``run_dir``, newest first.
+
+    Only directories count (a file named ``global_step_5`` is skipped), and only those whose marker
+    is valid, lists every file with its size and records the directory's own step.
+    """
+    return list(_complete_newest_first(run_dir))
+
+
 def latest(run_dir: str) -> str | None:
     """The newest complete ``global_step_N`` directory under ``run_dir`` (None if there is none)."""
-    fs, path = open_fs(run_dir)
-    try:
-        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return None
-    steps = sorted((int(match.group(1)) for name in names if (match := _STEP_DIR.fullmatch(name))), reverse=True)
-    for step in steps:
-        directory = step_url(run_dir, step)
-        if manifest(directory) is not None:
-            return directory
-    return None
+    return next(_complete_newest_first(run_dir), None)
+
+
+def verify_checkpoint(directory: str) -> dict:
+    """The marker of ``directory`` once every file it lists has been read and found to have its recorded
+    size and sha256; :class:`CheckpointError` naming the first file that does not (or the directory,
+    when it is not complete). Loading can then not fail half-way through on a damaged file."""
+    marker = _complete_marker(directory)
+    for name, entry in marker["files"].items():
+        read_file(join(directory, name), entry)
+    return marker
 
 
 def read_trainer_state(directory: str) -> tuple[dict, dict]:
     """The marker and the trainer state of a checkpoint directory (which must be complete)."""
+    marker = _complete_marker(directory)
+    state = read_decoded(directory, marker["files"], "trainer_state.json", lambda data: json.loads(bytes(data)))
+    if not (isinstance(state, dict) and type(state.get("global_step")) is int):
+        raise CheckpointError(join(directory, "trainer_state.json"),
+                              "not a trainer state (a JSON object with an integer global_step)")
+    return marker, state
+
+
+def _complete_newest_first(run_dir: str) -> Iterator[str]:
+    """:func:`complete_checkpoints`, lazily: a caller that wants the newest reads no older marker."""
+    fs, path = open_fs(run_dir)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return
+    steps = sorted((int(match.group(1)) for entry in entries if entry["type"] == "directory"
+                    and (match := _STEP_DIR.fullmatch(entry["name"].rstrip("/").rsplit("/", 1)[-1]))), reverse=True)
+    for step in steps:
+        marker = manifest(step_url(run_dir, step))
+        if marker is not None and marker["global_step"] == step:
+            yield step_url(run_dir, step)
+
+
+def _complete_marker(directory: str) -> dict:
     marker = manifest(directory)
     if marker is None:
         raise CheckpointError(directory, f"not a complete checkpoint (no valid {MARKER})")
-    state = json.loads(bytes(read_file(join(directory, "trainer_state.json"), marker["files"]["trainer_state.json"])))
-    return marker, state
+    return marker
 
 
 def _size(fs, path: str) -> int | None:

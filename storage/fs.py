@@ -12,6 +12,8 @@ Why they exist:
   while it reads, so the check costs little beyond the read itself.
 * s3fs turns ``find(maxdepth=...)`` into one LIST request per directory; :func:`files_by_directory`
   lists a whole tree with one paginated recursive listing instead.
+* A process killed between :func:`atomic_write`'s write and its rename leaves the temp file behind;
+  :func:`remove_stale_temp_files` removes those, but only old ones, never a live writer's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 _LOCAL_PROTOCOLS = (None, "file", "local")
 _HASH_CHUNK = 8 << 20
 _S3_PROTOCOLS = ("s3", "s3a")
+_TEMP_FILE = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
+"""The names :func:`atomic_write` gives its temp files: ``.{name}.{uuid4 hex}.tmp``."""
 
 
 def normalize_url(url: str) -> str:
@@ -145,6 +150,32 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         os.fsync(directory_fd)
     finally:
         os.close(directory_fd)
+
+
+STALE_TEMP_FILE_S = 3600.0
+"""A temp file of :func:`atomic_write` left this long belongs to an interrupted write, not a slow one."""
+
+
+def remove_stale_temp_files(fs: AbstractFileSystem, root: str, older_than_s: float = STALE_TEMP_FILE_S) -> list[str]:
+    """Delete the temp files of interrupted :func:`atomic_write` calls anywhere under ``root`` that were
+    last modified more than ``older_than_s`` ago (a younger one may belong to a writer still at work);
+    return their paths. Only local filesystems write temp files; elsewhere there is nothing to do."""
+    if not isinstance(fs, LocalFileSystem):
+        return []
+    cutoff = time.time() - older_than_s
+    removed = []
+    for directory, _, names in os.walk(fs._strip_protocol(root)):
+        for name in filter(_TEMP_FILE.fullmatch, names):
+            path = os.path.join(directory, name)
+            try:
+                if os.stat(path).st_mtime < cutoff:
+                    os.remove(path)
+                    removed.append(path)
+            except FileNotFoundError:  # its writer renamed it, or another cleaner removed it, meanwhile
+                continue
+    if removed:
+        logger.info("removed %d temp file(s) of interrupted writes under %s", len(removed), root)
+    return removed
 
 
 class StorageError(Exception):

@@ -87,13 +87,15 @@ def size_problem(sizes: Mapping[str, int | None], files: Mapping[str, dict]) -> 
     return ""
 
 
-def read_verified(fs: AbstractFileSystem, path: str, entry: dict, *, error: type[StorageError] = MarkerError
-                  ) -> memoryview:
+def read_verified(fs: AbstractFileSystem, path: str, entry: dict, *, error: type[StorageError] = MarkerError,
+                  max_bytes: int | None = None) -> memoryview:
     """The file at ``path`` if it has the entry's size and sha256; ``error(path, reason)`` otherwise.
 
     The size is checked before reading, so a file that grew (or a sparse file of any size) is refused
-    without allocating or reading it.
+    without allocating or reading it; ``max_bytes`` also refuses an entry that records more than that.
     """
+    if max_bytes is not None and entry["bytes"] > max_bytes:
+        raise error(path, f"{entry['bytes']} bytes recorded, more than the {max_bytes} allowed")
     try:
         size = fs.size(path)
         if size != entry["bytes"]:

@@ -1,9 +1,9 @@
 """Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer).
 
 The score is placed on the response's last valid token (verl's ``token_level_scores``); everything
-else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth ~0.25 s of task
-overhead each (sandboxed code execution, remote judges) - in chunks as Prefect tasks on Ray workers
-through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
+else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth a Prefect task's
+overhead inside a Ray worker (sandboxed code execution, remote judges; docs/benchmarks.md) - in chunks
+as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
 """
 
 from __future__ import annotations

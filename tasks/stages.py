@@ -71,5 +71,6 @@ def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
         if skip is not None and skip.enable:
             caches[stage.name] = StageCache(stage.names.skip, normalize_url(skip.dump_dir), run_cache_dir(skip, cfg),
                                             steps=skip.steps, action=skip.action,
-                                            storage_options=storage_settings(skip))
+                                            storage_options=storage_settings(skip), timeout_s=skip.timeout_s,
+                                            retries=skip.retries, allow_mismatch=skip.allow_mismatch)
     return caches

@@ -27,6 +27,28 @@ def model_cache(tmp_path_factory):
         yield
 
 
+# --- the reliability suite's summary -----------------------------------------------------------
+
+RELIABILITY: dict[str, str] = {}
+"""Outcome of every test marked ``reliability`` in this session, by test id."""
+
+
+def pytest_runtest_logreport(report):
+    if "reliability" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        if report.outcome != "passed" or report.nodeid not in RELIABILITY:
+            RELIABILITY[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: how many reliability cases were tried and how many were handled well (and which were not)."""
+    if RELIABILITY:
+        handled = sum(outcome == "passed" for outcome in RELIABILITY.values())
+        terminalreporter.write_line(f"reliability suite: {len(RELIABILITY)} cases tried, {handled} handled well")
+        for nodeid, outcome in sorted(RELIABILITY.items()):
+            if outcome != "passed":
+                terminalreporter.write_line(f"  not handled well ({outcome}): {nodeid}")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:

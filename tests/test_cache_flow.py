@@ -162,15 +162,37 @@ def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, go
 
 
 def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_local, golden, tmp_path, caplog):
-    """A step cached with n=4 replayed by a run with n=2 (verl's V1 uid remap). Prefect has no record
-    of the copied entry; it is adopted, so the generate task run is still ``Cached``."""
+    """A step cached with n=4 replayed by a run with n=2 is a deliberate cross-config replay
+    (``allow_mismatch``): fitted onto the prompts with verl's V1 uid remap, and the difference logged.
+    Prefect has no record of the copied entry; its record is derived from the marker, so the generate
+    task run is still ``Cached``."""
     dump = tmp_path / "dump"
     shutil.copytree(golden.dump / PROJECT / CONFIG / "1", dump / PROJECT / "GBS4_N2_in8_out3" / "1")
     caplog.set_level("WARNING")
     rows, states = train(golden.overrides + ["actor_rollout_ref.rollout.n=2"], tmp_path / "run", 1,
-                         rollout_skip(dump, [1]))
+                         {**rollout_skip(dump, [1]), "rollout.allow_mismatch": "true"})
     assert rows[0]["skip/rollout/hit"] == 1 and states == ["Cached"]
+    assert "sampling.n: 4 recorded, 2 here" in caplog.text and "replaying it anyway" in caplog.text
     assert "differ from n=2" in caplog.text
+
+
+def test_a_rollout_sampled_otherwise_is_not_replayed(prefect_api, ray_local, golden, tmp_path, caplog):
+    """An entry sampled at another temperature, or from another model, is regenerated with a warning
+    naming what differs."""
+    dump = copy_dump(golden, tmp_path)
+    other_model = tmp_path / "other_model"
+    shutil.copytree(golden.overrides[0].split("=", 1)[1], other_model)
+    weights = other_model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(byte ^ 0xFF for byte in data[-4:])  # another checkpoint: same files, other weights
+    weights.write_bytes(bytes(data))
+    caplog.set_level("WARNING")
+    rows, _ = train(golden.overrides + ["actor_rollout_ref.rollout.temperature=0.7",
+                                        f"actor_rollout_ref.model.path={other_model}"], tmp_path / "run", 1,
+                    rollout_skip(dump, [1]))
+    assert rows[0]["skip/rollout/hit"] == 0
+    assert "sampling.temperature: 1.0 recorded, 0.7 here" in caplog.text and "model: 'sha256:" in caplog.text
+    assert "recomputing" in caplog.text
 
 
 def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local, golden, tmp_path, caplog):
@@ -179,17 +201,6 @@ def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local
     caplog.set_level("WARNING")
     rows, _ = train(golden.overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run", 1, reward_only)
     assert rows[0]["skip/reward/hit"] == 0 and "does not match this run (input_fingerprint:" in caplog.text
-
-
-def test_a_failing_dump_is_a_warning_and_leaves_nothing_valid(prefect_api, ray_local, overrides, tmp_path,
-                                                              s3_server, caplog):
-    endpoint, _ = s3_server
-    skip = rollout_skip("s3://no-such-bucket/dump", [1])
-    skip["rollout.storage_options"] = "{client_kwargs: {endpoint_url: '%s'}}" % endpoint
-    caplog.set_level("WARNING")
-    rows, _ = train(overrides, tmp_path / "run", 1, skip)
-    assert rows[0]["skip/rollout/dump_failed"] == 1 and rows[0]["skip/rollout/hit"] == 0
-    assert "could not cache rollout of step 1" in caplog.text
 
 
 def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides, tmp_path, s3_server):

@@ -27,6 +27,8 @@ from ppoflow.storage.step_cache import StepCache, scan
 from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
 from tests.test_cache_flow import CONFIG, PROJECT, copy_dump, golden, rollout_skip, train  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.reliability
+
 
 class Sentinel:
     """Unpickling this creates ``path`` (what an attacker's payload would do, harmlessly)."""

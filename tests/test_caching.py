@@ -46,7 +46,7 @@ def test_fingerprint_depends_on_values_not_on_layout():
 
 def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, monkeypatch, caplog):
     cache = StepCache(str(tmp_path / "root"), stage="reward", write_retries=1, retry_backoff_s=0)
-    record = StepDump(cache, 2, {"input_fingerprint": "x"}).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
+    record = StepDump(cache, 2, {"input_fingerprint": "x"}, timeout_s=30).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
     assert record.manifest["metrics"] == {"reward/x/mean": 0.5} and record.manifest["input_fingerprint"] == "x"
 
     def refuse(*args, **kwargs):
@@ -54,7 +54,7 @@ def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, mon
 
     monkeypatch.setattr(cache, "write_payload", refuse)
     caplog.set_level(logging.WARNING)
-    record = StepDump(cache, 4, {}).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
+    record = StepDump(cache, 4, {}, timeout_s=30).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
     assert record.manifest is None and record.metrics == {"reward/x/mean": 0.5, "skip/reward/dump_failed": 1.0}
     assert "could not cache reward of step 4" in caplog.text
 
@@ -71,6 +71,6 @@ def test_cacheable_adds_the_dump_keyword_and_nothing_else(tmp_path):
     plain = stage(sample_batch(), scale=2)
     assert type(plain) is StageResult and plain.metrics == {"m": 2.0}
     cache = StepCache(str(tmp_path / "root"))
-    dumped = stage(sample_batch(), 3, dump=StepDump(cache, 1, {}))
+    dumped = stage(sample_batch(), 3, dump=StepDump(cache, 1, {}, timeout_s=30))
     assert isinstance(dumped, StageRecord) and dumped.manifest["metrics"] == {"m": 3.0}
     assert calls == [2, 3] and not cache.status(1).valid  # payload only: Prefect commits the marker

@@ -82,6 +82,49 @@ def test_unreadable_yaml_names_the_file(tmp_path):
     assert key == str(path) and message.startswith("unreadable YAML")
 
 
+@pytest.mark.parametrize("text, kind", [("- data\n- trainer\n", "list"), ("just words\n", "str")])
+def test_yaml_that_is_not_a_mapping_names_the_file(tmp_path, text, kind):
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    key, message = only_problem([], config=str(path))
+    assert key == str(path)
+    assert message == f"a config file holds a mapping of sections (data:, trainer:, ...) at its top level, not a {kind}"
+
+
+# --------------------------------------------------------------------- build and synthetic recipes
+
+
+def test_overriding_a_path_drops_the_presets_recipe_for_it():
+    cfg = load_config("grpo_tiny", ["actor_rollout_ref.model.path=/models/mine", "data.train_files=/d/train.parquet"])
+    assert cfg.actor_rollout_ref.model.build is None  # a typo in /models/mine must not train a random model
+    assert cfg.data.synthetic is None
+    cfg = load_config("grpo_tiny", ["data.val_files=/d/val.parquet"])
+    assert cfg.data.synthetic is None and cfg.actor_rollout_ref.model.build is not None
+
+
+def test_overriding_a_recipe_key_asks_for_building_explicitly():
+    cfg = load_config("grpo_tiny", ["actor_rollout_ref.model.path=/models/new", "actor_rollout_ref.model.build.seed=1",
+                                    "data.train_files=/d/t.parquet", "data.synthetic.train_rows=64"])
+    assert cfg.actor_rollout_ref.model.build.seed == 1 and cfg.actor_rollout_ref.model.build.hidden_size == 128
+    assert cfg.data.synthetic.train_rows == 64 and cfg.data.synthetic.digits == 2
+    # the whole section counts too; a path overridden to null names nothing to build or generate
+    cfg = load_config("grpo_tiny", ["data.train_files=/d/t.parquet", "data.synthetic={task: copy}"])
+    assert cfg.data.synthetic.task == "copy"
+    cfg = load_config("grpo_tiny", ["data.val_files=null", "trainer.test_freq=-1"])
+    assert cfg.data.synthetic is not None
+    # without an override the preset's recipes apply to the preset's paths
+    demo = load_config("grpo_tiny")
+    assert demo.actor_rollout_ref.model.build is not None and demo.data.synthetic is not None
+
+
+def test_a_critic_path_override_drops_the_critic_recipe_only(tmp_path):
+    path = tmp_path / "critic.yaml"
+    path.write_text("critic:\n  model:\n    build: {seed: 3}\n")
+    assert load_config(str(path), DEMO_PATHS + ["actor_rollout_ref.model.path=/m"]).critic.model.build.seed == 3
+    cfg = load_config(str(path), DEMO_PATHS + ["actor_rollout_ref.model.path=/m", "critic.model.path=/c"])
+    assert cfg.critic.model.build is None and cfg.critic.model.path == "/c"
+
+
 # ------------------------------------------------------------------------------ verl defaults
 
 VERL_KEYS = (
@@ -251,6 +294,44 @@ def test_out_of_range_values(override, key, message):
     assert only_problem([override]) == (key, message)
 
 
+@pytest.mark.parametrize("override, key, message", [
+    # YAML's .inf/.nan are floats that pass every range check unless non-finite floats are refused
+    ("actor_rollout_ref.actor.optim.lr=.inf", "actor_rollout_ref.actor.optim.lr", "Input should be a finite number (got inf)"),
+    ("actor_rollout_ref.actor.optim.lr=inf", "actor_rollout_ref.actor.optim.lr", "Input should be a valid number (got 'inf')"),
+    ("actor_rollout_ref.actor.optim.betas=[.nan,0.99]", "actor_rollout_ref.actor.optim.betas.0",
+     "Input should be a finite number (got nan)"),
+    ("critic.optim.weight_decay=.nan", "critic.optim.weight_decay", "Input should be a finite number (got nan)"),
+    ("algorithm.kl_ctrl.kl_coef=-.inf", "algorithm.kl_ctrl.kl_coef", "Input should be a finite number (got -inf)"),
+    ("actor_rollout_ref.model.build.num_attention_heads=3", "actor_rollout_ref.model.build.num_attention_heads",
+     "must divide hidden_size=128 (got 3)"),
+])
+def test_non_finite_and_unbuildable_values(override, key, message):
+    assert only_problem([override]) == (key, message)
+
+
+def test_adam_betas_are_each_in_zero_one():
+    assert problems_of("grpo_tiny", ["actor_rollout_ref.actor.optim.betas=[1.5,2.0]"]) == [
+        ("actor_rollout_ref.actor.optim.betas.0", "Input should be less than 1 (got 1.5)"),
+        ("actor_rollout_ref.actor.optim.betas.1", "Input should be less than 1 (got 2.0)")]
+    assert only_problem(["critic.optim.betas=[-0.1,0.9]"]) == (
+        "critic.optim.betas.0", "Input should be greater than or equal to 0 (got -0.1)")
+    assert load_config("grpo_tiny", ["actor_rollout_ref.actor.optim.betas=[0.0,0.5]"]).actor_rollout_ref.actor.optim.betas == [0.0, 0.5]
+
+
+def test_optimizer_settings_are_tried_on_torch_adamw():
+    from ppoflow.configs.rules import cross_field_errors
+
+    cfg = load_config("grpo_tiny", ["algorithm.adv_estimator=gae"])
+    assert cross_field_errors(cfg) == []
+    # a value the schema would refuse, set past validation: the rule hands it to AdamW as the worker would
+    optim = cfg.critic.optim.model_copy(update={"lr": -1.0})
+    broken = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"optim": optim})})
+    (key, message), = cross_field_errors(broken)
+    assert key == "critic.optim"
+    assert message.startswith("torch.optim.AdamW refuses lr=-1.0, betas=[0.9, 0.999], weight_decay=0.01: ")
+    assert "Invalid learning rate" in message
+
+
 def test_literal_violations_list_the_choices():
     assert only_problem(["algorithm.adv_estimator=ppo"]) == (
         "algorithm.adv_estimator",
@@ -385,7 +466,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 144  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 147  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()

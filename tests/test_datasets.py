@@ -1,4 +1,4 @@
-"""storage/datasets.py: verl-style rows, the synthetic task, tokenized prompts and the prompt loader."""
+"""data/datasets.py: verl-style rows, the synthetic task, tokenized prompts and the prompt loader."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
+from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
 from ppoflow.storage.batch import non_tensor_column
-from ppoflow.data.datasets import (PromptDataset, PromptLoader, ensure_datasets, load_prompt_dataset, read_rows,
-                              write_rows, write_synthetic_dataset)
+from ppoflow.data.datasets import (PromptDataset, PromptLoader, ensure_datasets, files_to_generate, load_prompt_dataset,
+                                   read_prompt_rows, read_rows, write_rows, write_synthetic_dataset)
 
 # The tiny character tokenizer (workers/models.py): <pad>=0 <s>=1 </s>=2 <unk>=3, then one id per
 # character of "0123456789+-=>:,|?abcdefghij" from 4: digit d -> 4 + d, '>' -> 17, ':' -> 18, '|' -> 20, 'a' -> 22.
@@ -23,6 +24,14 @@ def data_config(**changes) -> DataConfig:
                   filter_overlong_prompts=False, truncation="error", seed=1, shuffle=True, synthetic=None)
     values.update(changes)
     return DataConfig(**values)
+
+
+def only_problem(call, *args, **kwargs) -> tuple[str, str]:
+    """The one ``(key, message)`` of the :class:`ConfigError` that ``call(*args, **kwargs)`` raises."""
+    with pytest.raises(ConfigError) as caught:
+        call(*args, **kwargs)
+    assert len(caught.value.problems) == 1, caught.value.problems
+    return caught.value.problems[0]
 
 
 def chat_row(content: str, truth, source: str = "synthetic/copy") -> dict:
@@ -87,11 +96,15 @@ def test_synthetic_rows_are_deterministic_per_seed_and_val_continues_the_stream(
     assert truths(read_rows(str(tmp_path / "e/train.parquet"), key="k")) != truths(train_a)
 
 
-def test_ensure_datasets_only_writes_missing_files(tmp_path):
+def test_ensure_datasets_only_writes_missing_files(tmp_path, capsys):
     train, val = str(tmp_path / "d/train.parquet"), str(tmp_path / "d/val.parquet")
     spec = SyntheticDataConfig(task="copy", digits=2, train_rows=12, val_rows=4, seed=0)
     data = data_config(train_files=train, val_files=val, synthetic=spec)
+    assert files_to_generate(data) == {"data.train_files": train, "data.val_files": val}
     ensure_datasets(data)
+    assert capsys.readouterr().out.splitlines() == [  # generating announces itself, file by file
+        f"writing the synthetic copy task to {url} (data.synthetic is set and {url} is missing)" for url in (train, val)]
+    assert files_to_generate(data) == {}
     first_val = read_rows(val, key="k")
     assert len(read_rows(train, key="k")) == 12 and len(first_val) == 4
 
@@ -102,8 +115,10 @@ def test_ensure_datasets_only_writes_missing_files(tmp_path):
     assert read_rows(train, key="k") == marker  # kept: it existed
     assert read_rows(val, key="k") == first_val  # regenerated, same rows as before
 
-    ensure_datasets(data)  # nothing missing: nothing written
+    capsys.readouterr()
+    ensure_datasets(data)  # nothing missing: nothing written, nothing said
     assert read_rows(train, key="k") == marker
+    assert capsys.readouterr().out == ""
 
     # without `synthetic` nothing is generated
     ensure_datasets(data_config(train_files=str(tmp_path / "x.parquet"), val_files=None))
@@ -111,8 +126,8 @@ def test_ensure_datasets_only_writes_missing_files(tmp_path):
     # a val-less config writes the train file only
     ensure_datasets(data_config(train_files=str(tmp_path / "y/t.parquet"), synthetic=spec))
     assert [p.name for p in (tmp_path / "y").iterdir()] == ["t.parquet"]
-    with pytest.raises(ValueError, match=r"^data.train_files: data.synthetic writes one file, got 2$"):
-        ensure_datasets(data_config(train_files=[train, val], synthetic=spec))
+    assert only_problem(ensure_datasets, data_config(train_files=[train, val], synthetic=spec)) == (
+        "data.train_files", "data.synthetic writes one file, got 2")
 
 
 # ------------------------------------------------------------------------------- rows on disk
@@ -144,27 +159,34 @@ def test_jsonl_is_one_json_object_per_line(tmp_path):
 
 def test_read_rows_errors(tmp_path):
     missing = str(tmp_path / "nope.parquet")
-    with pytest.raises(FileNotFoundError) as caught:
-        read_rows(missing, key="data.val_files")
-    assert str(caught.value) == f"data.val_files: no such file {missing!r}"
+    assert only_problem(read_rows, missing, key="data.val_files") == ("data.val_files", f"no such file {missing!r}")
     write_rows(str(tmp_path / "exists.jsonl"), ROWS)
-    with pytest.raises(FileNotFoundError, match=r"^data.train_files: no such file"):
-        read_rows([str(tmp_path / "exists.jsonl"), missing], key="data.train_files")
+    assert only_problem(read_rows, [str(tmp_path / "exists.jsonl"), missing], key="data.train_files") == (
+        "data.train_files", f"no such file {missing!r}")
 
     csv = tmp_path / "rows.csv"
     csv.write_text("a,b\n1,2\n")
-    with pytest.raises(ValueError) as caught:
-        read_rows(str(csv), key="data.train_files")
-    assert str(caught.value) == f"data.train_files: {str(csv)!r} is neither .parquet nor .jsonl"
+    assert only_problem(read_rows, str(csv), key="data.train_files") == (
+        "data.train_files", f"{str(csv)!r} is neither .parquet nor .jsonl")
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError) as caught:
-        read_rows(str(empty), key="data.train_files")
-    assert str(caught.value) == f"data.train_files: {str(empty)!r} holds no rows"
+    assert only_problem(read_rows, str(empty), key="data.train_files") == (
+        "data.train_files", f"{str(empty)!r} holds no rows")
     write_rows(str(tmp_path / "empty.parquet"), [])
-    with pytest.raises(ValueError, match=r"holds no rows$"):
-        read_rows(str(tmp_path / "empty.parquet"), key="data.train_files")
+    assert only_problem(read_rows, str(tmp_path / "empty.parquet"), key="data.train_files")[1].endswith("holds no rows")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("zero.parquet", b"", "is not a readable parquet file"),
+    ("text.parquet", b"not parquet at all", "is not a readable parquet file"),
+    ("broken.jsonl", b'{"prompt": "1>"}\n{"prompt": ', "is not JSON lines (one JSON object per line)"),
+    ("binary.jsonl", b"\xff\xfe\x00", "is not JSON lines (one JSON object per line)"),
+])
+def test_malformed_files_name_the_key_and_the_file(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    key, problem = only_problem(read_rows, str(tmp_path / name), key="data.train_files")
+    assert key == "data.train_files" and problem.startswith(f"{str(tmp_path / name)!r} {message}")
 
 
 # --------------------------------------------------------------------------- tokenized prompts
@@ -197,8 +219,9 @@ def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model):
     assert dataset.prompt_ids == [[5, 6, 20, 22, 18], [7, 17]]
 
     tokenizer.chat_template = None
-    with pytest.raises(ValueError, match="a list of chat messages but the tokenizer has no chat_template"):
-        load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert only_problem(load_prompt_dataset, str(tmp_path / "p.jsonl"), data_config(), tokenizer,
+                        key="data.train_files") == (
+        "data.train_files", "row 0: the prompt is a list of chat messages but the tokenizer has no chat_template")
 
 
 def test_prompt_key_and_missing_columns(tmp_path, tokenizer):
@@ -207,24 +230,26 @@ def test_prompt_key_and_missing_columns(tmp_path, tokenizer):
     dataset = load_prompt_dataset(str(tmp_path / "q.jsonl"), data_config(prompt_key="question"), tokenizer, key="k")
     assert dataset.prompt_ids == [[5, 17]]
 
-    with pytest.raises(ValueError) as caught:
-        load_prompt_dataset(str(tmp_path / "q.jsonl"), data_config(), tokenizer, key="data.val_files")
-    assert str(caught.value) == ("data.val_files: row 0 has no 'prompt' value "
-                                 "(columns: ['data_source', 'question', 'reward_model'])")
+    assert only_problem(read_prompt_rows, str(tmp_path / "q.jsonl"), data_config(), key="data.val_files") == (
+        "data.val_files", "row 0 has no 'prompt' value (columns: ['data_source', 'question', 'reward_model'])")
 
     write_rows(str(tmp_path / "m.jsonl"), [chat_row("1>", "1"), {"prompt": "2>", "reward_model": {}}])
-    with pytest.raises(ValueError) as caught:
-        load_prompt_dataset(str(tmp_path / "m.jsonl"), data_config(), tokenizer, key="data.train_files")
-    assert str(caught.value) == ("data.train_files: row 1 has no 'data_source' value "
-                                 "(columns: ['prompt', 'reward_model'])")
+    assert only_problem(load_prompt_dataset, str(tmp_path / "m.jsonl"), data_config(), tokenizer,
+                        key="data.train_files") == (
+        "data.train_files", "row 1 has no 'data_source' value (columns: ['prompt', 'reward_model'])")
 
     write_rows(str(tmp_path / "null.jsonl"), [{"data_source": "s", "prompt": "1>", "reward_model": "1"}])
-    with pytest.raises(ValueError, match="row 0 reward_model must be a mapping with ground_truth, got '1'"):
-        load_prompt_dataset(str(tmp_path / "null.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert only_problem(read_prompt_rows, str(tmp_path / "null.jsonl"), data_config(), key="data.train_files") == (
+        "data.train_files", "row 0 reward_model must be a mapping with ground_truth, got '1'")
+
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    assert only_problem(read_prompt_rows, str(tmp_path / "list.jsonl"), data_config(), key="data.train_files") == (
+        "data.train_files", "row 0 is not a mapping of columns, got [1, 2]")
 
     write_rows(str(tmp_path / "bad.jsonl"), [{"data_source": "s", "prompt": 5, "reward_model": {}}])
-    with pytest.raises(ValueError, match="a prompt must be a string or a list of {role, content} messages, got 5"):
-        load_prompt_dataset(str(tmp_path / "bad.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert only_problem(load_prompt_dataset, str(tmp_path / "bad.jsonl"), data_config(), tokenizer,
+                        key="data.train_files") == (
+        "data.train_files", "row 0: a prompt must be a string or a list of {role, content} messages, got 5")
 
 
 @pytest.fixture
@@ -253,14 +278,13 @@ def test_overlong_prompts_truncated(overlong_file, tokenizer):
 
 
 def test_overlong_prompts_error(overlong_file, tokenizer):
-    with pytest.raises(ValueError) as caught:
-        load_prompt_dataset(overlong_file, data_config(max_prompt_length=3), tokenizer, key="data.train_files")
-    assert str(caught.value) == ("data.train_files: row 0 prompt has 6 tokens > data.max_prompt_length=3 "
-                                 "(set data.filter_overlong_prompts=true or data.truncation)")
-    with pytest.raises(ValueError) as caught:
-        load_prompt_dataset(overlong_file, data_config(max_prompt_length=1, filter_overlong_prompts=True),
-                            tokenizer, key="data.val_files")
-    assert str(caught.value) == "data.val_files: every prompt is longer than data.max_prompt_length=1"
+    assert only_problem(load_prompt_dataset, overlong_file, data_config(max_prompt_length=3), tokenizer,
+                        key="data.train_files") == (
+        "data.train_files", "row 0 prompt has 6 tokens > data.max_prompt_length=3 "
+                            "(set data.filter_overlong_prompts=true or data.truncation)")
+    assert only_problem(load_prompt_dataset, overlong_file, data_config(max_prompt_length=1, filter_overlong_prompts=True),
+                        tokenizer, key="data.val_files") == (
+        "data.val_files", "every prompt is longer than data.max_prompt_length=1")
 
 
 def test_prompt_batch_is_left_padded():
@@ -341,7 +365,6 @@ def test_loader_resumes_at_an_epoch_end():
 
 
 def test_loader_needs_a_full_batch():
-    with pytest.raises(ValueError) as caught:
-        PromptLoader(3, 4, shuffle=True, seed=0)
-    assert str(caught.value) == "data.train_batch_size=4 is larger than the 3 train prompts"
+    assert only_problem(PromptLoader, 3, 4, shuffle=True, seed=0) == (
+        "data.train_batch_size", "4 is larger than the 3 train prompts")
     assert take(PromptLoader(4, 4, shuffle=False, seed=0), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]

@@ -1,4 +1,5 @@
-"""A rollout worker killed in the middle of a generation is restarted and the step completes."""
+"""A rollout worker killed in the middle of a generation is restarted, its step is generated again with
+the weights it was started with, and the run ends as an uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
+
+pytestmark = pytest.mark.reliability
 
 
 def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, killed: list[int]) -> None:
@@ -33,7 +38,7 @@ def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, kille
 def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api, ray_local, tiny_overrides, tmp_path):
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
         "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",
-        "data.max_response_length=40", "actor_rollout_ref.model.build=null", f"trainer.default_local_dir={tmp_path}/run"]
+        "data.max_response_length=40", f"trainer.default_local_dir={tmp_path}/run"]
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=kill_a_generation_after_step_one,
                               args=(tmp_path / "run" / "metrics.jsonl", stop, killed), daemon=True)
@@ -50,3 +55,55 @@ def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api
     # the restarted worker came back with its initial weights: the flow noticed, re-synced, regenerated
     assert sum(row.get("training/rollout_regenerated", 0) for row in rows) == 1
     assert all(row["training/off_policy/trajectory_staleness/max"] == 0 for row in rows)
+
+
+KILLING_SCORER = """
+import os, signal
+from pathlib import Path
+from ppoflow.algorithms.scoring import copy_score
+
+calls = 0
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # The first response scored in step 2 (16 responses a step): one_step_off has just started generating
+    # step 3's batch in the background; kill the rollout worker in the middle of it.
+    global calls
+    calls += 1
+    if calls == 17:
+        for proc in Path("/proc").iterdir():
+            try:
+                title = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(b"ray::HFRolloutWorker"):
+                os.kill(int(proc.name), signal.SIGKILL)
+                Path(os.environ["PPOFLOW_TEST_KILLED"]).write_text(title.decode(errors="replace"))
+    return copy_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
+
+
+def test_one_step_off_regenerates_a_lost_batch_with_the_weights_it_was_started_with(
+        prefect_api, ray_local, tiny_overrides, tmp_path, monkeypatch):
+    """Step 3's batch is started (with the weights before step 2's update) while step 2 trains; the rollout
+    worker dies meanwhile. The batch is generated again with those same weights, which the actor kept,
+    so every step matches an uninterrupted run."""
+    (tmp_path / "killing_scorer.py").write_text(KILLING_SCORER)
+    monkeypatch.setenv("PPOFLOW_TEST_KILLED", str(tmp_path / "killed.txt"))
+    words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
+        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",
+        "data.max_response_length=48", "trainer.mode=one_step_off"]
+    killed = ppo_train(config="grpo_tiny", return_state=True, overrides=words + [
+        f"custom_reward_function.path={tmp_path}/killing_scorer.py", f"trainer.default_local_dir={tmp_path}/killed"])
+    assert killed.is_completed(), killed
+    assert "generate" in (tmp_path / "killed.txt").read_text()  # it died in the middle of a generation
+    rows = read_metrics(f"{tmp_path}/killed")
+    assert [row.get("training/rollout_regenerated", 0) for row in rows] == [0, 0, 1]
+    assert [row["training/off_policy/trajectory_staleness/max"] for row in rows] == [0, 1, 1]  # still one step off
+    straight = ppo_train(config="grpo_tiny", return_state=True, overrides=words + [
+        "custom_reward_function.path=null", f"trainer.default_local_dir={tmp_path}/straight"])
+    assert straight.is_completed(), straight
+    for before, after in zip(read_metrics(f"{tmp_path}/straight"), rows):
+        for name in UPDATE_METRICS:
+            assert before[name] == after[name], (before["step"], name)

@@ -104,6 +104,8 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
     ("data.max_response_length=80", "max_position_embeddings"),
+    # a run started from the UI or a deployment fails with the preflight's message, naming the key
+    ("custom_reward_function.path=ppoflow_no_such_module", "custom_reward_function.path: cannot import"),
 ])
 def test_impossible_runs_fail_before_training(prefect_api, ray_local, tiny_overrides, override, message):
     state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + [override], return_state=True)

@@ -12,8 +12,11 @@ import time
 
 import pytest
 
-from ppoflow.flows.replay import (DEFAULT_IGNORED, MISSING, ReplayError, add_commands, artifact_key, check,
-                          compare, parse_tolerances, record, regression_replay, tolerance_for)
+from ppoflow.flows.replay import add_commands, regression_replay
+from ppoflow.flows.replay.baseline import ReplayError
+from ppoflow.flows.replay.cli import check, parse_tolerances
+from ppoflow.flows.replay.compare import DEFAULT_IGNORED, MISSING, compare, tolerance_for
+from ppoflow.flows.replay.flow import artifact_key, record
 from ppoflow.flows.tracking import read_metrics
 
 from tests.conftest import REPLAY_EPOCHS as EPOCHS

@@ -16,6 +16,8 @@ from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
 from ppoflow.storage import checkpoint
 
+pytestmark = pytest.mark.reliability
+
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean",
             "response_length/mean", "training/epoch", "training/off_policy/trajectory_staleness/max")
 
@@ -108,3 +110,26 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     in_flight = "mode.in_flight.3.safetensors"  # the batch generated for step 3, written beside the state
     assert state["global_step"] == 2 and in_flight in json.loads(marker.read_text())["files"]
     assert state["mode"]["in_flight"]["3"] == {"batch_file": in_flight}
+
+
+def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(prefect_api, ray_local, overrides,
+                                                                             tmp_path, caplog):
+    """Damage a finished 3-step run the way a crash or a bad disk does, then resume it to 4 steps."""
+    run_dir = tmp_path / "run"
+    words = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1"]
+    ppo_train(config="grpo_tiny", overrides=words + ["trainer.total_training_steps=3"])
+    weights = run_dir / "global_step_3" / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(255 - byte for byte in data[-64:])  # same size: only the sha256 can tell
+    weights.write_bytes(bytes(data))
+    metrics = run_dir / "metrics.jsonl"
+    torn = metrics.read_bytes()[:-20]  # the last row (step 3) loses its end, as in a power loss mid-append
+    metrics.write_bytes(torn)
+
+    caplog.set_level("INFO")
+    ppo_train(config="grpo_tiny", overrides=words + ["trainer.total_training_steps=4"])
+    assert f"not resuming from checkpoint {run_dir}/global_step_3: {weights}: checksum" in caplog.text
+    assert f"resumed from {run_dir}/global_step_2: continuing at step 3" in caplog.text
+    (aside,) = run_dir.glob("metrics.discarded-*.jsonl")
+    assert aside.read_bytes() == torn.splitlines(keepends=True)[-1] + b"\n"  # the torn line, set aside
+    assert [row["step"] for row in read_metrics(str(run_dir))] == [1, 2, 3, 4]

@@ -9,8 +9,6 @@ import pytest
 from ppoflow.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
                                       scorer_for)
 
-KEY = "custom_reward_function.path"
-
 
 # ------------------------------------------------------------------------------------- copy
 
@@ -151,10 +149,10 @@ def test_python_file_plus_name(tmp_path):
 def test_missing_module():
     with pytest.raises(ValueError) as caught:
         load_custom_scorer("ppoflow_no_such_module_xyz:compute_score", "compute_score")
-    assert str(caught.value).startswith(f"{KEY}: cannot import 'ppoflow_no_such_module_xyz'")
-    with pytest.raises(ValueError, match=f"^{KEY}: cannot import 'ppoflow_no_such_module_xyz'"):
+    assert str(caught.value).startswith("cannot import 'ppoflow_no_such_module_xyz': ModuleNotFoundError: ")
+    with pytest.raises(ValueError, match="^cannot import 'ppoflow_no_such_module_xyz'"):
         load_custom_scorer("ppoflow_no_such_module_xyz", "compute_score")
-    with pytest.raises(ValueError, match=f"^{KEY}: cannot import ''"):
+    with pytest.raises(ValueError, match="^cannot import '': ValueError: "):
         load_custom_scorer(":compute_score", "compute_score")
 
 
@@ -162,17 +160,30 @@ def test_missing_file(tmp_path):
     missing = str(tmp_path / "absent.py")
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(missing, "compute_score")
-    assert str(caught.value) == f"{KEY}: no such file {missing!r}"
+    assert str(caught.value) == f"no such file {missing!r}"
+
+
+def test_a_module_that_raises_while_imported_is_a_value_error(tmp_path, monkeypatch):
+    (tmp_path / "ppoflow_broken_scorer.py").write_text("import os\nraise RuntimeError('no API key in the environment')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer("ppoflow_broken_scorer:compute_score", "compute_score")
+    assert str(caught.value) == ("cannot import 'ppoflow_broken_scorer': RuntimeError: no API key in the environment")
+    sys.modules.pop("ppoflow_broken_scorer", None)
+    with pytest.raises(ValueError) as caught:
+        load_custom_scorer(str(tmp_path / "ppoflow_broken_scorer.py"), "compute_score")
+    assert str(caught.value) == (f"cannot import {str(tmp_path / 'ppoflow_broken_scorer.py')!r}: RuntimeError: "
+                                 "no API key in the environment")
 
 
 def test_missing_or_uncallable_function(scorer_module, tmp_path):
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(f"{scorer_module}:nope", "compute_score")
-    assert str(caught.value) == f"{KEY}: '{scorer_module}:nope' has no callable 'nope'"
+    assert str(caught.value) == f"'{scorer_module}:nope' has no callable 'nope'"
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(scorer_module, "not_callable")
-    assert str(caught.value) == f"{KEY}: '{scorer_module}' has no callable 'not_callable'"
+    assert str(caught.value) == f"'{scorer_module}' has no callable 'not_callable'"
     path = tmp_path / f"{scorer_module}.py"
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(str(path), "absent")
-    assert str(caught.value) == f"{KEY}: {str(path)!r} has no callable 'absent'"
+    assert str(caught.value) == f"{str(path)!r} has no callable 'absent'"

@@ -10,12 +10,14 @@ checkpoint.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import fsspec
 import torch
 
+from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -35,17 +37,56 @@ def claim_resources(resources: ResourcesConfig) -> torch.device:
 
 def holds_model(path: str) -> bool:
     """Whether ``path`` (local or fsspec URL) contains a Hugging Face model (a ``config.json``)."""
+    fs, config_path = _config_json(path)
+    return fs.exists(config_path)
+
+
+def _config_json(path: str):
+    """The filesystem of model directory ``path`` and the path of its ``config.json`` inside it."""
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(path))
-    return fs.exists(f"{root.rstrip('/')}/config.json")
+    return fs, f"{root.rstrip('/')}/config.json"
+
+
+def builds_model(model: ModelConfig) -> bool:
+    """Whether :func:`ensure_model` will build the tiny model: ``model.build`` is set and ``model.path``
+    holds no model yet."""
+    return model.build is not None and not holds_model(model.path)
 
 
 def ensure_model(model: ModelConfig, key: str) -> None:
-    """Build the tiny model into ``model.path`` when ``model.build`` is set and the path holds none."""
-    if model.build is not None and not holds_model(model.path):
+    """Build the tiny model into ``model.path`` when :func:`builds_model`, saying so (``key`` names the path).
+
+    Whether a path that is not built holds a usable model is the preflight's check (:func:`model_config`).
+    """
+    if builds_model(model):
+        # print, not a logger: inside the flow (log_prints) it reaches the console and the Prefect UI
+        print(f"building a random-init tiny Llama into {model.path} ({_build_key(key)} is set and "
+              f"{model.path} holds no model)")
         build_tiny_model(model.path, model.build)
-    if not holds_model(model.path):
-        raise FileNotFoundError(f"{key}={model.path!r} holds no Hugging Face model (no config.json); "
-                                "point it at a model directory or set model.build")
+
+
+def _build_key(path_key: str) -> str:
+    """``actor_rollout_ref.model.path`` -> ``actor_rollout_ref.model.build``."""
+    return f"{path_key.removesuffix('.path')}.build"
+
+
+def model_config(model: ModelConfig, key: str) -> dict:
+    """The parsed ``config.json`` of ``model.path``; :class:`ConfigError` naming ``key`` when it is absent,
+    unreadable, not a JSON object, or names no ``model_type`` (transformers could not pick a class)."""
+    fs, config_path = _config_json(model.path)
+    url = f"{model.path.rstrip('/')}/config.json"
+    try:
+        config = json.loads(fs.cat_file(config_path))
+    except FileNotFoundError:
+        hint = _build_key(key)
+        raise ConfigError([(key, f"{model.path!r} holds no Hugging Face model (no config.json); point it at a "
+                                 f"model directory, or set {hint}.* (e.g. {hint}.seed=0) to build a random-init "
+                                 "tiny Llama there")]) from None
+    except (OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
+        raise ConfigError([(key, f"{url} is unreadable: {error}")]) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError([(key, f"{url} is not a Hugging Face model config (a JSON object with a model_type)")])
+    return config
 
 
 def save_pretrained(model, tokenizer, url: str) -> None:
@@ -62,14 +103,16 @@ def save_pretrained(model, tokenizer, url: str) -> None:
 
 
 def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
-    """Fail early when prompt + response would exceed the model's ``max_position_embeddings``."""
-    import json
-
-    fs, root = fsspec.core.url_to_fs(os.path.expanduser(model.path))
-    limit = json.loads(fs.cat_file(f"{root.rstrip('/')}/config.json")).get("max_position_embeddings")
+    """:class:`ConfigError` naming ``key`` when prompt + response would exceed the model's
+    ``max_position_embeddings`` (the build recipe's when the model is still to be built), or when the model's
+    config is unusable (:func:`model_config`)."""
+    if builds_model(model):
+        limit, source = model.build.max_position_embeddings, _build_key(key)
+    else:
+        limit, source = model_config(model, key).get("max_position_embeddings"), model.path
     if limit is not None and needed > limit:
-        raise ValueError(f"{key}: data.max_prompt_length + data.max_response_length = {needed} exceeds the "
-                         f"model's max_position_embeddings={limit} ({model.path})")
+        raise ConfigError([(key, f"data.max_prompt_length + data.max_response_length = {needed} exceeds the "
+                                 f"model's max_position_embeddings={limit} ({source})")])
 
 
 def build_tiny_model(path: str, spec: TinyModelConfig) -> None:

@@ -65,7 +65,8 @@ class ActorWorker(PolicyModel):
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
         self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device)
-        self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync)
+        # A mode other than sync may sample with weights older than the actor's: keep what was last pushed.
+        self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=cfg.trainer.mode != "sync")
         self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
 
@@ -109,15 +110,17 @@ class ActorWorker(PolicyModel):
         """Restore weights, optimizer and the weight version from a checkpoint's ``actor/``."""
         self.learner.load(directory, entries)
         self.weight_version = weight_version
-        self.sender.last_sent.clear()  # a delta sync must send everything again
+        self.sender.forget()  # the next sync sends everything
 
     def save_pretrained(self, url: str) -> None:
         """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
         save_pretrained(self.model, load_tokenizer(self.model_config), url)
 
-    def prepare_weights(self) -> WeightUpdate:
-        """Lay out (and, through the object store, publish) the current weights for the rollout worker."""
-        update, self._outgoing = self.sender.prepare(self.model, self.weight_version)
+    def prepare_weights(self, again: bool = False) -> WeightUpdate:
+        """Lay out (and, through the object store, publish) the current weights for the rollout worker;
+        ``again``: the weights pushed last time instead, whole (for a restarted rollout worker)."""
+        update, self._outgoing = self.sender.prepare_again() if again else self.sender.prepare(self.model,
+                                                                                               self.weight_version)
         return update
 
     def broadcast_weights(self, update: WeightUpdate) -> None:

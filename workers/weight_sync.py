@@ -12,6 +12,8 @@ Per-tensor transfers are the known slow path (many small messages), so tensors a
   them into buffers on its own device (GPU to GPU with NCCL; gloo does the same on CPUs).
 * ``delta`` — the actor keeps a copy of what it last sent and packs only tensors whose values
   changed (frozen layers, adapters); the first sync sends everything.
+* When generation runs ahead of training (one_step_off), the actor also keeps that copy, so a rollout
+  worker restarted after a crash can be given the very weights its lost batch was started with.
 
 The same code runs in-process (no Ray): then a bucket is handed over as a tensor.
 """
@@ -88,26 +90,41 @@ def unpack_into(state: dict[str, torch.Tensor], layout: list[TensorSlot], bucket
 
 
 class WeightSender:
-    """The actor's side: lays out (and for the object store, publishes) the weights to send."""
+    """The actor's side: lays out (and for the object store, publishes) the weights to send.
 
-    def __init__(self, sync: WeightSyncConfig):
+    ``keep_copy`` keeps a copy of the weights last sent (beside the originals), so that they can be sent again
+    (:meth:`prepare_again`) to a rollout worker that lost them after generation moved on; ``delta``
+    keeps one anyway, to know what changed.
+    """
+
+    def __init__(self, sync: WeightSyncConfig, *, keep_copy: bool = False):
         self.sync = sync
+        self.keep_copy = keep_copy or sync.delta
         self.last_sent: dict[str, torch.Tensor] = {}
+        self.last_version: int | None = None
         self.group: str | None = None
 
     def prepare(self, model: torch.nn.Module, version: int) -> tuple[WeightUpdate, dict]:
         """The update to send (all tensors, or only the changed ones with ``delta``) and its source tensors."""
         state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         if self.sync.delta:
-            changed = {name: tensor for name, tensor in state.items()
-                       if name not in self.last_sent or not torch.equal(tensor, self.last_sent[name])}
-            self.last_sent.update({name: tensor.clone() for name, tensor in changed.items()})
-            state = changed
-        update = WeightUpdate(version, plan_buckets(state.items(), self.sync.bucket_mb * 2**20))
-        if self.sync.backend == "object_store":
-            update.payloads = [_publish([_raw_bytes(state[slot.name].cpu()) for slot in layout])
-                               for layout in update.layouts]
-        return update, state
+            state = {name: tensor for name, tensor in state.items()
+                     if name not in self.last_sent or not torch.equal(tensor, self.last_sent[name])}
+        if self.keep_copy:
+            self.last_sent.update({name: tensor.clone() for name, tensor in state.items()})
+            self.last_version = version
+        return self._update(state, version), state
+
+    def prepare_again(self) -> tuple[WeightUpdate, dict]:
+        """All of the weights last sent, as they were (a restarted receiver needs every tensor)."""
+        if self.last_version is None:
+            raise RuntimeError("no weights were sent yet, or no copy of them was kept (keep_copy)")
+        return self._update(self.last_sent, self.last_version), self.last_sent
+
+    def forget(self) -> None:
+        """The receiver's weights are unknown (a restored checkpoint): send everything next time."""
+        self.last_sent.clear()
+        self.last_version = None
 
     def broadcast(self, state: dict[str, torch.Tensor], update: WeightUpdate, device: torch.device) -> None:
         """Send the buckets over the collective group (rank 0 is the actor)."""
@@ -115,6 +132,13 @@ class WeightSender:
 
         for layout in update.layouts:
             collective.broadcast(pack(state, layout, device), src_rank=0, group_name=self.group)
+
+    def _update(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
+        update = WeightUpdate(version, plan_buckets(state.items(), self.sync.bucket_mb * 2**20))
+        if self.sync.backend == "object_store":
+            update.payloads = [_publish([_raw_bytes(state[slot.name].cpu()) for slot in layout])
+                               for layout in update.layouts]
+        return update
 
 
 class WeightReceiver:

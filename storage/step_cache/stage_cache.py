@@ -28,9 +28,11 @@ from typing import Any
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult, tensors_digest
+from ppoflow.storage.bounded import bounded, client_timeouts
+from ppoflow.storage.fs import open_fs, remove_stale_temp_files
 from ppoflow.storage.step_cache.manifest import marker_name
 from ppoflow.storage.step_cache.prefect import PrefectStore, StageRecord
-from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache
+from ppoflow.storage.step_cache.store import CacheCorrupt, StepCache
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +44,20 @@ class StepDump:
     cache: StepCache
     step: int
     meta: dict
+    timeout_s: float
 
     def write(self, result: StageResult) -> StageRecord:
-        """Write ``result``'s payload (with retries); a write that still fails is a warning and the metric
-        ``skip/<stage>/dump_failed``, and leaves nothing valid: training goes on."""
+        """Write ``result``'s payload (with retries, within ``timeout_s``); a write that still fails or
+        stalls is a warning and the metric ``skip/<stage>/dump_failed``, and leaves nothing valid:
+        training goes on."""
         meta = {**self.meta, "metrics": result.metrics}
         if "weight_version" in result.fields.keys():  # the weights that sampled a rollout
             versions = result.fields["weight_version"]
             meta["weight_version"] = {"min": int(versions.min()), "max": int(versions.max())}
         try:
-            manifest = self.cache.write_payload(self.step, result.fields, meta=meta)
-        except CacheWriteError as error:
+            manifest = bounded(lambda: self.cache.write_payload(self.step, result.fields, meta=meta),
+                               timeout_s=self.timeout_s, what=f"writing {self.cache.payload_url(self.step)}")
+        except Exception as error:  # CacheWriteError after its retries, a stall, a client error
             logger.warning("could not cache %s of step %d: %s", self.cache.stage, self.step, error)
             return StageRecord(result.fields, {**result.metrics, f"skip/{self.cache.stage}/dump_failed": 1.0})
         return StageRecord(result.fields, result.metrics, manifest)
@@ -97,15 +102,20 @@ class StageCache:
     """One stage's step cache in a run: its entries, the steps it covers, its action, its Prefect store.
 
     ``key`` is the stage's cache key (``skip.<key>``, ``skip/<key>/*`` metrics); ``root`` the run's
-    configuration directory under ``dump_dir``.
+    configuration directory under ``dump_dir``. Every storage call is bounded by ``timeout_s`` and a
+    failed write is retried ``retries`` times; ``allow_mismatch`` replays entries whose recorded
+    requirements differ (logging the differences).
     """
 
     def __init__(self, key: str, dump_dir: str, root: str, *, steps: list[int], action: str,
-                 storage_options: dict):
+                 storage_options: dict, timeout_s: float, retries: int, allow_mismatch: bool):
         self.key, self.steps, self.action = key, frozenset(steps), action
-        self.entries = StepCache(root, stage=key, storage_options=storage_options)
+        self.timeout_s, self.allow_mismatch = timeout_s, allow_mismatch
+        options = client_timeouts(dump_dir, storage_options, timeout_s=timeout_s, retries=retries)
+        self.entries = StepCache(root, stage=key, storage_options=options, write_retries=retries)
+        remove_stale_temp_files(*open_fs(self.entries.root, options))  # left by writes a crash interrupted
         self.prefix = self.entries.root[len(dump_dir):].strip("/")
-        self.store = PrefectStore(dump_dir, storage_options)
+        self.store = PrefectStore(dump_dir, options)
 
     def covers(self, step: int) -> bool:
         return step in self.steps
@@ -150,44 +160,65 @@ class PendingStage:
 
 
 def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | None = None,
-                requires: dict | None = None, fit: Callable[[TensorDict], TensorDict] | None = None,
-                background: bool = False, **kwargs) -> PendingStage:
+                requires: dict | None = None, identity: dict | None = None,
+                fit: Callable[[TensorDict], TensorDict] | None = None, background: bool = False,
+                **kwargs) -> PendingStage:
     """Start ``task(*args, **kwargs)`` for ``step``, replaying or dumping its result as ``cache`` says.
 
     ``background`` submits the task as a Prefect future (one-step-off generation); a replay is never
-    started in the background: it is resolved when awaited and starts no generation. ``meta`` and
-    ``requires`` go into a dumped entry's manifest; a replayed entry must have recorded ``requires``
-    exactly; ``fit`` adapts a replayed entry's fields to this step.
+    started in the background: it is resolved when awaited and starts no generation. ``meta``,
+    ``requires`` and ``identity`` go into a dumped entry's manifest. A replayed entry must have recorded
+    ``requires`` exactly (the input it was computed from), and ``identity`` too (how it was sampled)
+    unless the cache allows a mismatch; ``fit`` adapts a replayed entry's fields to this step.
     """
     if cache is None or not cache.covers(step):
         return _launch(task, args, kwargs, background, lambda result: result)
-    requires = json.loads(json.dumps(requires or {}))  # as a manifest gives it back
-    meta = {**(meta or {}), **requires}
+    requires, identity = (json.loads(json.dumps(values or {})) for values in (requires, identity))  # as recorded
+    meta = {**(meta or {}), **requires, **identity}
     miss = {f"skip/{cache.key}/hit": 0.0}
 
-    def compute_and_dump(plan: CachePlan, background: bool) -> PendingStage:
+    def compute(background: bool, *, plan: CachePlan | None) -> PendingStage:
+        """Run the task; with a ``plan``, dump its result at this step, else (storage failing) don't."""
+        if plan is None:
+            failed = {**miss, f"skip/{cache.key}/read_failed": 1.0}
+            return _launch(task, args, kwargs, background, lambda result: StageResult(result.fields,
+                                                                                      {**result.metrics, **failed}))
         return _launch(task.with_options(**cache.task_options(plan)), args,
-                       {**kwargs, "dump": StepDump(cache.entries, step, meta)}, background,
+                       {**kwargs, "dump": StepDump(cache.entries, step, meta, cache.timeout_s)}, background,
                        lambda record: StageResult(record.fields, {**record.metrics, **miss}))
 
-    plan = cache.plan(step)
+    try:
+        plan = bounded(lambda: cache.plan(step), timeout_s=cache.timeout_s,
+                       what=f"looking up step {step} in {cache.entries.root}")
+    except Exception as error:  # the store is unreachable, stalls or answers garbage: go on without it
+        logger.warning("the %s cache cannot be read (%r); computing step %d without it", cache.key, error, step)
+        return compute(background, plan=None)
     if not plan.hit_expected:
-        return compute_and_dump(plan, background)
+        return compute(background, plan=plan)
 
     def replay() -> StageResult:
-        replayed = _replay(cache, task, plan, args, kwargs)
+        try:
+            replayed = bounded(lambda: _replay(cache, task, plan, args, kwargs), timeout_s=cache.timeout_s,
+                               what=f"loading step {plan.load_step} from {cache.entries.root}")
+        except Exception as error:
+            logger.warning("the cached %s of step %d cannot be read (%r); computing step %d without the cache",
+                           cache.key, plan.load_step, error, step)
+            return compute(False, plan=None).result()
         if isinstance(replayed, StageResult):  # Prefect ran the body after all: a fresh, undumped result
             return StageResult(replayed.fields, {**replayed.metrics, **miss})
         if replayed is not None:
             fields, manifest = replayed
-            differences = _differences(requires, manifest)
-            if not differences:
+            wrong_input, other_identity = _differences(requires, manifest), _differences(identity, manifest)
+            tolerated = not wrong_input and (not other_identity or cache.allow_mismatch)
+            if wrong_input or other_identity:
+                logger.warning("cached %s of step %d does not match this run (%s); %s", cache.key, plan.load_step,
+                               "; ".join(wrong_input + other_identity),
+                               f"replaying it anyway (skip.{cache.key}.allow_mismatch)" if tolerated else "recomputing")
+            if tolerated:
                 return StageResult(fit(fields) if fit else fields,
                                    {**manifest.get("metrics", {}), f"skip/{cache.key}/hit": 1.0,
                                     f"skip/{cache.key}/load_step": float(plan.load_step)})
-            logger.warning("cached %s of step %d does not match this run (%s); recomputing", cache.key,
-                           plan.load_step, "; ".join(differences))
-        return compute_and_dump(cache.plan_dump(step), background=False).result()
+        return compute(False, plan=cache.plan_dump(step)).result()
 
     return PendingStage(replay)
 

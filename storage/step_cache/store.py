@@ -194,12 +194,13 @@ class StepCache:
             raise CacheCorrupt(marker_url, problem)
         return manifest
 
-    def load(self, step: int) -> tuple[TensorDict, dict]:
-        """Read, verify (size, then sha256) and decode an entry; any problem raises :class:`CacheCorrupt`."""
+    def load(self, step: int, *, max_bytes: int | None = None) -> tuple[TensorDict, dict]:
+        """Read, verify (size, then sha256) and decode an entry; any problem raises :class:`CacheCorrupt`.
+        A payload larger than ``max_bytes`` is refused before anything of it is read."""
         step = as_step(step)
         manifest = self.manifest(step)
         payload_url = self.payload_url(step)
-        payload = read_verified(self._fs, payload_url, payload_entry(manifest), error=CacheCorrupt)
+        payload = read_verified(self._fs, payload_url, payload_entry(manifest), error=CacheCorrupt, max_bytes=max_bytes)
         try:
             batch = decode_batch(payload)
         except ValueError as error:

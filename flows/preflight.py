@@ -1,0 +1,220 @@
+"""The checks of a run that need I/O but neither Ray nor a model: run before either starts.
+
+:func:`~ppoflow.configs.load_config` checks the values and how they relate; :func:`preflight` checks what
+they point at: the run directory and every enabled step cache can be written (within a bounded time, with
+the configured storage options and the credentials of the environment), a checkpoint to resume from is
+complete, the Ray cluster to join answers, every model directory holds a loadable model config and
+tokenizer whose context fits prompt + response, every data file reads, has verl's columns and tokenizes,
+and every data source has a scorer. Every problem found is collected into one
+:class:`~ppoflow.configs.ConfigError`, so one run lists them all. ``ppoflow train`` calls it before
+Prefect starts; :func:`~ppoflow.flows.run.start_run` calls it first, so a run started from the UI or a
+deployment fails with the same messages.
+
+What a run will build or generate (``model.build``, ``data.synthetic``) is not there yet: only its recipe
+is checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from functools import partial
+from urllib.parse import urlsplit
+
+from prefect.settings import get_current_settings
+
+from ppoflow.algorithms.scoring import load_custom_scorer, scorer_for
+from ppoflow.configs import ConfigError, config_as_dict
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.data.datasets import (SYNTHETIC_SOURCES, check_batch_fits, files_to_generate, read_prompt_rows,
+                                   tokenize_rows)
+from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
+from ppoflow.storage.checkpoint import MARKER, manifest
+from ppoflow.storage.fs import atomic_write, join, open_fs, remove_if_present
+from ppoflow.tasks.stages import storage_settings
+from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
+
+STORAGE_TIMEOUT_S = 10.0
+"""How long a storage probe may take before its location counts as unreachable (s3fs retries a refused
+connection for much longer)."""
+RAY_CONNECT_TIMEOUT_S = 5.0
+"""How long a TCP connection to ``ray.address`` may take (``ray.init`` itself retries for minutes)."""
+
+Problems = list[tuple[str, str]]
+
+
+_PASSED: set[str] = set()
+"""Configs this process has checked already: ``ppoflow train`` checks before Prefect starts, and the flow
+run it starts checks again (for runs started from the UI); the second check of the same config is skipped."""
+
+
+def preflight(cfg: PPOConfig) -> None:
+    """Run every check of ``cfg`` that needs I/O but not Ray or a model; :class:`ConfigError` listing every
+    problem, each naming its key (and the file or URL)."""
+    checked = json.dumps(config_as_dict(cfg), sort_keys=True)
+    if checked in _PASSED:
+        return
+    problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg)
+    tokenizer, found = _model_problems(cfg)
+    problems += found
+    sources, found = _data_problems(cfg, tokenizer)
+    problems += found + _scorer_problems(cfg, sources)
+    if problems:
+        raise ConfigError(problems)
+    _PASSED.add(checked)
+
+
+# ------------------------------------------------------------------------------------ storage
+
+
+def _storage_problems(cfg: PPOConfig) -> Problems:
+    """The run directory and every enabled cache take a probe file; a checkpoint to resume from is complete.
+    A probe that has not finished after :data:`STORAGE_TIMEOUT_S` counts as unreachable."""
+    run_dir, resume_dir = cfg.trainer.default_local_dir, cfg.trainer.resume_from_path
+    probes = {"trainer.default_local_dir": (run_dir, partial(_write_probe, run_dir, {}))}
+    for stage, skip in cfg.skip.items():
+        if skip.enable:  # one attempt, within the deadline: a refused connection is reported as such, at once
+            options = client_timeouts(skip.dump_dir, storage_settings(skip), timeout_s=STORAGE_TIMEOUT_S, retries=0)
+            probes[f"skip.{stage}.dump_dir"] = (skip.dump_dir, partial(_write_probe, skip.dump_dir, options))
+    if cfg.trainer.resume_mode == "resume_path" and resume_dir:
+        probes["trainer.resume_from_path"] = (resume_dir, partial(_check_checkpoint, resume_dir))
+    problems: Problems = []
+    for key, (url, probe) in probes.items():
+        try:
+            bounded(probe, timeout_s=STORAGE_TIMEOUT_S, what=f"preflight of {key} ({url})")
+        except ConfigError as error:
+            problems += error.problems
+        except StorageStalled:
+            problems.append((key, f"{url} did not answer within {STORAGE_TIMEOUT_S:g} s; check the endpoint "
+                                  "(storage_options), the network and the credentials"))
+        except Exception as error:  # noqa: BLE001 - fsspec backends raise their own types (botocore's are not OSError)
+            problems.append((key, f"cannot use {url}: {type(error).__name__}: {error}"))
+    return problems
+
+
+def _write_probe(url: str, storage_options: dict) -> None:
+    """Write a small file under ``url`` and remove it again (a local directory is created on the way)."""
+    fs, path = open_fs(url, storage_options)
+    name = join(path, f".ppoflow-preflight-{uuid.uuid4().hex}")
+    atomic_write(fs, name, b"preflight")
+    remove_if_present(fs, name)
+
+
+def _check_checkpoint(url: str) -> None:
+    fs, path = open_fs(url)
+    if not fs.isdir(path):
+        raise ConfigError([("trainer.resume_from_path", f"no such checkpoint directory {url}")])
+    if manifest(url) is None:
+        raise ConfigError([("trainer.resume_from_path", f"{url} is not a complete checkpoint (no valid {MARKER} "
+                            "listing every file with its size); resume from another global_step_N directory")])
+
+
+# ---------------------------------------------------------------------------------------- ray
+
+
+def _ray_problems(cfg: PPOConfig) -> Problems:
+    """The Ray cluster to join (``ray.address``, else env ``RAY_ADDRESS``) accepts a TCP connection."""
+    key, address = ("ray.address", cfg.ray.address) if cfg.ray.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    if not address or address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
+        return []  # a local Ray, or a scheme that a Ray plug-in resolves
+    parts = urlsplit(f"//{address.removeprefix('ray://')}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or port is None:
+        return [(key, f"{address!r} is not host:port or ray://host:port")]
+    try:
+        socket.create_connection((host, port), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        return [(key, f"no Ray cluster answers at {address} ({type(error).__name__}: {error}); start it "
+                      "(ray start --head) or leave ray.address and RAY_ADDRESS unset to start a local Ray")]
+    return []
+
+
+def _reward_manager_problems(cfg: PPOConfig) -> Problems:
+    if cfg.reward_model.reward_manager == "ray" and not get_current_settings().api.url:
+        return [("reward_model.reward_manager", "reward_model.reward_manager=ray scores in Prefect tasks on Ray "
+                 "workers, which must report to a Prefect server: set PREFECT_API_URL")]
+    return []
+
+
+# ------------------------------------------------------------------------------ models and data
+
+
+def _model_problems(cfg: PPOConfig):
+    """Every model's config and context length (its build recipe's when it is to be built); the actor's
+    tokenizer, returned for the data checks (None when it cannot be loaded yet)."""
+    needed = cfg.data.max_prompt_length + cfg.data.max_response_length
+    models = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model}
+    if cfg.use_critic:
+        models["critic.model.path"] = cfg.critic.model
+    problems: Problems = []
+    for key, model in models.items():
+        try:
+            check_context_length(model, needed, key)
+        except ConfigError as error:
+            problems += error.problems
+    actor = cfg.actor_rollout_ref.model
+    if builds_model(actor) or any(key.startswith("actor_rollout_ref.") for key, _ in problems):
+        return None, problems
+    key = "actor_rollout_ref.model.tokenizer_path" if actor.tokenizer_path else "actor_rollout_ref.model.path"
+    try:
+        return load_tokenizer(actor), problems
+    except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, tokenizers' own errors, ...
+        return None, problems + [(key, f"the tokenizer of {actor.tokenizer_path or actor.path} does not load: "
+                                       f"{type(error).__name__}: {error}")]
+
+
+def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], Problems]:
+    """Every data file that exists (or is not generated) reads, has verl's columns and, when the tokenizer
+    is there, tokenizes; returns the data sources by key."""
+    data = cfg.data
+    try:
+        generated = files_to_generate(data)
+    except ConfigError as error:
+        return {}, list(error.problems)
+    sources: dict[str, set[str]] = {}
+    problems: Problems = []
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        if files is None:
+            continue
+        if key in generated:
+            sources[key] = {SYNTHETIC_SOURCES[data.synthetic.task]}
+            continue
+        try:
+            rows = read_prompt_rows(files, data, key=key)
+        except ConfigError as error:
+            problems += error.problems
+            continue
+        sources[key] = {row["data_source"] for row in rows}
+        if tokenizer is None:
+            continue
+        try:
+            dataset = tokenize_rows(rows, data, tokenizer, key=key)
+            if key == "data.train_files":
+                check_batch_fits(len(dataset), data.train_batch_size)
+        except ConfigError as error:
+            problems += error.problems
+    return sources, problems
+
+
+def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]]) -> Problems:
+    """The custom scorer imports and has its function; without one, every data source has a built-in scorer."""
+    custom = cfg.custom_reward_function
+    if custom.path:
+        try:
+            load_custom_scorer(custom.path, custom.name)
+        except ValueError as error:
+            return [("custom_reward_function.path", str(error))]
+        return []
+    problems: Problems = []
+    for key, found in sources.items():
+        for source in sorted(found):
+            try:
+                scorer_for(source, None)
+            except ValueError as error:
+                problems.append((key, str(error)))
+    return problems
