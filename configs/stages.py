@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE
+
 
 @dataclass(frozen=True)
 class StageNames:
@@ -23,7 +25,7 @@ class StageNames:
 
 
 STAGES = (
-    StageNames("generate", skip="rollout", timing="gen"),
+    StageNames("generate", skip=ROLLOUT_STAGE, timing="gen"),
     StageNames("reward", skip="reward", timing="reward"),
     StageNames("old_log_prob", skip="old_log_prob", timing="old_log_prob"),
     StageNames("ref_log_prob", skip="ref", timing="ref"),

@@ -24,15 +24,19 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.storage.batch import StageResult, non_tensor_column
-from ppoflow.storage.step_cache import PendingStage, remap_to_prompts
+from ppoflow.storage.step_cache import remap_to_prompts
+from ppoflow.storage.step_cache.stage_cache import PendingStage
 
 logger = logging.getLogger(__name__)
 
 TRAINER_MODES: dict[str, type[TrainerMode]] = {}
+
+GENERATE, WEIGHT_SYNC = STAGE_NAMES["generate"], STAGE_NAMES["weight_sync"]
 
 
 def register_trainer(name: str):
@@ -99,9 +103,9 @@ class TrainerMode:
         prompts = run.prompts(step, self.state.prompt_rows(step))
         uids, n = non_tensor_column(prompts, "uid"), run.cfg.actor_rollout_ref.rollout.n
         self.launch_versions[step] = self.synced_version
-        cached = run.stages.caches.get("generate")
+        cached = run.stages.caches.get(GENERATE.name)
         self.in_flight[step] = run.stages.start(
-            "generate", step, run.workers, prompts, step, run.sampling, background=background,
+            GENERATE.name, step, run.workers, prompts, step, run.sampling, background=background,
             meta=run.rollout_record(), identity=run.rollout_identity if cached and cached.covers(step) else None,
             fit=lambda entry: remap_to_prompts(entry, uids, n))
 
@@ -126,7 +130,7 @@ class TrainerMode:
             step.metrics.update({"training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
                                  "training/off_policy/trajectory_staleness/max": float(staleness.max())})
         if pending.background_seconds is not None:
-            gen = step.metrics.get("timing_s/gen", 0.0)
+            gen = step.metrics.get(f"timing_s/{GENERATE.timing}", 0.0)
             step.metrics["timing_s/generate_async"] = pending.background_seconds
             step.metrics["perf/generate_overlap_ratio"] = max(0.0, 1 - gen / max(pending.background_seconds, 1e-9))
 
@@ -146,7 +150,7 @@ class TrainerMode:
         """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last)."""
         run = self.run
         collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
-        run.stages.run("weight_sync", run.workers, collective, again)
+        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again)
         if not again:
             self.synced_version = self.state.weight_version
 
@@ -161,7 +165,7 @@ class TrainerMode:
 
 
 def _replayed(generated: StageResult) -> bool:
-    return generated.metrics.get("skip/rollout/hit") == 1.0
+    return generated.metrics.get(f"skip/{GENERATE.skip}/hit") == 1.0
 
 
 @register_trainer("sync")
@@ -169,7 +173,7 @@ class SyncTrainer(TrainerMode):
     """Generate, train, then push the new weights: every sample comes from the current policy."""
 
     def on_step_end(self, step: StepData) -> None:
-        with step.timed("update_weights"):
+        with step.timed(WEIGHT_SYNC.timing):
             self.push_weights()
 
 
@@ -189,7 +193,7 @@ class OneStepOffTrainer(TrainerMode):
 
     def on_sample_end(self, step: StepData) -> None:
         with step.timed("sync_rollout_weights"):
-            with step.timed("update_weights"):
+            with step.timed(WEIGHT_SYNC.timing):
                 self.push_weights()
             if step.step < self.last_step:
                 self.launch(step.step + 1, background=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache import PendingStage, StageCache, fingerprint, start_stage
+from ppoflow.storage.step_cache.stage_cache import PendingStage, StageCache, fingerprint, start_stage
 from ppoflow.tasks.stages import STAGES
 from ppoflow.workers.group import Workers
 

@@ -30,6 +30,7 @@ from pydantic import Field
 from ppoflow.algorithms.correction import correct_off_policy
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.metrics import data_metrics
@@ -54,14 +55,7 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
         batch["old_log_probs"] = batch["rollout_log_probs"]
     else:
         stages.call("old_log_prob", step, run.workers, shared)
-        batch["response_mask"], is_weights, corrected = correct_off_policy(
-            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-            rollout_rs=correction.rollout_rs, rollout_rs_threshold=correction.rollout_rs_threshold,
-            rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
-            rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
-        if is_weights is not None:
-            batch["rollout_is_weights"] = is_weights
-        step.metrics.update(corrected)
+        correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     if cfg.use_reference:
         stages.call("ref_log_prob", step, run.workers, shared)
     if cfg.use_critic:
@@ -77,6 +71,20 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     step.metrics.update(data_metrics(batch))
 
 
+def correct_for_the_rollout(step: StepData, correction) -> None:
+    """Reject and/or importance-weight trajectories by how far the rollout's sampling log-probs are from
+    the trainer's old log-probs (``algorithm.rollout_correction``); the math is in ``algorithms.correction``."""
+    batch = step.batch
+    batch["response_mask"], is_weights, metrics = correct_off_policy(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+        rollout_rs=correction.rollout_rs, rollout_rs_threshold=correction.rollout_rs_threshold,
+        rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
+        rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
+    if is_weights is not None:
+        batch["rollout_is_weights"] = is_weights
+    step.metrics.update(metrics)
+
+
 def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: range) -> Iterator[StepData]:
     """The training loop over ``steps``: the mode's hooks around stage 1 and the PPO update; yields each
     finished step (validation, logging and checkpointing happen in the caller, between steps)."""
@@ -86,7 +94,7 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
         with step.timed("step"):
             mode.on_step_begin(step)
             mode.on_sample_begin(step)
-            with step.timed("gen"):
+            with step.timed(STAGE_NAMES["generate"].timing):
                 mode.sample(step)  # 1. generate
             mode.on_sample_end(step)
             ppo_update(run, state, step)  # 2.-5.

@@ -11,7 +11,7 @@ from ppoflow.configs.schema import AlgorithmConfig
 from ppoflow.algorithms.advantages import compute_advantage
 from ppoflow.algorithms.kl import apply_kl_penalty
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache import cacheable
+from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 @task(name="advantage", cache_policy=NO_CACHE)

@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult
-from ppoflow.storage.step_cache import cacheable
+from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.workers.rollout import SamplingParams
 
 

@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache import cacheable
+from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 @task(name="old_log_prob", cache_policy=NO_CACHE)

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from ppoflow.algorithms.scoring import Scorer, score_responses
 from ppoflow.storage.batch import StageResult, non_tensor_column
-from ppoflow.storage.step_cache import cacheable
+from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:

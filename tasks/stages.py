@@ -10,7 +10,8 @@ from prefect import Task
 from ppoflow.configs.schema import PPOConfig, SkipStageConfig
 from ppoflow.configs.stages import STAGE_NAMES, StageNames
 from ppoflow.storage.fs import normalize_url
-from ppoflow.storage.step_cache import StageCache, config_dir
+from ppoflow.storage.step_cache import config_dir
+from ppoflow.storage.step_cache.stage_cache import StageCache
 from ppoflow.tasks.advantage import advantage
 from ppoflow.tasks.generate import generate
 from ppoflow.tasks.log_prob import old_log_prob, ref_log_prob
@@ -63,6 +64,15 @@ def storage_settings(skip: SkipStageConfig) -> dict:
     return options
 
 
+def entry_size_bound(cfg: PPOConfig) -> int:
+    """More bytes than any cache entry of this run can hold: every trajectory's prompt and response tokens
+    with 64 bytes each (int64 ids plus every float field a stage adds), plus 64 MiB for the payload's
+    JSON header (uids, data sources, ground truths). A larger entry is refused before it is read."""
+    trajectories = cfg.gen_batch_size * cfg.actor_rollout_ref.rollout.n
+    tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return trajectories * tokens * 64 + (64 << 20)
+
+
 def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
     """The run's enabled step caches, keyed by stage name."""
     caches = {}
@@ -72,5 +82,6 @@ def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
             caches[stage.name] = StageCache(stage.names.skip, normalize_url(skip.dump_dir), run_cache_dir(skip, cfg),
                                             steps=skip.steps, action=skip.action,
                                             storage_options=storage_settings(skip), timeout_s=skip.timeout_s,
-                                            retries=skip.retries, allow_mismatch=skip.allow_mismatch)
+                                            retries=skip.retries, allow_mismatch=skip.allow_mismatch,
+                                            max_entry_bytes=entry_size_bound(cfg))
     return caches

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache import cacheable
+from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 @task(name="values", cache_policy=NO_CACHE)

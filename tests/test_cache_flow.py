@@ -130,6 +130,7 @@ def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_l
     assert cached_steps(dump) == [1]
 
 
+@pytest.mark.slow
 def test_cache_with_only_step_one_present(prefect_api, ray_local, golden, tmp_path):
     dump = copy_dump(golden, tmp_path)
     for step in (2, 3, 4):
@@ -161,6 +162,7 @@ def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, go
     assert all(StepCache(str(root)).status(step).valid for step in (1, 2, 3, 4))  # and dumped again
 
 
+@pytest.mark.slow
 def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_local, golden, tmp_path, caplog):
     """A step cached with n=4 replayed by a run with n=2 is a deliberate cross-config replay
     (``allow_mismatch``): fitted onto the prompts with verl's V1 uid remap, and the difference logged.
@@ -195,6 +197,7 @@ def test_a_rollout_sampled_otherwise_is_not_replayed(prefect_api, ray_local, gol
     assert "recomputing" in caplog.text
 
 
+@pytest.mark.slow
 def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local, golden, tmp_path, caplog):
     dump = copy_dump(golden, tmp_path)
     reward_only = {"reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[1]"}
@@ -203,6 +206,7 @@ def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local
     assert rows[0]["skip/reward/hit"] == 0 and "does not match this run (input_fingerprint:" in caplog.text
 
 
+@pytest.mark.slow
 def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides, tmp_path, s3_server):
     endpoint, _ = s3_server
     skip = rollout_skip(f"s3://ppoflow-test/{uuid.uuid4().hex}", [1, 2])

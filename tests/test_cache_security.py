@@ -153,6 +153,7 @@ def test_a_poisoned_cache_runs_no_code_and_its_steps_regenerate(prefect_api, ray
     assert not sentinel.exists()
 
 
+@pytest.mark.slow
 def test_replaying_a_copied_entry_needs_no_prefect_record(prefect_api, ray_local, golden, tmp_path):
     """An entry copied in by hand (no Prefect record anywhere) is still a ``Cached`` task run."""
     dump = tmp_path / "dump"

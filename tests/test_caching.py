@@ -10,7 +10,8 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult, with_non_tensor_columns
-from ppoflow.storage.step_cache import CacheWriteError, StepCache, StepDump, cacheable, fingerprint
+from ppoflow.storage.step_cache import CacheWriteError, StepCache
+from ppoflow.storage.step_cache.stage_cache import StepDump, cacheable, fingerprint
 from ppoflow.storage.step_cache.prefect import ManifestSerializer, StageRecord
 from ppoflow.storage.step_cache.store import encode_manifest
 

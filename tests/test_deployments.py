@@ -50,6 +50,7 @@ def small(tiny_overrides):
         "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1"]
 
 
+@pytest.mark.slow
 def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small, replay_baseline, tmp_path):
     from prefect.deployments import run_deployment
 

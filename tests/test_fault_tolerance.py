@@ -35,6 +35,7 @@ def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, kille
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api, ray_local, tiny_overrides, tmp_path):
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
         "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",

@@ -88,6 +88,7 @@ def test_cli_rejects_bad_config_before_starting_anything():
     assert "Ray" not in result.stderr and "prefect" not in result.stderr.lower()
 
 
+@pytest.mark.slow
 def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
     # A database migrated by a Prefect this one does not know: its temporary server cannot start.
     with sqlite3.connect(tmp_path / "prefect.db") as db:

@@ -50,6 +50,7 @@ def test_lag_is_zero_in_sync_and_exactly_one_step_off(prefect_api, ray_local, ov
     assert generate_states(flow_run, 4) == ["Completed"] * 4  # the last step starts no generation
 
 
+@pytest.mark.slow
 def test_a_replayed_step_starts_no_generation(prefect_api, ray_local, overrides, tmp_path):
     dump = tmp_path / "dump"
     skip = [f"skip.{key}={value}" for key, value in rollout_skip(dump, [2]).items()]
@@ -60,6 +61,7 @@ def test_a_replayed_step_starts_no_generation(prefect_api, ray_local, overrides,
     assert staleness([rows[0], rows[2]]) == [(0, 0), (1, 1)]  # one step deep around the replayed step
 
 
+@pytest.mark.slow
 def test_bypass_mode_uses_the_rollout_log_probs(prefect_api, ray_local, overrides, tmp_path):
     rows, _ = run(overrides, tmp_path, "bypass", 2, ["trainer.mode=one_step_off",
                                                       "algorithm.rollout_correction.bypass_mode=true"])

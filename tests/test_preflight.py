@@ -277,12 +277,14 @@ def test_subprocess_storage_ray_data_and_reward_problems(tmp_path, tiny_override
                                    "data.train_files", "custom_reward_function.path")
 
 
+@pytest.mark.slow
 def test_subprocess_yaml_list(tmp_path):
     (tmp_path / "run.yaml").write_text("- data\n")
     assert_no_traceback_and_no_ray(cli_subprocess("train", "--config", str(tmp_path / "run.yaml")),
                                    str(tmp_path / "run.yaml"))
 
 
+@pytest.mark.slow
 def test_subprocess_cache_show_on_a_damaged_step(cached_step):
     dump, cache = cached_step
     open(cache.marker_url(1), "w").write("{garbage")

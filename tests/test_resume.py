@@ -77,6 +77,7 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
         checkpoint.read_trainer_state(str(run_dir / "global_step_3"))
 
 
+@pytest.mark.slow
 def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path, caplog):
     """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
     that was being generated for step 3) and reproduces the uninterrupted run."""
@@ -112,6 +113,7 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     assert state["mode"]["in_flight"]["3"] == {"batch_file": in_flight}
 
 
+@pytest.mark.slow
 def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(prefect_api, ray_local, overrides,
                                                                              tmp_path, caplog):
     """Damage a finished 3-step run the way a crash or a bad disk does, then resume it to 4 steps."""

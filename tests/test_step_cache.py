@@ -13,13 +13,9 @@ import logging
 import os
 import pickle
 import re
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
-import s3fs
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from tensordict import TensorDict
@@ -27,7 +23,7 @@ from tensordict import TensorDict
 from ppoflow.storage import fs as storage_fs
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
 from ppoflow.storage.step_cache import (CacheCorrupt, CacheEntry, CacheWriteError, StepCache, config_dir,
-                                        remap_to_prompts, scan)
+                                        scan)
 from ppoflow.storage.step_cache.manifest import STEP_MARKER, StepStatus, decode_manifest
 from ppoflow.storage.step_cache.store import encode_manifest
 
@@ -444,116 +440,3 @@ def test_scan_lists_every_stage_entry(tmp_path: Path):
         "ut_exp_ut_proj", "GBS4_N2_in8_out16", "rollout", 1, True, "", first.status(1).nbytes
     )
     assert scan(str(tmp_path / "nothing")) == []
-
-
-# -- remap_to_prompts -----------------------------------------------------------------------------
-
-
-def test_remap_reproduces_verls_worked_example(caplog: pytest.LogCaptureFixture):
-    cached = make_batch(["A", "B", "A", "B", "C"])
-    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        remapped = remap_to_prompts(cached, ["x", "y", "z", "w"], n=2)
-    # x<-A, y<-B, z<-C (short group cycles), w<-A: cached rows 0,2 | 1,3 | 4,4 | 0,2
-    assert remapped["prompts"][:, 0].tolist() == [0, 2, 1, 3, 4, 4, 0, 2]
-    assert non_tensor_column(remapped, "uid") == ["x", "x", "y", "y", "z", "z", "w", "w"]
-    assert remapped["group_index"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert remapped["group_index"].dtype == torch.int64
-    assert non_tensor_column(remapped, "ground_truth") == [
-        non_tensor_column(cached, "ground_truth")[row] for row in [0, 2, 1, 3, 4, 4, 0, 2]
-    ]
-    text = warnings_text(caplog)
-    assert "3 prompt groups" in text and "4 prompts" in text and "[1]" in text and "n=2" in text
-
-
-def test_remap_identity_when_shapes_match(caplog: pytest.LogCaptureFixture):
-    cached = make_batch(["A", "A", "B", "B"])
-    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        remapped = remap_to_prompts(cached, ["p", "q"], n=2)
-    assert remapped["prompts"][:, 0].tolist() == [0, 1, 2, 3]
-    assert torch.equal(remapped["responses"], cached["responses"])
-    assert non_tensor_column(remapped, "uid") == ["p", "p", "q", "q"]
-    assert warnings_text(caplog) == ""
-
-
-def test_remap_uses_first_groups_and_truncates_long_groups(caplog: pytest.LogCaptureFixture):
-    cached = make_batch(["A", "A", "A", "B", "B", "B", "C", "C", "C"])
-    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        remapped = remap_to_prompts(cached, ["p", "q"], n=2)
-    assert remapped["prompts"][:, 0].tolist() == [0, 1, 3, 4]
-    assert "3 prompt groups" in warnings_text(caplog) and "2 prompts" in warnings_text(caplog)
-
-
-def test_remap_cycles_sessions_of_a_short_group():
-    remapped = remap_to_prompts(make_batch(["A", "A", "B"]), ["p", "q"], n=4)
-    assert remapped["prompts"][:, 0].tolist() == [0, 1, 0, 1, 2, 2, 2, 2]
-    assert remapped.batch_size == torch.Size([8])
-
-
-def test_remap_needs_cached_groups():
-    with pytest.raises(ValueError, match="no trajectory groups"):
-        remap_to_prompts(make_batch([]), ["p"], n=2)
-    with pytest.raises(ValueError, match="uid"):
-        remap_to_prompts(TensorDict({"x": torch.zeros(2)}, batch_size=[2]), ["p"], n=2)
-
-
-# -- S3 (moto server) -----------------------------------------------------------------------------
-
-CHILD_PROCESS = """
-import json, sys
-from ppoflow.storage.batch import non_tensor_column
-from ppoflow.storage.step_cache import StepCache
-
-root, options = sys.argv[1], json.loads(sys.argv[2])
-cache = StepCache(root, storage_options=options)
-assert cache.valid_steps() == [1], cache.steps()
-batch, manifest = cache.load(1)
-assert non_tensor_column(batch, "uid") == ["a", "a", "b", "b"]
-cache.write(2, batch, meta={"writer": "child"})
-"""
-
-
-def test_s3_round_trip_seen_across_processes(s3_server):
-    _, storage_options = s3_server
-    root = config_dir(f"s3://{BUCKET}/{uuid.uuid4().hex}/dump", **CONFIG)
-    cache = StepCache(root, storage_options=storage_options)
-    assert cache.valid_steps() == []  # list before the other process writes
-    batch = make_batch(["a", "a", "b", "b"])
-    cache.write(1, batch)
-    assert cache.valid_steps() == [1]
-
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD_PROCESS, root, json.dumps(storage_options)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == 0, child.stderr
-
-    assert cache.valid_steps() == [1, 2]  # the child's key is not hidden by a listing cache
-    loaded, manifest = cache.load(2)
-    assert_same_batch(loaded, batch)
-    assert manifest["writer"] == "child"
-
-
-def test_s3_damaged_entries_and_scan(s3_server):
-    _, storage_options = s3_server
-    dump_dir = f"s3://{BUCKET}/{uuid.uuid4().hex}/dump"
-    cache = StepCache(config_dir(dump_dir, **CONFIG), storage_options=storage_options)
-    write_steps(cache, [1, 2])
-    cache.write_payload(3, make_batch(["a"]))
-    s3 = s3fs.S3FileSystem(skip_instance_cache=True, **storage_options)
-    s3.pipe_file(cache.payload_url(2), b"truncated")
-    assert cache.valid_steps() == [1]
-    assert cache.resolve(2, "repeat") == 1
-    assert [(entry.step, entry.valid) for entry in scan(dump_dir, storage_options)] == [(1, True), (2, False), (3, False)]
-
-
-def test_s3_refused_write_is_retried_then_raises(s3_server):
-    _, storage_options = s3_server
-    root = config_dir(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/dump", **CONFIG)
-    cache = StepCache(root, storage_options=storage_options, write_retries=1, retry_backoff_s=0)
-    with pytest.raises(CacheWriteError, match="2 attempts") as raised:
-        cache.write(4, make_batch(["a"]))
-    assert raised.value.path == cache.payload_url(4)
-    assert not cache.status(4).valid

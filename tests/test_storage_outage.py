@@ -65,6 +65,7 @@ def test_a_store_that_hangs_mid_run_is_given_up_on_and_reported(prefect_api, ray
     assert "still waiting after 5 s" in caplog.text and "did not finish within 6 s" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_store_gone_during_a_replay_costs_only_the_cache(prefect_api, ray_local, proxy, tiny_model, tmp_path,
                                                             caplog):
     """A replay whose store disappears after step 1 computes steps 2 and 3 itself - exactly as they were

@@ -12,6 +12,7 @@ from pathlib import Path
 from ppoflow.configs import DEMO_NAME, config_as_dict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.fs import atomic_write, join, normalize_url, open_fs
+from ppoflow.storage.step_cache import ROLLOUT_STAGE
 
 FORMAT_VERSION = 1
 BASELINE_FILE = "baseline.json"
@@ -54,8 +55,9 @@ def code_version() -> dict[str, str | None]:
 
 def cache_overrides(directory: str, steps: int) -> list[str]:
     """The rollout-cache overrides shared by the recording and its replays."""
-    return ["skip.rollout.enable=true", "skip.rollout.action=cache", f"skip.rollout.dump_dir={join(directory, 'cache')}",
-            f"skip.rollout.steps=[{','.join(str(step) for step in range(1, steps + 1))}]"]
+    key = f"skip.{ROLLOUT_STAGE}"
+    return [f"{key}.enable=true", f"{key}.action=cache", f"{key}.dump_dir={join(directory, 'cache')}",
+            f"{key}.steps=[{','.join(str(step) for step in range(1, steps + 1))}]"]
 
 
 def config_name(config: str | None) -> str:
@@ -101,7 +103,7 @@ def missing_cache_steps(cfg: PPOConfig, steps: int) -> list[tuple[int, str]]:
     from ppoflow.storage.step_cache import StepCache
     from ppoflow.tasks.stages import run_cache_dir, storage_settings
 
-    skip = cfg.skip["rollout"]
+    skip = cfg.skip[ROLLOUT_STAGE]
     cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))
     statuses = [cache.status(step) for step in range(1, steps + 1)]
     return [(status.step, f"{cache.step_url(status.step)}: {status.reason}") for status in statuses if not status.valid]

@@ -37,6 +37,7 @@ from ppoflow.flows.replay.baseline import (BASELINE_FILE, FORCED, FORMAT_VERSION
 from ppoflow.flows.replay.compare import DEFAULT_IGNORED, ReplayMismatch, compare, tolerance_for
 from ppoflow.flows.tracking import json_number, read_metrics
 from ppoflow.storage.fs import join, normalize_url, open_fs
+from ppoflow.storage.step_cache import ROLLOUT_STAGE
 
 ARTIFACT_ROWS = 500
 """At most this many mismatch rows go into the table artifact (the CLI prints fewer, see :func:`check`)."""
@@ -124,7 +125,7 @@ def regression_replay(directory: str, overrides: list[str] = [], tolerances: dic
     train_state = ppo_train(config=baseline["config"], overrides=words, return_state=True)
     train_state.result()  # a failed training run fails the replay with its own error
     rows = read_metrics(run_dir)
-    hits = {row["step"]: row.get("skip/rollout/hit") for row in rows}
+    hits = {row["step"]: row.get(f"skip/{ROLLOUT_STAGE}/hit") for row in rows}
     generated = [step for step in range(1, steps + 1) if hits.get(step) != 1]
     if generated:
         raise ReplayError(f"step {generated[0]} was generated, the cache is incomplete "

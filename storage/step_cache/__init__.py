@@ -14,15 +14,16 @@ One home, in the order a reader meets it:
   its record of an entry is derived from the marker, never read from the cache;
 * :mod:`.stage_cache` - calling a stage through its cache (:func:`start_stage`): the rules, applied
   from outside the stage's body.
+
+This package exports the storage side only; the Prefect side (:mod:`.prefect`, :mod:`.stage_cache`) is
+imported from its modules, so that the workers, which read the layout's names through the config, never
+pay for importing Prefect.
 """
 
 from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, config_dir, marker_name, payload_name
 from ppoflow.storage.step_cache.remap import remap_to_prompts
 from ppoflow.storage.step_cache.scan import CacheEntry, scan
-from ppoflow.storage.step_cache.stage_cache import (PendingStage, StageCache, StepDump, cacheable, fingerprint,
-                                                    start_stage)
 from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache
 
-__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "PendingStage", "StageCache", "StepCache",
-           "StepDump", "cacheable", "config_dir", "fingerprint", "marker_name", "payload_name", "remap_to_prompts",
-           "scan", "start_stage"]
+__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "StepCache", "config_dir", "marker_name",
+           "payload_name", "remap_to_prompts", "scan"]

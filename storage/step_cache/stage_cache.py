@@ -104,13 +104,14 @@ class StageCache:
     ``key`` is the stage's cache key (``skip.<key>``, ``skip/<key>/*`` metrics); ``root`` the run's
     configuration directory under ``dump_dir``. Every storage call is bounded by ``timeout_s`` and a
     failed write is retried ``retries`` times; ``allow_mismatch`` replays entries whose recorded
-    requirements differ (logging the differences).
+    requirements differ (logging the differences); an entry larger than ``max_entry_bytes`` (more than a
+    step of this run can hold) is refused before it is read.
     """
 
     def __init__(self, key: str, dump_dir: str, root: str, *, steps: list[int], action: str,
-                 storage_options: dict, timeout_s: float, retries: int, allow_mismatch: bool):
+                 storage_options: dict, timeout_s: float, retries: int, allow_mismatch: bool, max_entry_bytes: int):
         self.key, self.steps, self.action = key, frozenset(steps), action
-        self.timeout_s, self.allow_mismatch = timeout_s, allow_mismatch
+        self.timeout_s, self.allow_mismatch, self.max_entry_bytes = timeout_s, allow_mismatch, max_entry_bytes
         options = client_timeouts(dump_dir, storage_options, timeout_s=timeout_s, retries=retries)
         self.entries = StepCache(root, stage=key, storage_options=options, write_retries=retries)
         remove_stale_temp_files(*open_fs(self.entries.root, options))  # left by writes a crash interrupted
@@ -253,7 +254,7 @@ def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[Ten
         record = task.with_options(**cache.task_options(plan))(*args, **kwargs)
         if not isinstance(record, StageRecord) or record.fields is not None:
             return record
-        return cache.entries.load(record.manifest["global_steps"])
+        return cache.entries.load(record.manifest["global_steps"], max_bytes=cache.max_entry_bytes)
     except CacheCorrupt as error:
         logger.warning("cached %s of step %d is damaged (%s); recomputing", cache.key, plan.load_step, error)
         return None
