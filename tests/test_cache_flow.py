@@ -10,94 +10,19 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from ppoflow.flows.cli import main as cli
-from ppoflow.storage.step_cache import StepCache
-from tests.conftest import prefect_settings, small_run
 from ppoflow.flows.tracking import read_metrics
-from ppoflow.flows.train import ppo_train
-
-PROJECT = "grpo_tiny_ppoflow"
-CONFIG = "GBS4_N4_in8_out3"
-UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
-                  "critic/score/mean", "critic/advantages/mean", "response_length/mean")
-
-
-def train(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str], *,
-          validations: int = 0) -> tuple[list[dict], list]:
-    """Run the flow (without validation unless ``validations`` are expected); return its metrics rows
-    and the final states of its generate task runs."""
-    words = overrides + ([] if validations else ["trainer.test_freq=-1"]) + [
-        f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}"] + [
-        f"skip.{key}={value}" for key, value in skip.items()]
-    state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
-    assert state.is_completed(), state
-    return read_metrics(str(run_dir)), generate_states(state.state_details.flow_run_id, steps + validations)
-
-
-def generate_states(flow_run_id, expected: int) -> list[str]:
-    """Names of the final states of the flow run's ``generate`` task runs, in start order."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    deadline = time.monotonic() + 60
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="generate")),
-                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC)
-            if (len(runs) >= expected and all(run.state and run.state.is_final() for run in runs)) \
-                    or time.monotonic() > deadline:
-                return [run.state.name for run in runs]
-            time.sleep(0.5)
-
-
-def rollout_skip(dump_dir, steps, action="cache") -> dict[str, str]:
-    return {"rollout.enable": "true", "rollout.dump_dir": str(dump_dir), "rollout.steps": str(steps),
-            "rollout.action": action}
-
-
-def cached_steps(dump_dir: Path) -> list[int]:
-    root = dump_dir / PROJECT / CONFIG
-    return sorted(int(p.name) for p in root.iterdir() if (p / "meta.json").exists()) if root.exists() else []
-
-
-def small(root, tiny_model) -> list[str]:
-    """The shared tiny run without validation or a run directory (each run names its own)."""
-    return [word for word in small_run(tiny_model, root) if not word.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]"]
-
+from ppoflow.storage.step_cache import StepCache
+from tests.flow_runs import (CONFIG, PROJECT, UPDATE_METRICS, cached_steps, copy_dump, rollout_skip,
+                             small, train)
 
 @pytest.fixture
 def overrides(tiny_model, tmp_path):
     return small(tmp_path, tiny_model)
-
-
-@pytest.fixture(scope="module")
-def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
-    """One run that dumps steps 1-4 (rollout and reward) while validating at steps 0 and 4 (which must
-    never be dumped); tests copy its dump and replay, damage or reshape the copy."""
-    root = tmp_path_factory.mktemp("golden")
-    skip = {**rollout_skip(root / "dump", [0, 1, 2, 3, 4]), "reward.enable": "true",
-            "reward.dump_dir": str(root / "dump"), "reward.steps": "[1,2,3,4]"}
-    words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
-        f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true"]
-    with prefect_settings(prefect_server):
-        rows, states = train(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
-    return SimpleNamespace(root=root, dump=root / "dump", rows=rows, states=states, skip=skip,
-                           overrides=small(root, tiny_model))
-
-
-def copy_dump(golden, tmp_path) -> Path:
-    shutil.copytree(golden.dump, tmp_path / "dump")
-    return tmp_path / "dump"
 
 
 def test_the_golden_run_dumped_training_steps_only(golden):
@@ -141,6 +66,7 @@ def test_cache_with_only_step_one_present(prefect_api, ray_local, golden, tmp_pa
     assert cached_steps(dump) == [1, 3, 5]
 
 
+@pytest.mark.slow
 def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, golden, tmp_path, caplog):
     dump = copy_dump(golden, tmp_path)
     root = dump / PROJECT / CONFIG

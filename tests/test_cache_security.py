@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.step_cache import StepCache, scan
 from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
-from tests.test_cache_flow import CONFIG, PROJECT, copy_dump, golden, rollout_skip, train  # noqa: F401 (fixture)
+from tests.flow_runs import CONFIG, PROJECT, copy_dump, rollout_skip, train
 
 pytestmark = pytest.mark.reliability
 

@@ -79,6 +79,7 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
     assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]  # adaptive
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_config_before_starting_anything():
     result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", "actor_rollout_ref.rollout.temprature=0.5",
                              "data.train_batch_size=0"], capture_output=True, text=True, timeout=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_cache_flow import generate_states, rollout_skip
+from tests.flow_runs import generate_states, rollout_skip
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
 

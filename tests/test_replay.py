@@ -200,6 +200,7 @@ def test_unchanged_trainer_replays_every_step_from_the_cache_and_passes(prefect,
     assert generate_states(artifact.flow_run_id, STEPS) == ["Cached"] * STEPS  # no generation at all
 
 
+@pytest.mark.slow
 def test_a_changed_loss_fails_the_replay_with_a_table_of_differences(prefect, baseline_dir, capsys):
     assert cli(["replay", "check", "--dir", str(baseline_dir), "--tolerance", "actor/grad_norm=100", *TIGHT_CLIP]) == 1
     out = capsys.readouterr().out

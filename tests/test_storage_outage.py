@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.outage_proxy import OutageProxy
-from tests.test_cache_flow import rollout_skip, small, train
+from tests.flow_runs import rollout_skip, small, train
 
 pytestmark = pytest.mark.reliability
 
