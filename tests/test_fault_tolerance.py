@@ -59,26 +59,35 @@ def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api
 
 
 KILLING_SCORER = """
-import os, signal
+import os, signal, time
 from pathlib import Path
 from ppoflow.algorithms.scoring import copy_score
 
 calls = 0
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # The first response scored in step 2 (16 responses a step): one_step_off has just started generating
-    # step 3's batch in the background; kill the rollout worker in the middle of it.
-    global calls
-    calls += 1
-    if calls == 17:
+def kill_the_generation():
+    # Ray titles the worker process ``ray::HFRolloutWorker.generate`` only once the call has started
+    # executing, which may be a moment after it was submitted: wait for that title, then SIGKILL.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         for proc in Path("/proc").iterdir():
             try:
                 title = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if title.startswith(b"ray::HFRolloutWorker"):
+            if title.startswith(b"ray::HFRolloutWorker.generate"):
                 os.kill(int(proc.name), signal.SIGKILL)
-                Path(os.environ["PPOFLOW_TEST_KILLED"]).write_text(title.decode(errors="replace"))
+                return title.decode(errors="replace")
+        time.sleep(0.005)
+    return "no generation was seen in progress"
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # The first response scored in step 2 (16 responses a step): one_step_off has just submitted step 3's
+    # generation in the background; kill the rollout worker in the middle of it.
+    global calls
+    calls += 1
+    if calls == 17:
+        Path(os.environ["PPOFLOW_TEST_KILLED"]).write_text(kill_the_generation())
     return copy_score(data_source, solution_str, ground_truth, extra_info)
 """
 
