@@ -74,7 +74,24 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                        "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
     if rollout.name == "vllm":
         errors += _vllm_errors(cfg)
+    if cfg.actor_rollout_ref.hybrid_engine:
+        errors += _colocation_errors(cfg)
     return errors
+
+
+def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """What ``actor_rollout_ref.hybrid_engine=true`` (one worker for actor and rollout) cannot combine with."""
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.hybrid_engine"
+    if cfg.trainer.mode != "sync":
+        return [(key, f"trainer.mode={cfg.trainer.mode} generates while the actor trains, which needs a rollout worker "
+                      "of its own; set hybrid_engine=false (or null)")]
+    if rollout.name != "hf":
+        return [(key, f"rollout.name={rollout.name} cannot share the actor's worker yet (its engine would have to "
+                      "sleep during training); set hybrid_engine=false (or null)")]
+    if rollout.weight_sync.backend != "object_store":
+        return [(key, f"rollout.weight_sync.backend={rollout.weight_sync.backend} sends weights between two workers; "
+                      "a colocated rollout already holds them: use object_store, or hybrid_engine=false")]
+    return []
 
 
 VLLM_MIN_VERSION = "0.10.2"

@@ -187,6 +187,10 @@ class RolloutConfig(Section):
 
 
 class ActorRolloutRefConfig(Section):
+    hybrid_engine: Optional[bool] = Field(
+        description="Colocate: the actor's worker also generates, with its own model, so weight_sync is a hand-over "
+                    "in one process. null = wherever that works (trainer.mode=sync, rollout.name=hf, "
+                    "weight_sync.backend=object_store, actor and rollout on the same kind of device).")
     model: ModelConfig
     actor: ActorConfig
     ref: RefConfig
@@ -328,6 +332,28 @@ class PPOConfig(Section):
     def use_reference(self) -> bool:
         """Whether a reference worker runs: only when a KL term needs reference log-probs."""
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the actor's worker also serves generation (``actor_rollout_ref.hybrid_engine``, resolved)."""
+        arr = self.actor_rollout_ref
+        if arr.hybrid_engine is not None:
+            return arr.hybrid_engine
+        return (self.trainer.mode == "sync" and arr.rollout.name == "hf" and arr.rollout.weight_sync.backend == "object_store"
+                and (arr.rollout.resources.num_gpus > 0) == (arr.actor.resources.num_gpus > 0))
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether the old log-probs are the actor update's own log-probs, detached, so the old_log_prob
+        forward pass is skipped (verl's and TRL's on-policy shortcut). That is exact when the update is
+        on-policy - one PPO epoch over one mini-batch, so the policy has not moved when each token's loss is
+        taken - and nothing needs the old log-probs before the update: no rollout correction (bypass mode
+        uses the rollout's own), no KL penalty in the reward, no cached old_log_prob stage."""
+        actor, correction = self.actor_rollout_ref.actor, self.algorithm.rollout_correction
+        cached = self.skip.get("old_log_prob")
+        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= self.data.train_batch_size
+                and not correction.bypass_mode and not correction.rollout_is and not correction.rollout_rs
+                and not self.algorithm.use_kl_in_reward and not (cached and cached.enable))
 
     @property
     def gen_batch_size(self) -> int:

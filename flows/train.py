@@ -4,7 +4,8 @@ One step is the algorithm, stage by stage (``tasks/`` declares each stage once):
 
     1. generate      sample rollout.n responses per prompt              (rollout worker)
     2. reward        score each response, on its last token             (driver)
-    3. old_log_prob  log-probs of the pre-update policy                 (actor worker)
+    3. old_log_prob  log-probs of the pre-update policy                 (actor worker; an on-policy
+                     update takes its own, detached, and this pass is skipped)
        ref_log_prob  log-probs of the reference policy, for KL terms    (ref worker, when needed)
        values        V(s_t) for GAE                                     (critic worker, when needed)
     4. advantage     KL-penalised rewards, then the advantage estimator (driver)
@@ -49,11 +50,12 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     correction = cfg.algorithm.rollout_correction
     # 2. reward: score each response, on its last token
     stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
-    # 3. log-probs of the pre-update policy (bypass mode: the rollout's own), reference log-probs, values
+    # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
+    #    in stage 5), reference log-probs, values
     shared = run.share(batch)
     if correction.bypass_mode:
         batch["old_log_probs"] = batch["rollout_log_probs"]
-    else:
+    elif not cfg.old_log_probs_from_update:
         stages.call("old_log_prob", step, run.workers, shared)
         correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     if cfg.use_reference:
@@ -67,6 +69,9 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     if cfg.use_critic:
         stages.call("update_critic", step, run.workers, shared, step.step)
     stages.call("update_actor", step, run.workers, shared, step.step)
+    if cfg.old_log_probs_from_update:  # the update returned its old log-probs: how far was the rollout from them
+        correct_for_the_rollout(step, correction)
+        step.metrics["training/old_log_prob_skipped"] = 1.0
     state.weight_version += 1
     step.metrics.update(data_metrics(batch))
 

@@ -16,5 +16,6 @@ def update_critic(workers, batch_ref, step: int) -> StageResult:
 
 @task(name="update_actor", cache_policy=NO_CACHE)
 def update_actor(workers, batch_ref, step: int) -> StageResult:
-    """PPO clip-loss update of the policy; its metrics are ``actor/*``."""
-    return StageResult(None, workers.get(workers.actor.submit("update", batch_ref, step=step)))
+    """PPO clip-loss update of the policy; its metrics are ``actor/*``, and when the update was on-policy
+    its field is ``old_log_probs``, its own detached log-probs."""
+    return workers.get(workers.actor.submit("update", batch_ref, step=step))

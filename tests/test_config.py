@@ -228,6 +228,20 @@ def test_use_critic_and_use_reference():
     assert demo.gen_batch_size == 16
 
 
+@pytest.mark.parametrize("words", [
+    ["actor_rollout_ref.actor.ppo_epochs=2"],
+    ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    ["algorithm.rollout_correction.bypass_mode=true"],
+    ["algorithm.rollout_correction.rollout_is=token"],
+    ["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+    ["algorithm.use_kl_in_reward=true"],
+    ["skip.old_log_prob.enable=true", "skip.old_log_prob.steps=[1]"],
+])
+def test_old_log_probs_come_from_the_update_only_when_it_is_on_policy(words):
+    assert load_config("grpo_tiny").old_log_probs_from_update is True  # one epoch, one mini-batch
+    assert load_config("grpo_tiny", words).old_log_probs_from_update is False
+
+
 def test_config_is_frozen():
     cfg = load_config("grpo_tiny")
     with pytest.raises(pydantic.ValidationError, match="frozen"):
@@ -466,7 +480,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 147  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 148  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()

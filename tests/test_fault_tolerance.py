@@ -39,7 +39,8 @@ def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, kille
 def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api, ray_local, tiny_overrides, tmp_path):
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
         "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",
-        "data.max_response_length=40", f"trainer.default_local_dir={tmp_path}/run"]
+        "data.max_response_length=40", f"trainer.default_local_dir={tmp_path}/run",
+        "actor_rollout_ref.hybrid_engine=false"]  # a rollout worker of its own, which Ray restarts
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=kill_a_generation_after_step_one,
                               args=(tmp_path / "run" / "metrics.jsonl", stop, killed), daemon=True)

@@ -17,8 +17,8 @@ from ppoflow.flows.train import ppo_train
 
 STEP_METRICS = ["training/global_step", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                 "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-                "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv",
-                "timing_s/update_actor", "timing_s/update_weights", "timing_s/step"]
+                "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/adv", "timing_s/update_actor",
+                "timing_s/update_weights", "timing_s/step", "training/rollout_probs_diff_mean"]
 
 
 def _task_runs(flow_run_id, expected: int):
@@ -48,18 +48,20 @@ def test_grpo_flow_runs_every_stage_as_a_task(prefect_api, ray_local, tiny_overr
                       return_state=True)
     assert state.is_completed(), state
 
-    task_runs = _task_runs(state.state_details.flow_run_id, expected=3 * 6 + 3 * 2)  # 6 stages x 3 steps, 3 validations
+    task_runs = _task_runs(state.state_details.flow_run_id, expected=3 * 5 + 3 * 2)  # 5 stages x 3 steps, 3 validations
     names = [run.name.rsplit("-", 1)[0] for run in task_runs]
     assert {run.state.name for run in task_runs} == {"Completed"}
-    for stage in ("reward", "old_log_prob", "advantage", "update_actor", "weight_sync"):
+    for stage in ("reward", "advantage", "update_actor", "weight_sync"):
         assert names.count(stage) >= 3, f"{stage}: {names.count(stage)} task runs"
     assert names.count("generate") == 3 + 3  # 3 steps; validation before training, at step 2 (test_freq) and at the end
-    assert not {"values", "ref_log_prob", "update_critic"} & set(names)
+    # one epoch over one mini-batch: the update's own log-probs are the old ones, no separate pass
+    assert not {"old_log_prob", "values", "ref_log_prob", "update_critic"} & set(names)
 
     rows = read_metrics(f"{tmp_path}/run")
     assert [row["step"] for row in rows] == [1, 2, 3]
     for name in STEP_METRICS:
         assert all(isinstance(row[name], (int, float)) for row in rows), name
+    assert all(row["training/old_log_prob_skipped"] == 1 and "timing_s/old_log_prob" not in row for row in rows)
     assert any(name.startswith("val-core/synthetic/copy/reward/mean@1") for name in rows[1])  # test_freq=2
     assert _changed_tensors(tiny_model, f"{tmp_path}/run/global_step_3/actor/huggingface") > 0
 
@@ -71,7 +73,7 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
     state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
     assert state.is_completed(), state
     names = {run.name.rsplit("-", 1)[0] for run in _task_runs(state.state_details.flow_run_id, expected=2 * 9)}
-    assert {"values", "ref_log_prob", "update_critic"} <= names
+    assert {"old_log_prob", "values", "ref_log_prob", "update_critic"} <= names  # the KL penalty needs old log-probs
     rows = read_metrics(f"{tmp_path}/run")
     for name in ("critic/vf_loss", "critic/values/mean", "actor/kl_loss", "actor/reward_kl_penalty",
                  "timing_s/values", "timing_s/ref", "timing_s/update_critic"):

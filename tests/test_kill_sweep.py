@@ -9,6 +9,7 @@ Slow (a few minutes): left out of the default run, run by ``scripts/reliability.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,10 +28,11 @@ STEPS = 4
 
 
 def running(title: bytes) -> bool:
-    """Whether a process titled ``title...`` (Ray titles a worker by the method it executes) exists."""
+    """Whether a process whose title starts with the pattern ``title`` exists (Ray titles a worker
+    ``ray::<class>.<method it executes>``)."""
     for proc in Path("/proc").iterdir():
         try:
-            if (proc / "cmdline").read_bytes().startswith(title):
+            if re.match(title, (proc / "cmdline").read_bytes()):
                 return True
         except OSError:
             continue
@@ -55,8 +57,8 @@ def mid_checkpoint(written: str) -> Callable[[Path], bool]:
 
 MOMENTS = {
     "between steps": after_step(1),
-    "mid generation": after_step_while(1, b"ray::HFRolloutWorker.generate"),
-    "mid update": after_step_while(1, b"ray::ActorWorker.update"),
+    "mid generation": after_step_while(1, rb"ray::\w+\.generate"),  # the rollout's, or the colocated actor's
+    "mid update": after_step_while(1, rb"ray::\w*ActorWorker\.update"),
     "mid checkpoint weights": mid_checkpoint("actor/model.safetensors"),
     "mid checkpoint state": mid_checkpoint("trainer_state.json"),
     "mid in-flight batch": mid_checkpoint("mode.in_flight.*.safetensors"),

@@ -26,7 +26,7 @@ def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):
 def test_scoring_on_ray_needs_a_cpu_beyond_the_actors(tiny_overrides, ray_local):
     from ppoflow.workers.group import start_workers
 
-    cfg = load_config("grpo_tiny", tiny_overrides + ["reward_model.reward_manager=ray",
+    cfg = load_config("grpo_tiny", tiny_overrides + ["reward_model.reward_manager=ray", "actor_rollout_ref.hybrid_engine=false",
                                                      "actor_rollout_ref.rollout.resources.num_cpus=2",
                                                      "actor_rollout_ref.actor.resources.num_cpus=2"])
     assert not cfg.use_reference and not cfg.use_critic  # the two roles above take all 4 CPUs of ray_local

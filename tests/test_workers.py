@@ -91,7 +91,7 @@ def test_update_changes_weights_and_bumps_the_version(cfg, prompts):
     actor = ActorWorker(cfg)
     batch = _trainable_batch(cfg, prompts, actor)
     before = {name: tensor.clone() for name, tensor in actor.model.state_dict().items()}
-    metrics = actor.update(batch, step=1)
+    metrics = actor.update(batch, step=1).metrics
     assert actor.weight_version == 1
     assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"} <= set(metrics)
     assert metrics["actor/grad_norm"] > 0
@@ -107,13 +107,38 @@ def test_micro_batching_does_not_change_the_update(tiny_overrides, prompts):
     for micro in ("null", "4"):
         cfg = load_config("grpo_tiny", tiny_overrides + [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"])
         actor = ActorWorker(cfg)
-        metrics = actor.update(_trainable_batch(cfg, prompts, actor), step=1)
+        metrics = actor.update(_trainable_batch(cfg, prompts, actor), step=1).metrics
         updates.append((metrics, actor.model.state_dict()))
     (metrics_a, weights_a), (metrics_b, weights_b) = updates
     assert metrics_a["actor/pg_loss"] == pytest.approx(metrics_b["actor/pg_loss"], abs=1e-6)
     assert metrics_a["actor/grad_norm"] == pytest.approx(metrics_b["actor/grad_norm"], rel=1e-4)
     for name in weights_a:
         torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_an_on_policy_update_takes_its_own_log_probs_as_the_old_ones(tiny_overrides, prompts):
+    """One epoch over one mini-batch: the update without ``old_log_probs`` equals the update after a
+    separate old_log_prob pass (up to floating-point reordering) and returns that pass's log-probs."""
+    cfg = load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    separate, fused = ActorWorker(cfg), ActorWorker(cfg)
+    batch = _trainable_batch(cfg, prompts, separate)
+    expected = separate.update(batch, step=1)
+    shortcut = fused.update(batch.exclude("old_log_probs"), step=1)
+    assert expected.fields is None
+    mask = batch["response_mask"]
+    torch.testing.assert_close(shortcut.fields["old_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-5, rtol=1e-5)
+    for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert shortcut.metrics[name] == pytest.approx(expected.metrics[name], rel=1e-4, abs=1e-6), name
+    assert shortcut.metrics["actor/ppo_kl"] == 0 and shortcut.metrics["actor/pg_clipfrac"] == 0  # ratio exactly 1
+    for name, tensor in separate.model.state_dict().items():
+        torch.testing.assert_close(fused.model.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_an_update_that_is_not_on_policy_needs_the_old_log_probs(tiny_overrides, prompts):
+    cfg = load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.actor.ppo_epochs=2"])
+    actor = ActorWorker(cfg)
+    with pytest.raises(ValueError, match="not on-policy"):
+        actor.update(_trainable_batch(cfg, prompts, actor).exclude("old_log_probs"), step=1)
 
 
 def test_critic_values_and_update(tiny_overrides, prompts):

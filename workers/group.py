@@ -1,7 +1,7 @@
 """Starting the run's workers, and the small interface the Prefect tasks use to call them.
 
 Each role (rollout, actor, and when the config needs them ref and critic) is one long-lived Ray
-actor that reserves the role's ``resources`` from config. Tasks never touch Ray directly: they call
+actor that reserves the role's ``resources`` from config; a colocated rollout is the actor's own. Tasks never touch Ray directly: they call
 ``role.submit("method", ...)``, which returns a reference, and ``workers.get(reference)``; a batch that
 several roles read is placed once with ``workers.put`` and handed over by reference, so it is copied
 into Ray's object store once, not once per role.
@@ -57,6 +57,8 @@ class Workers:
     actor: Any
     ref: Any = None
     critic: Any = None
+    colocated: bool = False
+    """The rollout role is the actor's worker (``actor_rollout_ref.hybrid_engine``)."""
     uses_ray: bool = True
     started_ray: bool = False
     _handles: list = field(default_factory=list)
@@ -91,8 +93,9 @@ class Workers:
 
 def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
     """The resources of every role this config runs, keyed by the config key that sets them."""
-    roles = {"actor_rollout_ref.rollout": cfg.actor_rollout_ref.rollout.resources,
-             "actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.resources}
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.resources}
+    if not cfg.colocated:
+        roles["actor_rollout_ref.rollout"] = cfg.actor_rollout_ref.rollout.resources
     if cfg.use_reference:
         roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.resources
     if cfg.use_critic:
@@ -111,12 +114,19 @@ def rollout_worker_class(cfg: PPOConfig) -> type:
     return HFRolloutWorker
 
 
+def actor_worker_class(cfg: PPOConfig) -> type:
+    """The actor's worker: one that also generates when the rollout is colocated with it."""
+    from ppoflow.workers.policy import ActorWorker, ColocatedActorWorker
+
+    return ColocatedActorWorker if cfg.colocated else ActorWorker
+
+
 def start_workers(cfg: PPOConfig) -> Workers:
     """Join (or start) Ray, check the roles fit, start one actor per role and wait until all loaded."""
     import ray
 
     from ppoflow.workers.critic import CriticWorker
-    from ppoflow.workers.policy import ActorWorker, ReferenceWorker
+    from ppoflow.workers.policy import ReferenceWorker
 
     roles = role_resources(cfg)
     started_ray = _connect_ray(cfg, roles)
@@ -133,29 +143,35 @@ def start_workers(cfg: PPOConfig) -> Workers:
     # The rollout and reference workers hold no training state, so Ray may restart them after a crash
     # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
     # the actor and critic resume from checkpoints instead.
-    handles = {"rollout": actor_of(rollout_worker_class(cfg), "actor_rollout_ref.rollout", restartable=True),
-               "actor": actor_of(ActorWorker, "actor_rollout_ref.actor")}
+    handles = {"actor": actor_of(actor_worker_class(cfg), "actor_rollout_ref.actor")}
+    if not cfg.colocated:
+        handles["rollout"] = actor_of(rollout_worker_class(cfg), "actor_rollout_ref.rollout", restartable=True)
     if cfg.use_reference:
         handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref", restartable=True)
     if cfg.use_critic:
         handles["critic"] = actor_of(CriticWorker, "critic")
     ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
-    if backend != "object_store":  # the actor (rank 0) and the rollout (rank 1) share a collective group
+    if backend != "object_store" and not cfg.colocated:  # the actor (rank 0) and the rollout (rank 1) share a collective group
         group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
         ray.get([handles["actor"].join_weight_group.remote(group), handles["rollout"].join_weight_group.remote(group)])
-    return Workers(**{role: RayRole(handle) for role, handle in handles.items()}, uses_ray=True,
-                   started_ray=started_ray, _handles=list(handles.values()))
+    roles_served = {role: RayRole(handle) for role, handle in handles.items()}
+    if cfg.colocated:
+        roles_served["rollout"] = roles_served["actor"]
+    return Workers(**roles_served, colocated=cfg.colocated, uses_ray=True, started_ray=started_ray,
+                   _handles=list(handles.values()))
 
 
 def start_local_workers(cfg: PPOConfig) -> Workers:
     """The same roles as plain in-process objects (no Ray): the baseline of the overhead benchmark."""
     from ppoflow.workers.critic import CriticWorker
-    from ppoflow.workers.policy import ActorWorker, ReferenceWorker
+    from ppoflow.workers.policy import ReferenceWorker
 
-    return Workers(rollout=LocalRole(rollout_worker_class(cfg)(cfg)), actor=LocalRole(ActorWorker(cfg)),
+    actor = LocalRole(actor_worker_class(cfg)(cfg))
+    return Workers(rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)), actor=actor,
                    ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
-                   critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, uses_ray=False)
+                   critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, colocated=cfg.colocated,
+                   uses_ray=False)
 
 
 def scoring_cpus(cfg: PPOConfig) -> int:

@@ -1,7 +1,7 @@
 """The actor and reference workers: the policy's log-probs, its PPO update, and its weights.
 
 Both hold a causal LM in a long-lived Ray actor; the reference is a frozen copy of the initial
-policy that only computes log-probs (for KL terms). The update follows verl's actor: for each PPO
+policy that only computes log-probs (for KL terms), and the colocated actor also generates. The update follows verl's actor: for each PPO
 epoch, for each mini-batch, accumulate the loss of its micro-batches (normalised by the whole
 mini-batch, so micro-batching does not change the gradient), clip, step.
 """
@@ -14,7 +14,9 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.storage.batch import StageResult
 from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer, save_pretrained
+from ppoflow.workers.rollout import SamplingParams, sample_responses
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
@@ -70,9 +72,19 @@ class ActorWorker(PolicyModel):
         self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
 
-    def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
-        """PPO epochs over ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs`` for a KL loss)."""
+    def update(self, batch: TensorDict, *, step: int) -> StageResult:
+        """PPO epochs over ``batch`` (needs ``advantages``; ``ref_log_probs`` for a KL loss); metrics ``actor/*``.
+
+        ``old_log_probs`` come with the batch, except when the update is on-policy (one epoch over one
+        mini-batch): then they are the update's own log-probs, detached - the same values a separate
+        forward pass would give, one pass cheaper - and are returned as the result's field."""
         cfg = self.cfg
+        rows = batch.batch_size[0]
+        on_policy = "old_log_probs" not in batch.keys()
+        if on_policy and (cfg.ppo_epochs != 1 or rows > self.mini_batch_size):
+            raise ValueError(f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} "
+                             f"epochs, mini-batches of {self.mini_batch_size} of {rows} trajectories)")
+        own_log_probs: list[torch.Tensor] = []
 
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
             # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
@@ -80,8 +92,11 @@ class ActorWorker(PolicyModel):
             mask = micro["response_mask"]
             logits = response_logits(self.model, micro) / self.temperature
             log_probs = log_probs_from_logits(logits, micro["responses"])
+            if on_policy:
+                own_log_probs.append(log_probs.detach().float().cpu())
+            old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
             pg_loss, pg_metrics = compute_policy_loss(
-                micro["old_log_probs"], log_probs, micro["advantages"], mask,
+                old_log_probs, log_probs, micro["advantages"], mask,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.get("rollout_is_weights", None),
                 **normalizers)
@@ -95,12 +110,18 @@ class ActorWorker(PolicyModel):
                 summed["actor/kl_loss"] = kl
             return loss, summed, {f"actor/{name}": value for name, value in pg_metrics.items()}
 
+        # On-policy, the one mini-batch holds every row whatever its order: keep the batch's order, so the
+        # log-probs collected micro-batch by micro-batch line up with its rows.
         metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
+                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                                     shuffle=cfg.shuffle and not on_policy,
                                      generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
                                      prefix="actor")
         self.weight_version += 1
-        return metrics
+        if not on_policy:
+            return StageResult(None, metrics)
+        old_log_probs = pad_responses(own_log_probs, batch["responses"].shape[1])
+        return StageResult(TensorDict({"old_log_probs": old_log_probs}, batch_size=batch.batch_size), metrics)
 
     def save_checkpoint(self, directory: str) -> dict[str, dict]:
         """Write weights and optimizer into ``directory`` (a checkpoint's ``actor/``); manifest entries."""
@@ -130,3 +151,21 @@ class ActorWorker(PolicyModel):
     def join_weight_group(self, group: str) -> None:
         join_group(self.sender.sync.backend, group, rank=0)
         self.sender.group = group
+
+
+class ColocatedActorWorker(ActorWorker):
+    """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the very model
+    it trains, so the rollout always serves the actor's current weights and weight_sync moves nothing."""
+
+    def __init__(self, cfg: PPOConfig):
+        super().__init__(cfg)
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
+        """The rollout worker's ``generate``, on the actor's model, stamped with its weight version."""
+        return sample_responses(self.model, self.tokenizer, prompts, step=step, sampling=sampling,
+                                weight_version=self.weight_version, device=self.device)
+
+    def hand_over_weights(self) -> int:
+        """weight_sync in one worker: the rollout already samples with these weights; their version."""
+        return self.weight_version

@@ -1,6 +1,7 @@
 """The rollout worker: holds a copy of the policy and samples responses with transformers' ``generate``.
 
-It lives in a long-lived Ray actor (see :mod:`workers.group`). Each call returns the rollout part of
+It lives in a long-lived Ray actor (see :mod:`workers.group`); :func:`sample_responses` is the sampling
+itself, which the colocated actor (``actor_rollout_ref.hybrid_engine``) runs on its own model. Each call returns the rollout part of
 the step batch (see :mod:`storage.batch`): response tokens, the response mask (up to and including the
 first EOS), the log-probability of every sampled token under the sampling distribution
 ``softmax(logits / temperature)`` (verl's convention: top-k/top-p truncation is not folded in, so the
@@ -57,6 +58,55 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}".encode()).digest()[:8], "little") % (2**63)
 
 
+def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampling: SamplingParams,
+                     weight_version: int, device: torch.device) -> TensorDict:
+    """Sample ``sampling.n`` responses per prompt with transformers' ``generate``; the rollout part of the
+    step batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``."""
+    repeated = prompts[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
+    eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(step_seed(sampling.seed, step))
+    model.eval()
+    with torch.no_grad():
+        output = model.generate(
+            input_ids=repeated["prompts"].to(device),
+            attention_mask=repeated["prompt_mask"].long().to(device),
+            do_sample=not sampling.greedy,
+            temperature=sampling.temperature if not sampling.greedy else None,
+            top_p=sampling.top_p if not sampling.greedy else None,
+            top_k=max(sampling.top_k, 0) if not sampling.greedy else None,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    prompt_length = repeated["prompts"].shape[1]
+    generated = output.sequences[:, prompt_length:].cpu()
+    logits = torch.stack(output.logits, dim=1).float().cpu()  # [N, generated, vocab], before warpers
+    log_probs = torch.log_softmax(logits / (sampling.temperature if sampling.temperature > 0 else 1.0), dim=-1)
+    token_log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+
+    rows, width = generated.shape[0], sampling.max_new_tokens
+    responses = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.int64)
+    responses[:, :generated.shape[1]] = generated
+    is_eos = responses == eos_token_id
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    response_mask = ~after_eos
+    response_mask[:, generated.shape[1]:] = False
+    rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    rollout_log_probs[:, :generated.shape[1]] = token_log_probs
+    rollout_log_probs = rollout_log_probs * response_mask
+
+    repeated.update({
+        "responses": responses,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs,
+        "weight_version": torch.full((rows,), weight_version, dtype=torch.int64),
+        "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
+    })
+    return repeated
+
+
 class HFRolloutWorker:
     """Sampling with a transformers causal LM (CPU or GPU)."""
 
@@ -70,48 +120,8 @@ class HFRolloutWorker:
 
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
-        repeated = prompts[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
-        eos_token_id = self.tokenizer.eos_token_id
-        torch.manual_seed(step_seed(sampling.seed, step))
-        with torch.no_grad():
-            output = self.model.generate(
-                input_ids=repeated["prompts"].to(self.device),
-                attention_mask=repeated["prompt_mask"].long().to(self.device),
-                do_sample=not sampling.greedy,
-                temperature=sampling.temperature if not sampling.greedy else None,
-                top_p=sampling.top_p if not sampling.greedy else None,
-                top_k=max(sampling.top_k, 0) if not sampling.greedy else None,
-                max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=eos_token_id,
-                pad_token_id=self.tokenizer.pad_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        prompt_length = repeated["prompts"].shape[1]
-        generated = output.sequences[:, prompt_length:].cpu()
-        logits = torch.stack(output.logits, dim=1).float().cpu()  # [N, generated, vocab], before warpers
-        log_probs = torch.log_softmax(logits / (sampling.temperature if sampling.temperature > 0 else 1.0), dim=-1)
-        token_log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-
-        rows, width = generated.shape[0], sampling.max_new_tokens
-        responses = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.int64)
-        responses[:, :generated.shape[1]] = generated
-        is_eos = responses == eos_token_id
-        after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-        response_mask = ~after_eos
-        response_mask[:, generated.shape[1]:] = False
-        rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
-        rollout_log_probs[:, :generated.shape[1]] = token_log_probs
-        rollout_log_probs = rollout_log_probs * response_mask
-
-        repeated.update({
-            "responses": responses,
-            "response_mask": response_mask,
-            "rollout_log_probs": rollout_log_probs,
-            "weight_version": torch.full((rows,), self.weight_version, dtype=torch.int64),
-            "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
-        })
-        return repeated
+        return sample_responses(self.model, self.tokenizer, prompts, step=step, sampling=sampling,
+                                weight_version=self.weight_version, device=self.device)
 
     def apply_weights(self, update: WeightUpdate) -> int:
         """Take the actor's weights (see :mod:`workers.weight_sync`); returns the version now served."""
