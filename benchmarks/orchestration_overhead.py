@@ -17,39 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workloads import WORKLOADS, built_in  # noqa: E402 (benchmarks/ is the script's folder)
+from workloads import WORKLOADS, built_in, ppoflow_steps, timing_medians  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 def measure(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int, warmup: int) -> float:
     """Median ``timing_s/step`` over ``steps`` steps after ``warmup`` untimed ones."""
-    import dataclasses
-
-    from prefect import flow
-
-    from ppoflow.flows.modes import make_trainer
-    from ppoflow.flows.stages import Stages
-    from ppoflow.flows.state import TrainerState
-    from ppoflow.flows.train import start_run, train_steps
-
-    run = start_run(cfg, orchestrated=ray_workers)
-    run = dataclasses.replace(run, stages=Stages(run.workers, run.stages.caches, orchestrated=prefect_tasks))
-    state = TrainerState(cfg, len(run.train_set))
-    mode = make_trainer(run, state)
-
-    def loop() -> list[float]:
-        return [step.metrics["timing_s/step"] for step in train_steps(run, state, mode, range(1, warmup + steps + 1))]
-
-    try:
-        times = flow(name="overhead-benchmark")(loop)() if prefect_tasks else loop()
-    finally:
-        run.workers.shutdown()
-    return statistics.median(times[warmup:])
+    rows = ppoflow_steps(cfg, ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=warmup + steps)
+    return timing_medians(rows[warmup:])["step"]
 
 
 def main() -> None:

@@ -51,11 +51,12 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     # 2. reward: score each response, on its last token
     stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
     # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
-    #    in stage 5), reference log-probs, values
-    shared = run.share(batch)
+    #    in stage 5), reference log-probs, values; the batch is placed once for the passes that run
+    recompute_old = not correction.bypass_mode and not cfg.old_log_probs_from_update
     if correction.bypass_mode:
         batch["old_log_probs"] = batch["rollout_log_probs"]
-    elif not cfg.old_log_probs_from_update:
+    shared = run.share(batch) if recompute_old or cfg.use_reference or cfg.use_critic else None
+    if recompute_old:
         stages.call("old_log_prob", step, run.workers, shared)
         correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     if cfg.use_reference:

@@ -1,0 +1,148 @@
+"""How far a ppoflow step is from the floor: a single-process GRPO loop on the same model, data and batch.
+
+The floor is the loop one would write by hand for this workload (as in nanochat's or CleanRL's scripts):
+``model.generate`` samples rollout.n responses per prompt, the copy task's scorer scores them, GRPO
+advantages, one forward/backward with ppoflow's clipped policy loss (on-policy, so the old log-probs are
+the detached new ones), one AdamW step. No Ray, no Prefect, no step batch, no weight copy.
+
+ppoflow then runs the same config (same model file, data, batch, sampling and optimizer) in each way
+it can run, and the report gives each one's median step time as a ratio to the floor, with the median
+of each stage's ``timing_s/*`` and the machine's load average:
+
+* bare              - ``train(cfg, orchestrated=False)``'s steps: in-process workers, plain functions;
+* ray               - the workers in Ray actors, the stages plain functions;
+* prefect+ray       - what ``ppoflow train`` does (sync);
+* one_step_off      - the same with ``trainer.mode=one_step_off``.
+
+    python benchmarks/step_floor.py [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from workloads import built_in, ppoflow_steps, timing_medians  # noqa: E402 (benchmarks/ is the script's folder)
+
+
+def floor_steps(cfg, *, steps: int) -> list[dict[str, float]]:
+    """The hand-written loop, ``steps`` times; per step ``timing_s/{gen,reward,update_actor,step}``."""
+    import torch
+
+    from ppoflow.algorithms.advantages import compute_grpo_outcome_advantage
+    from ppoflow.algorithms.losses import compute_policy_loss, log_probs_from_logits
+    from ppoflow.algorithms.scoring import copy_score
+    from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
+    from ppoflow.storage.batch import non_tensor_column
+    from ppoflow.workers.models import claim_resources, ensure_model, load_causal_lm, load_tokenizer
+
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    claim_resources(actor.resources)
+    ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
+    ensure_datasets(cfg.data)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    model = load_causal_lm(cfg.actor_rollout_ref.model)
+    dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=actor.optim.lr, betas=tuple(actor.optim.betas),
+                                  weight_decay=actor.optim.weight_decay)
+    size, n, eos = cfg.data.train_batch_size, rollout.n, tokenizer.eos_token_id
+    rows = []
+    for step in range(steps):
+        timing: dict[str, float] = {}
+        start = time.perf_counter()
+        picked = [(step * size + i) % len(dataset) for i in range(size)]
+        prompts = dataset.batch(picked, [str(i) for i in picked], tokenizer.pad_token_id)
+        input_ids = prompts["prompts"].repeat_interleave(n, dim=0)
+        prompt_mask = prompts["prompt_mask"].repeat_interleave(n, dim=0).long()
+        # 1. generate
+        model.eval()
+        with torch.no_grad():
+            sequences = model.generate(input_ids=input_ids, attention_mask=prompt_mask, do_sample=True,
+                                       temperature=rollout.temperature, top_p=rollout.top_p,
+                                       top_k=max(rollout.top_k, 0), max_new_tokens=cfg.data.max_response_length,
+                                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+        responses = sequences[:, input_ids.shape[1]:]
+        is_eos = responses == eos
+        response_mask = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).long()  # up to and including the first EOS
+        timing["gen"] = time.perf_counter() - start
+        # 2. reward, on the last token
+        mark = time.perf_counter()
+        lengths = response_mask.sum(dim=1)
+        texts = tokenizer.batch_decode([r[:k - int(r[k - 1] == eos)].tolist() for r, k in zip(responses, lengths)])
+        truths = [truth for truth in non_tensor_column(prompts, "ground_truth") for _ in range(n)]
+        scores = torch.tensor([copy_score("copy", text, truth)["score"] for text, truth in zip(texts, truths)])
+        rewards = torch.zeros(responses.shape, dtype=torch.float32)
+        rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
+        timing["reward"] = time.perf_counter() - mark
+        # 3. advantage, 4. one on-policy update
+        mark = time.perf_counter()
+        advantages, _ = compute_grpo_outcome_advantage(rewards, response_mask, torch.arange(size).repeat_interleave(n),
+                                                       cfg.algorithm.norm_adv_by_std_in_grpo)
+        model.train()
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits[:, input_ids.shape[1] - 1:-1] / rollout.temperature
+        log_probs = log_probs_from_logits(logits, responses)
+        loss, _ = compute_policy_loss(log_probs.detach(), log_probs, advantages, response_mask,
+                                      clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                                      clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
+                                      loss_scale_factor=cfg.data.max_response_length)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), actor.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timing["update_actor"] = time.perf_counter() - mark
+        timing["step"] = time.perf_counter() - start
+        rows.append({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+
+    import logging
+
+    import ray
+
+    from ppoflow.configs import load_config
+
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    total = args.warmup + args.steps
+    ways = {"bare": (False, False, "sync"), "ray": (True, False, "sync"), "prefect+ray": (True, True, "sync"),
+            "one_step_off": (True, True, "one_step_off")}
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        def config(mode: str):
+            return load_config("grpo_tiny", built_in(scratch, "demo") + [
+                f"trainer.default_local_dir={scratch}/run-{mode}", f"trainer.mode={mode}", "trainer.test_freq=-1"])
+
+        results["floor"] = timing_medians(floor_steps(config("sync"), steps=total)[args.warmup:])
+        for way, (ray_workers, prefect_tasks, mode) in ways.items():
+            rows = ppoflow_steps(config(mode), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total)
+            results[way] = timing_medians(rows[args.warmup:])
+    ray.shutdown()
+
+    floor = results["floor"]["step"]
+    stages = ["gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights"]
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; medians of {args.steps} steps "
+          f"after {args.warmup}; ms")
+    print("| way | step | x floor | " + " | ".join(stages) + " |\n|---|---|---|" + "---|" * len(stages))
+    for way, timing in results.items():
+        split = " | ".join(f"{timing[name] * 1000:.1f}" if name in timing else "-" for name in stages)
+        print(f"| {way} | {timing['step'] * 1000:.1f} | {timing['step'] / floor:.2f} | {split} |")
+    print(json.dumps({way: {**timing, "ratio_to_floor": timing["step"] / floor} for way, timing in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
