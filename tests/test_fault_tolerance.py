@@ -95,6 +95,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
 
 
+@pytest.mark.slow
 def test_one_step_off_regenerates_a_lost_batch_with_the_weights_it_was_started_with(
         prefect_api, ray_local, tiny_overrides, tmp_path, monkeypatch):
     """Step 3's batch is started (with the weights before step 2's update) while step 2 trains; the rollout

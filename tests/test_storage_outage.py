@@ -52,6 +52,7 @@ def train_with_an_outage(proxy: OutageProxy, words: list[str], run: Path, skip: 
     return rows
 
 
+@pytest.mark.slow
 def test_a_store_that_hangs_mid_run_is_given_up_on_and_reported(prefect_api, ray_local, proxy, tiny_model, tmp_path,
                                                                   caplog):
     """Steps 2 and 3 find the store hung: each lookup is reported while it lasts, given up at its deadline,
