@@ -1,10 +1,10 @@
 """Starting the run's workers, and the small interface the Prefect tasks use to call them.
 
 Each role (rollout, actor, and when the config needs them ref and critic) is one long-lived Ray
-actor that reserves the role's ``resources`` from config; a colocated rollout is the actor's own. Tasks never touch Ray directly: they call
-``role.submit("method", ...)``, which returns a reference, and ``workers.get(reference)``; a batch that
-several roles read is placed once with ``workers.put`` and handed over by reference, so it is copied
-into Ray's object store once, not once per role.
+actor that reserves the role's ``resources`` from config (a colocated rollout is the actor's own).
+Tasks never touch Ray directly: they call ``role.submit("method", ...)``, which returns a reference,
+and ``workers.get(reference)``; a batch that several roles read is placed once with ``workers.put``
+and handed over by reference, so it is copied into Ray's object store once, not once per role.
 
 :func:`start_local_workers` builds the same roles as plain objects in this process, with the same
 interface; the overhead benchmark runs the very same step through it to measure what Ray and
@@ -152,7 +152,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
         handles["critic"] = actor_of(CriticWorker, "critic")
     ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
-    if backend != "object_store" and not cfg.colocated:  # the actor (rank 0) and the rollout (rank 1) share a collective group
+    if backend != "object_store":  # the actor (rank 0) and the rollout (rank 1) share a collective group
         group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
         ray.get([handles["actor"].join_weight_group.remote(group), handles["rollout"].join_weight_group.remote(group)])
     roles_served = {role: RayRole(handle) for role, handle in handles.items()}
