@@ -1,9 +1,10 @@
 """The actor and reference workers: the policy's log-probs, its PPO update, and its weights.
 
 Both hold a causal LM in a long-lived Ray actor; the reference is a frozen copy of the initial
-policy that only computes log-probs (for KL terms), and the colocated actor also generates. The update follows verl's actor: for each PPO
-epoch, for each mini-batch, accumulate the loss of its micro-batches (normalised by the whole
-mini-batch, so micro-batching does not change the gradient), clip, step.
+policy that only computes log-probs (for KL terms), and the colocated actor also generates. The
+update follows verl's actor: for each PPO epoch, for each mini-batch, accumulate the loss of its
+micro-batches (normalised by the whole mini-batch, so micro-batching does not change the gradient),
+clip, step.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The rollout worker: holds a copy of the policy and samples responses with transformers' ``generate``.
 
 It lives in a long-lived Ray actor (see :mod:`workers.group`); :func:`sample_responses` is the sampling
-itself, which the colocated actor (``actor_rollout_ref.hybrid_engine``) runs on its own model. Each call returns the rollout part of
-the step batch (see :mod:`storage.batch`): response tokens, the response mask (up to and including the
-first EOS), the log-probability of every sampled token under the sampling distribution
-``softmax(logits / temperature)`` (verl's convention: top-k/top-p truncation is not folded in, so the
-actor recomputes exactly the same quantity), and the weight version that produced it.
+itself, which the colocated actor (``actor_rollout_ref.hybrid_engine``) runs on its own model. Each
+call returns the rollout part of the step batch (see :mod:`storage.batch`): response tokens, the
+response mask (up to and including the first EOS), the log-probability of every sampled token under
+the sampling distribution ``softmax(logits / temperature)`` (verl's convention: top-k/top-p truncation
+is not folded in, so the actor recomputes exactly the same quantity), and the weight version that
+produced it.
 """
 
 from __future__ import annotations
