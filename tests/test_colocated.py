@@ -16,9 +16,11 @@ STEP_METRICS = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "a
                 "training/rollout_probs_diff_max")
 
 
-def steps_in_process(cfg, steps: int) -> list[dict[str, float]]:
-    """``steps`` training steps with in-process workers (no Ray, no Prefect); each step's metrics."""
+def steps_in_process(cfg, steps: int, *, colocated: bool) -> list[dict[str, float]]:
+    """``steps`` training steps with in-process workers (no Ray, no Prefect), laid out as ``colocated``
+    says; each step's metrics."""
     run = start_run(cfg, orchestrated=False)
+    assert run.workers.colocated is colocated and (run.workers.rollout is run.workers.actor) is colocated
     state = TrainerState(cfg, len(run.train_set))
     return [dict(step.metrics) for step in train_steps(run, state, make_trainer(run, state), range(1, steps + 1))]
 
@@ -49,8 +51,9 @@ def test_combinations_that_cannot_colocate_name_the_key(words, needle):
 def test_a_colocated_run_equals_one_with_a_rollout_worker_of_its_own(tiny_overrides):
     """The rollout samples with the actor's own model instead of a synced copy: the same samples, the same
     updates, step after step; weight_sync moves nothing."""
-    colocated = steps_in_process(load_config("grpo_tiny", tiny_overrides), 3)
-    separate = steps_in_process(load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.hybrid_engine=false"]), 3)
+    colocated = steps_in_process(load_config("grpo_tiny", tiny_overrides), 3, colocated=True)
+    separate = steps_in_process(load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.hybrid_engine=false"]), 3,
+                                colocated=False)
     for together, apart in zip(colocated, separate):
         for name in STEP_METRICS:
             assert together[name] == apart[name], name
