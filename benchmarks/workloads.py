@@ -36,7 +36,8 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int) ->
     from ppoflow.flows.train import start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
-    run = dataclasses.replace(run, stages=Stages(run.workers, run.stages.caches, orchestrated=prefect_tasks))
+    run = dataclasses.replace(run, stages=Stages(run.workers, run.stages.caches, orchestrated=prefect_tasks,
+                                                  tags=run.stages.tags))
     state = TrainerState(cfg, len(run.train_set))
     mode = make_trainer(run, state)
 

@@ -188,8 +188,8 @@ class RolloutConfig(Section):
 
 class ActorRolloutRefConfig(Section):
     hybrid_engine: Optional[bool] = Field(
-        description="Colocate: the actor's worker also generates, with its own model, so weight_sync is a hand-over "
-                    "in one process. null = wherever that works (trainer.mode=sync, rollout.name=hf, "
+        description="Colocate: the actor's worker also generates, with its own model, so there are no weights to "
+                    "sync. null = wherever that works (trainer.mode=sync, rollout.name=hf, "
                     "weight_sync.backend=object_store, actor and rollout on the same kind of device). Colocated, "
                     "the rollout runs on the actor's resources; rollout.resources is unused.")
     model: ModelConfig

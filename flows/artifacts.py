@@ -1,12 +1,16 @@
 """Prefect artifacts of a training run: what the UI shows about a run without opening its run directory.
 
-Keys derive from ``trainer.project_name`` and ``trainer.experiment_name``, so every run of one experiment
-adds a version to the same three artifacts:
+Keys are unique per run - ``<slug>-<flow run name>-<what>``, the slug from ``trainer.project_name`` and
+``trainer.experiment_name`` - so runs never overwrite each other's:
 
-* ``<slug>-progress``: percent of the steps done, updated in place after each step;
-* ``<slug>-metrics``: a table with one row per step and a readable subset of the metrics;
-* ``<slug>-summary``: markdown with the final metrics, where the run directory, checkpoint and caches
-  live, the reward curve, and the whole config.
+* ``...-progress``: percent of the steps done, updated in place after each step;
+* ``...-metrics``: a table with one row per step and a readable subset of the metrics;
+* ``...-summary``: a compact page: headline metrics, the reward curve (training score, and validation
+  from step 0 on), where the run directory, checkpoint, final model and caches are;
+* ``...-config``: the run's whole config, as YAML, apart from the summary it would drown.
+
+``<slug>-latest`` gets a new version for every run, naming that run and its artifact keys: the latest
+run of an experiment is one click from the Artifacts page.
 
 The reward curve is also written as ``reward_curve.png`` to the run directory (any fsspec URL), since it
 is useful without Prefect. Outside a flow run (the bare benchmark baseline) nothing is published.
@@ -24,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
-from prefect.context import FlowRunContext, TaskRunContext
+from prefect.context import FlowRunContext
 
 from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
@@ -41,8 +45,11 @@ VALIDATION = re.compile(r"^val-core/.+/reward/mean@\d+$")
 
 def artifact_slug(cfg: PPOConfig) -> str:
     """``project-experiment`` as an artifact key prefix: lowercase letters, digits and dashes."""
-    name = f"{cfg.trainer.project_name}-{cfg.trainer.experiment_name}".lower()
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return _key_part(f"{cfg.trainer.project_name}-{cfg.trainer.experiment_name}")
+
+
+def _key_part(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 class RunArtifacts:
@@ -52,77 +59,76 @@ class RunArtifacts:
         self.cfg = cfg
         self.total_steps = total_steps
         self.slug = artifact_slug(cfg)
-        self.active = FlowRunContext.get() is not None or TaskRunContext.get() is not None
+        context = FlowRunContext.get()
+        self.active = context is not None and context.flow_run is not None
+        self.run_name = context.flow_run.name if self.active else ""
+        self.prefix = f"{self.slug}-{_key_part(self.run_name)}"
+        self.validation_before_training: dict[str, float] = {}
         self.progress_id = None
         if self.active:
             self.progress_id = create_progress_artifact(
-                progress=100.0 * (first_step - 1) / total_steps, key=f"{self.slug}-progress",
-                description=f"{cfg.trainer.experiment_name}: training steps done")
+                progress=100.0 * (first_step - 1) / total_steps, key=f"{self.prefix}-progress",
+                description=f"{cfg.trainer.experiment_name} ({self.run_name}): training steps done")
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """Record that ``step`` is done (``metrics`` are that step's; only the progress is published)."""
         if self.active:
             update_progress_artifact(artifact_id=self.progress_id, progress=100.0 * step / self.total_steps)
 
-    def finish(self, rows: list[dict], *, checkpoint: str | None, caches: list[str]) -> str:
-        """Write the reward curve to the run directory and publish the metrics table and the summary;
-        ``rows`` are the run's per-step metrics (each with ``step``). Returns the PNG's location."""
-        figure = reward_figure(rows, self.cfg.trainer.experiment_name)
+    def validated_before_training(self, metrics: dict[str, float]) -> None:
+        """The step-0 validation (``trainer.val_before_train``), the first point of the validation curve."""
+        self.validation_before_training = dict(metrics)
+
+    def finish(self, rows: list[dict], *, checkpoint: str | None, final_model: str | None, caches: list[str]) -> str:
+        """Write the reward curve to the run directory and publish the metrics table, the summary, the
+        config and the experiment's ``latest`` pointer; ``rows`` are the run's per-step metrics (each
+        with ``step``). Returns the PNG's location."""
+        curve_rows = ([{"step": 0, **self.validation_before_training}] if self.validation_before_training else []) + rows
+        png = png_bytes(reward_figure(curve_rows, self.cfg.trainer.experiment_name), dpi=100)
         png_url = join(self.cfg.trainer.default_local_dir, "reward_curve.png")
         fs, path = open_fs(png_url)
-        atomic_write(fs, path, png_bytes(figure, dpi=100))
+        atomic_write(fs, path, png)
         if self.active:
-            create_table_artifact(table=metrics_table(rows), key=f"{self.slug}-metrics",
-                                  description=f"{self.cfg.trainer.experiment_name}: metrics per step")
-            thumbnail = base64.b64encode(png_bytes(figure, dpi=50)).decode()
-            create_markdown_artifact(markdown=self.summary(rows, checkpoint, caches, png_url, thumbnail),
-                                     key=f"{self.slug}-summary",
-                                     description=f"{self.cfg.trainer.experiment_name}: run summary")
+            name = f"{self.cfg.trainer.experiment_name} ({self.run_name})"
+            create_table_artifact(table=metrics_table(rows), key=f"{self.prefix}-metrics",
+                                  description=f"{name}: metrics per step")
+            create_markdown_artifact(markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png),
+                                     key=f"{self.prefix}-summary", description=f"{name}: run summary")
+            config = yaml.safe_dump(config_as_dict(self.cfg), sort_keys=False)
+            create_markdown_artifact(markdown=f"```yaml\n{config.rstrip()}\n```", key=f"{self.prefix}-config",
+                                     description=f"{name}: config")
+            create_markdown_artifact(markdown=self.pointer(), key=f"{self.slug}-latest",
+                                     description=f"{self.cfg.trainer.experiment_name}: the latest run")
         return png_url
 
-    def summary(self, rows: list[dict], checkpoint: str | None, caches: list[str], png_url: str,
-                thumbnail: str) -> str:
-        """The summary artifact's markdown."""
+    def summary(self, rows: list[dict], checkpoint: str | None, final_model: str | None, caches: list[str],
+                png_url: str, png: bytes) -> str:
+        """The summary artifact's markdown: short enough to read without scrolling past the curve."""
         trainer = self.cfg.trainer
         last = rows[-1] if rows else {}
-        config = yaml.safe_dump(config_as_dict(self.cfg), sort_keys=False)
+        headline = {name: value for name, value in (metrics_table([last])[0] if last else {}).items() if value != ""}
+        places = [("run directory", trainer.default_local_dir), ("checkpoint", checkpoint),
+                  ("final model", final_model), *(("cache", cache) for cache in caches)]
         return "\n".join([
-            f"# {trainer.experiment_name} ({trainer.project_name})",
+            f"# {trainer.experiment_name} ({trainer.project_name}), run {self.run_name}",
             "",
-            f"* algorithm: `{self.cfg.algorithm.adv_estimator}`, {'with' if self.cfg.use_critic else 'no'} critic,"
-            f" mode `{trainer.mode}`",
-            f"* steps: {last.get('step', 0)} of {self.total_steps}",
-            f"* run directory: `{trainer.default_local_dir}`",
-            f"* checkpoint: {f'`{checkpoint}`' if checkpoint else 'none'}",
-            f"* caches: {', '.join(f'`{cache}`' for cache in caches) or 'none'}",
+            f"`{self.cfg.algorithm.adv_estimator}`, {'with' if self.cfg.use_critic else 'no'} critic, "
+            f"mode `{trainer.mode}`: {last.get('step', 0)} of {self.total_steps} steps.",
             "",
-            f"## Final metrics (step {last.get('step', '-')})",
+            markdown_table(headline),
             "",
-            markdown_table({name: value for name, value in (metrics_table([last])[0] if last else {}).items()
-                            if value != ""}),
+            f"![reward curve](data:image/png;base64,{base64.b64encode(png).decode()})",
             "",
-            "<details><summary>all metrics of the last step</summary>",
+            markdown_table([(label, f"`{where}`") for label, where in places if where], header=("", "where")),
             "",
-            markdown_table({name: _cell(value) for name, value in sorted(last.items())}),
-            "",
-            "</details>",
-            "",
-            "## Reward curve",
-            "",
-            f"![reward curve](data:image/png;base64,{thumbnail})",
-            "",
-            f"Full size: `{png_url}`",
-            "",
-            "## Config",
-            "",
-            "<details><summary>config (YAML)</summary>",
-            "",
-            "```yaml",
-            config.rstrip(),
-            "```",
-            "",
-            "</details>",
+            f"Per-step metrics: artifact `{self.prefix}-metrics`; config: artifact `{self.prefix}-config`; "
+            f"curve: `{png_url}`.",
         ])
+
+    def pointer(self) -> str:
+        """The ``<slug>-latest`` markdown: which run is the experiment's latest, and its artifact keys."""
+        return "\n".join([f"# {self.cfg.trainer.experiment_name}: latest run `{self.run_name}`", "",
+                           *(f"* {what}: `{self.prefix}-{what}`" for what in ("summary", "metrics", "config"))])
 
 
 def metrics_table(rows: list[dict]) -> list[dict]:
@@ -133,15 +139,16 @@ def metrics_table(rows: list[dict]) -> list[dict]:
     return [{label: _cell(row.get(name)) for name, label in columns.items()} for row in rows]
 
 
-def markdown_table(row: dict) -> str:
-    """A ``| metric | value |`` markdown table of one row."""
-    lines = ["| metric | value |", "| --- | --- |"]
-    return "\n".join(lines + [f"| {name} | {value} |" for name, value in row.items()])
+def markdown_table(row: dict | list[tuple[str, object]], header: tuple[str, str] = ("metric", "value")) -> str:
+    """A two-column markdown table of one row's ``(name, value)`` pairs (``header`` names the columns)."""
+    pairs = row.items() if isinstance(row, dict) else row
+    lines = [f"| {header[0]} | {header[1]} |", "| --- | --- |"]
+    return "\n".join(lines + [f"| {name} | {value} |" for name, value in pairs])
 
 
 def reward_figure(rows: list[dict], title: str) -> Figure:
     """Training score per step, and validation rewards as markers, on an Agg canvas (no display needed)."""
-    figure = Figure(figsize=(6, 3.5))
+    figure = Figure(figsize=(8, 4))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     scored = [row for row in rows if _finite(row.get(SCORE))]
@@ -153,7 +160,7 @@ def reward_figure(rows: list[dict], title: str) -> Figure:
     axes.set(xlabel="step", ylabel="reward", title=title)
     axes.grid(alpha=0.3)
     if axes.lines:
-        axes.legend(loc="best", fontsize="small")
+        axes.legend(loc="best")
     figure.tight_layout()
     return figure
 

@@ -147,10 +147,16 @@ class TrainerMode:
         return True
 
     def push_weights(self, again: bool = False) -> None:
-        """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last)."""
+        """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last).
+        A rollout colocated with the actor samples with the actor's own model: there is nothing to move,
+        so no task runs."""
         run = self.run
+        if run.workers.colocated:
+            self.synced_version = self.state.weight_version
+            return
         collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
-        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again)
+        version = self.synced_version if again else self.state.weight_version
+        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again, label=f"version={version}")
         if not again:
             self.synced_version = self.state.weight_version
 

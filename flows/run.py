@@ -7,23 +7,26 @@ changes from step to step lives in :class:`~ppoflow.flows.state.TrainerState`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from prefect.context import FlowRunContext
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import Scorer, load_custom_scorer
+from ppoflow.algorithms.scoring import Scorer
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.data.datasets import PromptDataset, ensure_datasets, load_prompt_dataset
+from ppoflow.data.datasets import PromptDataset
+from ppoflow.flows.logs import note
 from ppoflow.flows.preflight import preflight
 from ppoflow.flows.stages import Stages
 from ppoflow.storage.batch import NON_TENSOR_FIELDS
 from ppoflow.storage.fingerprints import model_identity, tokenizer_identity
 from ppoflow.tasks.stages import stage_caches
-from ppoflow.workers.group import Workers, start_local_workers, start_workers
-from ppoflow.workers.models import ensure_model, load_tokenizer
+from ppoflow.tasks.startup import load_data, start_workers
+from ppoflow.workers.group import Workers
 from ppoflow.workers.rollout import SamplingParams
 
 
@@ -69,27 +72,27 @@ class RunContext:
 
 
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
-    """Check everything that can fail first (:func:`~ppoflow.flows.preflight.preflight`), build or generate
-    what the config asks for, load tokenizer, data and scorers, then start the workers."""
+    """Check everything that can fail first (:func:`~ppoflow.flows.preflight.preflight`), then load what
+    the run reads and start the workers (in Ray when ``orchestrated``): two task runs inside a flow run,
+    each noted with its duration."""
     preflight(cfg)
     if cfg.reward_model.reward_manager == "ray" and not orchestrated:
         raise ConfigError([("reward_model.reward_manager", "reward_model.reward_manager=ray scores in Prefect tasks "
                             "on Ray workers, which exist only in an orchestrated flow run: run it as a flow (and "
                             "set PREFECT_API_URL)")])
-    data = cfg.data
-    ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
-    if cfg.use_critic:
-        ensure_model(cfg.critic.model, "critic.model.path")
-    ensure_datasets(data)
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-    train_set = load_prompt_dataset(data.train_files, data, tokenizer, key="data.train_files")
-    val_set = load_prompt_dataset(data.val_files, data, tokenizer, key="data.val_files") if data.val_files else None
-    custom = cfg.custom_reward_function
-    custom_scorer = load_custom_scorer(custom.path, custom.name) if custom.path else None
-    batches_per_epoch = len(train_set) // data.train_batch_size
+    as_tasks = orchestrated and FlowRunContext.get() is not None
+    started = time.perf_counter()
+    inputs = (load_data if as_tasks else load_data.fn)(cfg)
+    note(f"loaded the tokenizer and data in {time.perf_counter() - started:.1f} s "
+         f"({len(inputs.train_set)} training prompts, {len(inputs.val_set) if inputs.val_set else 0} validation)")
+    batches_per_epoch = len(inputs.train_set) // cfg.data.train_batch_size
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
     reward_chunks = cfg.reward_model.num_workers if cfg.reward_model.reward_manager == "ray" else 0
     caches = stage_caches(cfg)
-    workers = start_workers(cfg) if orchestrated else start_local_workers(cfg)
-    return RunContext(cfg, tokenizer, train_set, val_set, total_steps, custom_scorer, reward_chunks, workers,
-                      Stages(workers, caches, orchestrated=orchestrated), SamplingParams.for_training(cfg))
+    started = time.perf_counter()
+    workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
+    note(f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s")
+    tags = (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}")
+    return RunContext(cfg, inputs.tokenizer, inputs.train_set, inputs.val_set, total_steps, inputs.custom_scorer,
+                      reward_chunks, workers, Stages(workers, caches, orchestrated=orchestrated, tags=tags),
+                      SamplingParams.for_training(cfg))

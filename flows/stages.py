@@ -54,15 +54,24 @@ class StepData:
 
 class Stages:
     """The run's stages, called as Prefect task runs (``orchestrated``) or as plain functions (the
-    overhead benchmark's baseline), each through its step cache when ``skip.<stage>`` enables one."""
+    overhead benchmark's baseline), each through its step cache when ``skip.<stage>`` enables one.
 
-    def __init__(self, workers: Workers, caches: dict[str, StageCache], *, orchestrated: bool):
-        self.workers, self.caches, self.orchestrated = workers, caches, orchestrated
+    Every task run is named for its stage and what it ran for - ``generate[step=12]``,
+    ``generate[val@20]``, ``weight_sync[version=3]`` - and tagged ``stage:<name>``, ``kind:train`` or
+    ``kind:validation``, plus the run's own ``tags`` (``mode:<trainer mode>``, ``experiment:<name>``),
+    so that the Prefect UI's filters find a stage, a step or the validation runs."""
 
-    def task(self, name: str):
-        """The stage's Prefect task, or its plain function when not orchestrated."""
+    def __init__(self, workers: Workers, caches: dict[str, StageCache], *, orchestrated: bool,
+                 tags: tuple[str, ...] = ()):
+        self.workers, self.caches, self.orchestrated, self.tags = workers, caches, orchestrated, tags
+
+    def task(self, name: str, label: str, kind: str = "train"):
+        """The stage's Prefect task, named ``<name>[<label>]`` and tagged; its plain function when not
+        orchestrated."""
         task = STAGES[name].task
-        return task if self.orchestrated else task.fn
+        if not self.orchestrated:
+            return task.fn
+        return task.with_options(task_run_name=f"{name}[{label}]", tags={f"stage:{name}", f"kind:{kind}", *self.tags})
 
     def call(self, name: str, step: StepData, *args, **kwargs) -> StageResult:
         """Run stage ``name`` for ``step`` and merge its result; timed as ``timing_s/<its timing name>``.
@@ -77,14 +86,15 @@ class Stages:
                 role = getattr(self.workers, stage.weights) if stage.weights else None
                 weights = self.workers.get(role.submit("weights_digest")) if role else None
                 requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
-            result = start_stage(cache, self.task(name), step.step, *args, requires=requires, **kwargs).result()
+            result = start_stage(cache, self.task(name, f"step={step.step}"), step.step, *args, requires=requires,
+                                 **kwargs).result()
         return step.merge(result)
 
     def start(self, name: str, step: int, *args, **options) -> PendingStage:
         """Start stage ``name`` for step ``step`` through its cache without waiting (``options`` as
         :func:`~ppoflow.storage.step_cache.start_stage` takes them: ``background``, ``requires``, ...)."""
-        return start_stage(self.caches.get(name), self.task(name), step, *args, **options)
+        return start_stage(self.caches.get(name), self.task(name, f"step={step}"), step, *args, **options)
 
-    def run(self, name: str, *args, **kwargs) -> StageResult:
-        """Run stage ``name`` outside any step and its cache (validation, weight pushes)."""
-        return self.task(name)(*args, **kwargs)
+    def run(self, name: str, *args, label: str, kind: str = "train", **kwargs) -> StageResult:
+        """Run stage ``name`` outside any step and its cache (validation, weight pushes), named for ``label``."""
+        return self.task(name, label, kind)(*args, **kwargs)

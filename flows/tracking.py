@@ -82,13 +82,6 @@ class Tracker:
             self.progress.set_postfix(shown, refresh=False)
             self.progress.update(1)
 
-    def note(self, message: str) -> None:
-        """A line of text (validation results, checkpoints, resumes): above the progress bar, or printed
-        (inside a flow run, printed lines also reach the Prefect run's logs)."""
-        if self.progress is not None:
-            self.progress.write(message)
-        else:
-            print(message)
 
     def close(self) -> None:
         if self.progress is not None:

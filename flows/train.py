@@ -21,7 +21,6 @@ overlaps training. Every stage is a Prefect task whose heavy work runs in a long
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Annotated, Literal, Optional
 
@@ -34,6 +33,7 @@ from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
+from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.metrics import data_metrics
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
 from ppoflow.flows.run import RunContext, start_run
@@ -130,11 +130,13 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
         tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
         artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
         if resume:
-            tracker.note(f"resumed from {resume}: continuing at step {first_step}")
+            note(f"resumed from {resume}: continuing at step {first_step}")
         test_freq = cfg.trainer.test_freq if run.val_set is not None else 0
         save_freq = cfg.trainer.save_freq
         if test_freq > 0 and cfg.trainer.val_before_train and first_step == 1:
-            tracker.note(validation_line(0, *validate(run, step=0)))
+            val_metrics, samples = validate(run, step=0)
+            artifacts.validated_before_training(val_metrics)
+            note(validation_line(0, val_metrics, samples))
         for step in train_steps(run, state, mode, range(first_step, run.total_steps + 1)):
             last = step.step == run.total_steps
             if test_freq > 0 and (step.step % test_freq == 0 or last):
@@ -142,19 +144,19 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                 val_metrics, samples = validate(run, step.step)
                 mode.on_validate_end(step.step)
                 step.metrics.update(val_metrics)
-                tracker.note(validation_line(step.step, val_metrics, samples))
+                note(validation_line(step.step, val_metrics, samples))
             tracker.log(step.step, step.metrics)
             artifacts.step(step.step, step.metrics)
             if save_freq > 0 and (step.step % save_freq == 0 or last):
                 directory = save_checkpoint(cfg, run.workers, step.step,
                                             {"trainer": state.state_dict(), "mode": mode.state_dict()})
-                tracker.note(f"checkpoint written to {directory}")
+                note(f"checkpoint written to {directory}")
         final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"
         run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
-        tracker.note(f"trained policy written to {final_model}")
+        note(f"trained policy written to {final_model}")
         curve = artifacts.finish(read_metrics(cfg.trainer.default_local_dir), checkpoint=latest(cfg.trainer.default_local_dir),
-                                 caches=[cache.entries.root for cache in run.stages.caches.values()])
-        tracker.note(f"reward curve written to {curve}")
+                                 final_model=final_model, caches=[cache.entries.root for cache in run.stages.caches.values()])
+        note(f"reward curve written to {curve}")
     finally:
         if tracker is not None:
             tracker.close()
@@ -185,15 +187,13 @@ def ppo_train(
     Args:
         config: Preset in configs/ (grpo_tiny, ppo_trainer) or a path to a YAML file.
         overrides: key=value overrides, one per row, e.g. actor_rollout_ref.rollout.n=4 or skip.rollout.steps=[1,2].
-        experiment_name: trainer.experiment_name (names the run and cache directories).
-        total_training_steps: trainer.total_training_steps.
-        mode: trainer.mode: sync, or one_step_off (generation overlaps the update).
+        experiment_name: trainer.experiment_name (names the run and cache directories); blank: the config's.
+        total_training_steps: trainer.total_training_steps; blank: the config's.
+        mode: trainer.mode: sync, or one_step_off (generation overlaps the update); blank: the config's.
     """
     typed = {"trainer.experiment_name": experiment_name, "trainer.total_training_steps": total_training_steps,
              "trainer.mode": mode}
     cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in typed.items() if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
-    # Each task run's "Finished in state Completed()" line costs console rendering time (docs/benchmarks.md)
-    # and buries the progress bar; task states still reach the Prefect API and UI without it.
-    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    return train(cfg)
+    with logs_to_prefect():
+        return train(cfg)

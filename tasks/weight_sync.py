@@ -16,11 +16,7 @@ from ppoflow.storage.batch import StageResult
 @task(name="weight_sync", cache_policy=NO_CACHE)
 def weight_sync(workers, collective: bool, again: bool = False) -> StageResult:
     """Move the actor's current weights into the rollout worker (which then stamps their version on what
-    it samples); ``again``: the weights pushed last time (a restarted rollout worker lost them). A rollout
-    colocated with the actor samples with the actor's own model: nothing moves."""
-    if workers.colocated:
-        workers.get(workers.actor.submit("hand_over_weights"))
-        return StageResult(None)
+    it samples); ``again``: the weights pushed last time (a restarted rollout worker lost them)."""
     update = workers.actor.submit("prepare_weights", again=again)
     applied = workers.rollout.submit("apply_weights", update)
     if collective:

@@ -182,7 +182,7 @@ def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
     never be dumped); tests copy its dump and replay, damage or reshape the copy."""
     from types import SimpleNamespace
 
-    from tests.flow_runs import rollout_skip, small, train
+    from tests.flow_runs import rollout_skip, small, train_run
 
     root = tmp_path_factory.mktemp("golden")
     skip = {**rollout_skip(root / "dump", [0, 1, 2, 3, 4]), "reward.enable": "true",
@@ -190,9 +190,9 @@ def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
     words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
         f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true"]
     with prefect_settings(prefect_server):
-        rows, states = train(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
+        rows, states, flow_run_id = train_run(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
     return SimpleNamespace(root=root, dump=root / "dump", rows=rows, states=states, skip=skip,
-                           overrides=small(root, tiny_model))
+                           overrides=small(root, tiny_model), flow_run_id=flow_run_id)
 
 
 # --- ray_local: one local Ray for the whole session ---------------------------------------------

@@ -21,12 +21,20 @@ def train(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str],
           validations: int = 0) -> tuple[list[dict], list]:
     """Run the flow (without validation unless ``validations`` are expected); return its metrics rows
     and the final states of its generate task runs."""
+    rows, states, _ = train_run(overrides, run_dir, steps, skip, validations=validations)
+    return rows, states
+
+
+def train_run(overrides: list[str], run_dir: Path, steps: int, skip: dict[str, str], *,
+              validations: int = 0) -> tuple[list[dict], list, str]:
+    """:func:`train`, and the flow run's id."""
     words = overrides + ([] if validations else ["trainer.test_freq=-1"]) + [
         f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}"] + [
         f"skip.{key}={value}" for key, value in skip.items()]
     state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
     assert state.is_completed(), state
-    return read_metrics(str(run_dir)), generate_states(state.state_details.flow_run_id, steps + validations)
+    flow_run_id = state.state_details.flow_run_id
+    return read_metrics(str(run_dir)), generate_states(flow_run_id, steps + validations), flow_run_id
 
 
 def generate_states(flow_run_id, expected: int) -> list[str]:

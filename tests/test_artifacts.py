@@ -11,10 +11,11 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.runtime import flow_run
 
 from ppoflow.configs import load_config
-from ppoflow.flows.artifacts import RunArtifacts
+from ppoflow.flows.artifacts import RunArtifacts, reward_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SLUG = "ppoflow-art-test-1"
+LATEST = "ppoflow-art-test-1-latest"
+SLUG = "ppoflow-art-test-1-art-run"
 ROWS = [
     {"step": 1, "critic/score/mean": 0.123456, "critic/rewards/mean": 0.1, "actor/pg_loss": -0.0123456,
      "actor/grad_norm": 1.5, "actor/entropy": 2.0, "response_length/mean": 3.0, "timing_s/step": 0.98765},
@@ -30,19 +31,21 @@ def config(tmp_path):
     return load_config("grpo_tiny", ["trainer.experiment_name=Art Test_1", f"trainer.default_local_dir={tmp_path}/run"])
 
 
-@flow
+@flow(flow_run_name="art-run")
 def publish(cfg) -> tuple[str, str]:
     artifacts = RunArtifacts(cfg, total_steps=3)
+    artifacts.validated_before_training({"val-core/copy/reward/mean@1": 0.125})
     for row in ROWS:
         artifacts.step(row["step"], row)
-    png = artifacts.finish(ROWS, checkpoint=f"{cfg.trainer.default_local_dir}/global_step_3/actor/huggingface",
+    png = artifacts.finish(ROWS, checkpoint=f"{cfg.trainer.default_local_dir}/global_step_2",
+                           final_model=f"{cfg.trainer.default_local_dir}/global_step_3/actor/huggingface",
                            caches=["/caches/rollout", "/caches/reward"])
     return flow_run.id, png
 
 
 def read_back(flow_run_id: str) -> dict:
     """The flow run's artifacts by key (polled briefly: they reach the API asynchronously)."""
-    wanted = {f"{SLUG}-progress", f"{SLUG}-metrics", f"{SLUG}-summary"}
+    wanted = {f"{SLUG}-progress", f"{SLUG}-metrics", f"{SLUG}-summary", f"{SLUG}-config", LATEST}
     with get_client(sync_client=True) as client:
         for _ in range(50):
             found = {artifact.key: artifact for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -67,9 +70,12 @@ def test_a_run_publishes_progress_table_summary_and_reward_curve(prefect_api, tm
 
     summary = found[f"{SLUG}-summary"].data
     run_dir = cfg.trainer.default_local_dir
-    for text in (run_dir, f"{run_dir}/global_step_3/actor/huggingface", "/caches/rollout", "/caches/reward",
-                 "data:image/png;base64,", png, "Art Test_1", "grpo", "```yaml"):
+    for text in (run_dir, f"{run_dir}/global_step_2`", f"{run_dir}/global_step_3/actor/huggingface", "/caches/rollout",
+                 "/caches/reward", "data:image/png;base64,", png, "Art Test_1", "grpo", f"{SLUG}-config"):
         assert text in summary, text
+    assert "```yaml" not in summary and "<details>" not in summary
+    assert "```yaml" in found[f"{SLUG}-config"].data
+    assert "latest run `art-run`" in found[LATEST].data
 
     assert png == f"{tmp_path}/run/reward_curve.png"
     assert (tmp_path / "run" / "reward_curve.png").read_bytes().startswith(PNG_SIGNATURE)
@@ -78,6 +84,12 @@ def test_a_run_publishes_progress_table_summary_and_reward_curve(prefect_api, tm
 def test_outside_a_flow_run_only_the_png_is_written(tmp_path):
     artifacts = RunArtifacts(config(tmp_path), total_steps=3)
     artifacts.step(1, ROWS[0])
-    png = artifacts.finish(ROWS[:1], checkpoint=None, caches=[])
+    png = artifacts.finish(ROWS[:1], checkpoint=None, final_model=None, caches=[])
     assert not artifacts.active
     assert open(png, "rb").read().startswith(PNG_SIGNATURE)
+
+
+def test_the_reward_curve_plots_validation_from_step_0():
+    figure = reward_figure([{"step": 0, "val-core/copy/reward/mean@1": 0.125}, *ROWS], "title")
+    lines = {line.get_label(): list(line.get_xdata()) for line in figure.axes[0].lines}
+    assert lines == {"train score": [1, 2, 3], "val copy/reward/mean@1": [0, 3]}

@@ -78,7 +78,7 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path, caplog):
+def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path, capsys):
     """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
     that was being generated for step 3) and reproduces the uninterrupted run."""
     (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
@@ -99,11 +99,11 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     assert not (tmp_path / "killed" / "global_step_3" / checkpoint.MARKER).exists()
     assert max(rows_by_step(tmp_path / "killed")) <= 3
 
-    caplog.set_level("INFO")
+    capsys.readouterr()
     second = ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/killed"],
                        return_state=True)  # started again (here in-process; a UI retry does the same)
     assert second.is_completed(), second
-    assert "global_step_2: continuing at step 3" in caplog.text  # resumed, not started over
+    assert "global_step_2: continuing at step 3" in capsys.readouterr().out  # resumed, not started over
     resumed = rows_by_step(tmp_path / "killed")
     assert sorted(resumed) == [1, 2, 3, 4]
     assert_same_steps(rows_by_step(tmp_path / "straight"), resumed, [1, 2, 3, 4])
@@ -115,7 +115,7 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
 
 @pytest.mark.slow
 def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(prefect_api, ray_local, overrides,
-                                                                             tmp_path, caplog):
+                                                                             tmp_path, caplog, capsys):
     """Damage a finished 3-step run the way a crash or a bad disk does, then resume it to 4 steps."""
     run_dir = tmp_path / "run"
     words = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1"]
@@ -128,10 +128,10 @@ def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(pre
     torn = metrics.read_bytes()[:-20]  # the last row (step 3) loses its end, as in a power loss mid-append
     metrics.write_bytes(torn)
 
-    caplog.set_level("INFO")
+    capsys.readouterr()
     ppo_train(config="grpo_tiny", overrides=words + ["trainer.total_training_steps=4"])
     assert f"not resuming from checkpoint {run_dir}/global_step_3: {weights}: checksum" in caplog.text
-    assert f"resumed from {run_dir}/global_step_2: continuing at step 3" in caplog.text
+    assert f"resumed from {run_dir}/global_step_2: continuing at step 3" in capsys.readouterr().out
     (aside,) = run_dir.glob("metrics.discarded-*.jsonl")
     assert aside.read_bytes() == torn.splitlines(keepends=True)[-1] + b"\n"  # the torn line, set aside
     assert [row["step"] for row in read_metrics(str(run_dir))] == [1, 2, 3, 4]

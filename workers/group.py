@@ -63,6 +63,11 @@ class Workers:
     started_ray: bool = False
     _handles: list = field(default_factory=list)
 
+    def roles(self) -> list[str]:
+        """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
+        names = ["actor+rollout" if self.colocated else "actor", *(["rollout"] if not self.colocated else [])]
+        return names + [role for role in ("ref", "critic") if getattr(self, role) is not None]
+
     def put(self, value):
         """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""
         if not self.uses_ray:

@@ -166,7 +166,3 @@ class ColocatedActorWorker(ActorWorker):
         """The rollout worker's ``generate``, on the actor's model, stamped with its weight version."""
         return sample_responses(self.model, self.tokenizer, prompts, step=step, sampling=sampling,
                                 weight_version=self.weight_version, device=self.device)
-
-    def hand_over_weights(self) -> int:
-        """weight_sync in one worker: the rollout already samples with these weights; their version."""
-        return self.weight_version

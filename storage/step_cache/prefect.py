@@ -17,6 +17,7 @@ code, and an entry whose marker does not validate does not exist for Prefect.
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -31,6 +32,8 @@ from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import atomic_write, join, open_fs, write_with_retries
 from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key
 from ppoflow.storage.step_cache.store import CacheWriteError, StepCache, encode_manifest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +58,10 @@ class ManifestSerializer(Serializer):
 
     def loads(self, blob: bytes) -> StageRecord:
         manifest = decode_manifest(blob)
+        versions = manifest.get("weight_version")
+        logger.info("cached %s of step %d: %d trajectories, written %s%s", manifest["stage"], manifest["global_steps"],
+                    manifest["num_trajectories"], manifest["created_at"],
+                    f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "")
         return StageRecord(fields=None, metrics=manifest.get("metrics", {}), manifest=manifest)
 
 
@@ -133,7 +140,20 @@ class PrefectStore:
 
     def task_options(self, key: str, *, refresh: bool) -> dict:
         """``with_options`` arguments that make a stage task a persisted Prefect cache entry at ``key``;
-        ``refresh`` runs the body even when an entry exists (and replaces it)."""
-        policy = CacheKeyFnPolicy(cache_key_fn=lambda context, parameters: key).configure(key_storage=self.key_storage)
+        ``refresh`` runs the body even when an entry exists (and replaces it).
+
+        The key becomes the task run's cache key, which the UI shows (Prefect 3 leaves it empty), and
+        the task run's logs say which entry it replays or is about to write."""
+        url = join(self.result_storage.basepath, key)
+
+        def step_key(context, parameters) -> str:
+            context.task_run.cache_key = key
+            if refresh:
+                logger.info("no valid cache entry to replay: computing, then writing %s", url)
+            else:
+                logger.info("replaying the cache entry %s", url)
+            return key
+
+        policy = CacheKeyFnPolicy(cache_key_fn=step_key).configure(key_storage=self.key_storage)
         return {"cache_policy": policy, "result_storage": self.result_storage, "result_serializer": ManifestSerializer(),
                 "persist_result": True, "cache_result_in_memory": False, "refresh_cache": refresh}

@@ -60,6 +60,7 @@ class StepDump:
         except Exception as error:  # CacheWriteError after its retries, a stall, a client error
             logger.warning("could not cache %s of step %d: %s", self.cache.stage, self.step, error)
             return StageRecord(result.fields, {**result.metrics, f"skip/{self.cache.stage}/dump_failed": 1.0})
+        logger.info("wrote the %s of step %d to %s", self.cache.stage, self.step, self.cache.payload_url(self.step))
         return StageRecord(result.fields, result.metrics, manifest)
 
 

@@ -1,0 +1,81 @@
+"""What a run tells its user, said once on the console and kept in the Prefect UI's logs.
+
+A *note* is a line a user follows the run by: a start-up phase and how long it took, a validation
+result with sample completions, a checkpoint written, a resume, where the reward curve went. The
+console prints it once, above the progress bar (:func:`note`); the ``ppoflow.run`` logger carries it
+to the flow run's logs in the UI.
+
+Inside a flow run, :func:`logs_to_prefect` sends every record of the ``ppoflow`` loggers from INFO up
+(notes, the step cache's replays and writes, warnings, errors) to Prefect's API, attached to the task
+run it was logged in (a cache hit's note lands on its task run) or else to the flow run. The console
+keeps showing what it showed without it: notes, and warnings and errors through the root logger's
+handlers. Prefect's own "Finished in state Completed()" line per task run is left out of both (one
+per stage per step would bury the progress bar); task states still reach the UI as states.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.logging.handlers import APILogHandler
+from tqdm.auto import tqdm
+
+PACKAGE_LOGGER = logging.getLogger("ppoflow")
+NOTES = PACKAGE_LOGGER.getChild("run")
+
+
+def note(message: str) -> None:
+    """Print ``message`` on the console (above a progress bar, if one is shown) and log it for the UI."""
+    tqdm.write(message)
+    NOTES.info(message)
+
+
+def _in_a_run(record: logging.LogRecord) -> bool:
+    """Only records logged where a flow or task run is current go to the API (a thread of a storage
+    client, say, has no run to attach them to)."""
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+class _WarningsOnward(logging.Handler):
+    """Hands warnings and errors on to the root logger's handlers (Prefect's console, pytest's capture,
+    or Python's last resort), as if the ``ppoflow`` logger still propagated them."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger().callHandlers(record)
+
+
+@contextmanager
+def logs_to_prefect() -> Iterator[None]:
+    """For the block's duration, send ``ppoflow`` records (INFO and up) to the current flow run's logs.
+
+    Only warnings and errors go on to the console (the root logger's handlers), as before: notes print
+    through :func:`note`, never through logging, so nothing appears twice."""
+    if FlowRunContext.get() is None:
+        yield
+        return
+    api = APILogHandler()
+    api.setLevel(logging.INFO)
+    api.addFilter(_in_a_run)
+    handlers = [api, _WarningsOnward()]
+    level, propagate = PACKAGE_LOGGER.level, PACKAGE_LOGGER.propagate
+    task_runs = logging.getLogger("prefect.task_runs")
+    task_runs_level = task_runs.level
+    PACKAGE_LOGGER.setLevel(logging.INFO)
+    PACKAGE_LOGGER.propagate = False
+    task_runs.setLevel(logging.WARNING)
+    for handler in handlers:
+        PACKAGE_LOGGER.addHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            PACKAGE_LOGGER.removeHandler(handler)
+        PACKAGE_LOGGER.setLevel(level)
+        PACKAGE_LOGGER.propagate = propagate
+        task_runs.setLevel(task_runs_level)

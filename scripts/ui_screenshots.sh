@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Screenshots of the Prefect UI with a short ppoflow run and a cache replay (scripts/ui_screenshots.py).
+# Needs Chromium from the distribution's packages (apt-get install chromium). Usage: scripts/ui_screenshots.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh dev
+export PREFECT_SERVER_ANALYTICS_ENABLED=false OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+exec python scripts/ui_screenshots.py "$@"

@@ -1,0 +1,135 @@
+"""What the Prefect UI shows of a run, read through Prefect's API from a real server: task runs named and
+tagged for their stage and step, the start-up as task runs, a cache hit's key and the entry it loaded,
+the notes a user follows a run by, and per-run artifacts.
+
+The runs are the session's golden run (dumps steps 1-4, validates at steps 0 and 4) and one replay of
+its cache made here."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter,
+                                            FlowRunFilterId, LogFilter, LogFilterFlowRunId)
+from prefect.client.schemas.sorting import TaskRunSort
+
+from tests.conftest import drain_prefect_logs
+from tests.flow_runs import CONFIG, PROJECT, copy_dump, train_run
+
+SLUG = "ppoflow-grpo-tiny"
+
+
+def task_runs(flow_run_id, expected: int) -> list:
+    """The flow run's task runs once the server has recorded ``expected`` of them, all final."""
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+            if len(runs) >= expected and all(run.state and run.state.is_final() for run in runs):
+                return runs
+            assert time.monotonic() < deadline, f"{len(runs)} task runs of {expected}"
+            time.sleep(0.5)
+
+
+def logs(flow_run_id) -> list:
+    """Every log line of the flow run and its task runs, as the server holds them."""
+    drain_prefect_logs()
+    found: list = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                       limit=200, offset=len(found)):
+            found += page
+    return found
+
+
+def artifacts(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    return {artifact.key: artifact for artifact in found}
+
+
+@pytest.fixture(scope="module")
+def replay(golden, prefect_server, tmp_path_factory):
+    """The golden cache replayed for steps 1-2, without validation."""
+    from tests.conftest import prefect_settings
+
+    tmp_path = tmp_path_factory.mktemp("ui-replay")
+    dump = copy_dump(golden, tmp_path)
+    skip = {**golden.skip, "rollout.dump_dir": str(dump), "reward.dump_dir": str(dump)}
+    with prefect_settings(prefect_server):
+        _, states, flow_run_id = train_run(golden.overrides, tmp_path / "run", 2, skip)
+        runs = task_runs(flow_run_id, 2 + 2 * 4)
+        return dump, flow_run_id, runs, logs(flow_run_id), artifacts(flow_run_id)
+
+
+def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, golden):
+    runs = task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)  # start-up, 4 stages x 4 steps, 2 validations
+    names = [run.name for run in runs]
+    assert names[:2] == ["load_data", "start_workers"]  # the start-up is on the timeline, first
+    for step in (1, 2, 3, 4):
+        for stage in ("generate", "reward", "advantage", "update_actor"):
+            assert f"{stage}[step={step}]" in names
+    for step in (0, 4):
+        assert {f"generate[val@{step}]", f"reward[val@{step}]"} <= set(names)
+    by_name = {run.name: run for run in runs}
+    assert set(by_name["generate[step=3]"].tags) == {"stage:generate", "kind:train", "mode:sync",
+                                                     "experiment:grpo_tiny"}
+    assert "kind:validation" in by_name["reward[val@0]"].tags
+    assert all(not run.name.startswith("weight_sync") for run in runs)  # colocated: no weights to move
+
+
+def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
+    dump, flow_run_id, runs, lines, _ = replay
+    hit = next(run for run in runs if run.name == "generate[step=2]")
+    assert hit.state.name == "Cached"
+    assert hit.cache_key == f"{PROJECT}/{CONFIG}/2/meta.json"
+    said = [line.message for line in lines if line.task_run_id == hit.id]
+    assert f"replaying the cache entry {dump}/{PROJECT}/{CONFIG}/2/meta.json" in said
+    assert any(message.startswith("cached rollout of step 2: 16 trajectories, written ") and
+               message.endswith("sampled with weight versions 1-1") for message in said), said
+
+
+def test_a_miss_logs_where_it_wrote(prefect_api, golden):
+    runs = task_runs(golden.flow_run_id, 22)
+    miss = next(run for run in runs if run.name == "reward[step=3]")
+    assert miss.cache_key == f"{PROJECT}/{CONFIG}/3/reward.meta.json"
+    said = [line.message for line in logs(golden.flow_run_id) if line.task_run_id == miss.id]
+    assert f"wrote the reward of step 3 to {golden.dump}/{PROJECT}/{CONFIG}/3/reward.safetensors" in said
+
+
+def test_the_flow_run_logs_hold_what_a_user_follows_the_run_by(prefect_api, golden):
+    said = [line.message for line in logs(golden.flow_run_id) if line.task_run_id is None]
+    for start in ("loaded the tokenizer and data in ", "started the workers (actor+rollout) in ",
+                  "step 0 validation: val-core/", "step 4 validation: val-core/", "trained policy written to ",
+                  "reward curve written to "):
+        assert any(message.startswith(start) for message in said), start
+    assert any("samples: '" in message for message in said)
+
+
+def test_artifacts_are_per_run_and_compact(prefect_api, golden, replay):
+    _, replay_run, _, _, replayed = replay
+    golden_artifacts = artifacts(golden.flow_run_id)
+    (summary_key,) = [key for key in golden_artifacts if key.endswith("-summary")]
+    prefix = summary_key.removesuffix("-summary")
+    assert prefix.startswith(f"{SLUG}-") and prefix != SLUG  # the run's name is in the key
+    assert {f"{prefix}-progress", f"{prefix}-metrics", f"{prefix}-config", f"{SLUG}-latest"} <= set(golden_artifacts)
+    assert not set(golden_artifacts) & {key for key in replayed if key != f"{SLUG}-latest"}  # no overwrites
+
+    summary = golden_artifacts[summary_key].data
+    assert "data:image/png;base64," in summary and "<details>" not in summary and "```yaml" not in summary
+    assert f"`{golden.root}/run/global_step_4/actor/huggingface`" in summary  # the final model, which exists
+    assert len(summary.encode()) < 200_000
+    assert "```yaml" in golden_artifacts[f"{prefix}-config"].data
+    table = json.loads(golden_artifacts[f"{prefix}-metrics"].data)
+    assert [row["step"] for row in table] == [1, 2, 3, 4]
+
+    with get_client(sync_client=True) as client:  # the latest version of "<slug>-latest" names the newest run
+        (latest,) = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=[f"{SLUG}-latest"])))
+        replay_name = client.read_flow_run(replay_run).name
+    assert f"latest run `{replay_name}`" in latest.data
