@@ -104,6 +104,7 @@ def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_lo
     assert "differ from n=2" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_rollout_sampled_otherwise_is_not_replayed(prefect_api, ray_local, golden, tmp_path, caplog):
     """An entry sampled at another temperature, or from another model, is regenerated with a warning
     naming what differs."""

@@ -86,6 +86,7 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
             server.kill()
 
 
+@pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_to_a_work_pool(prefect_api, tmp_path):
     env = {**os.environ, "PPOFLOW_REPO": str(REPO)}
     subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "ppoflow-local", "--type", "process"],

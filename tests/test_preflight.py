@@ -261,6 +261,7 @@ def assert_no_traceback_and_no_ray(result: subprocess.CompletedProcess, *named: 
         assert line not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_subprocess_storage_ray_data_and_reward_problems(tmp_path, tiny_overrides):
     (tmp_path / "file").write_text("")
     (tmp_path / "zero.parquet").write_bytes(b"")
