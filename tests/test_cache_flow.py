@@ -46,6 +46,7 @@ def test_replay_is_prefect_cached_and_bit_identical(prefect_api, ray_local, gold
             assert before[name] == after[name], (name, before["step"])  # bit for bit
 
 
+@pytest.mark.slow
 def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_local, overrides, tmp_path):
     dump = tmp_path / "dump"
     rows, states = train(overrides, tmp_path / "run", 5, rollout_skip(dump, [1, 3, 5], "repeat"))

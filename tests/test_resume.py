@@ -49,6 +49,7 @@ def assert_same_steps(straight: dict, resumed: dict, steps) -> None:
             assert straight[step][name] == resumed[step][name], (step, name)
 
 
+@pytest.mark.slow
 def test_sync_run_resumes_from_its_checkpoint_bit_for_bit(prefect_api, ray_local, overrides, tmp_path):
     ppo_train(config="grpo_tiny", overrides=overrides + [f"trainer.default_local_dir={tmp_path}/straight"])
     # the same run, stopped after step 2 (its last checkpoint), then started again for 4 steps
