@@ -65,7 +65,7 @@ class Workers:
 
     def roles(self) -> list[str]:
         """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
-        names = ["actor+rollout" if self.colocated else "actor", *(["rollout"] if not self.colocated else [])]
+        names = ["actor+rollout"] if self.colocated else ["actor", "rollout"]
         return names + [role for role in ("ref", "critic") if getattr(self, role) is not None]
 
     def put(self, value):
