@@ -12,7 +12,11 @@ of each stage's ``timing_s/*`` and the machine's load average:
 * bare              - ``train(cfg, orchestrated=False)``'s steps: in-process workers, plain functions;
 * ray               - the workers in Ray actors, the stages plain functions;
 * prefect+ray       - what ``ppoflow train`` does (sync);
-* one_step_off      - the same with ``trainer.mode=one_step_off``.
+* one_step_off      - the same with ``trainer.mode=one_step_off``;
+* prefect+ray+tags  - prefect+ray with ``trainer.task_run_tags=true`` (Prefect then acquires tag
+                      concurrency slots from its server before each task run; see docs/ui.md).
+
+Medians hide stalls, so the table also gives each way's mean and slowest step.
 
     python benchmarks/step_floor.py [--steps 30] [--warmup 5]
 """
@@ -119,28 +123,36 @@ def main() -> None:
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     total = args.warmup + args.steps
-    ways = {"bare": (False, False, "sync"), "ray": (True, False, "sync"), "prefect+ray": (True, True, "sync"),
-            "one_step_off": (True, True, "one_step_off")}
+    ways = {"bare": (False, False, "sync", False), "ray": (True, False, "sync", False),
+            "prefect+ray": (True, True, "sync", False), "one_step_off": (True, True, "one_step_off", False),
+            "prefect+ray+tags": (True, True, "sync", True)}
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        def config(mode: str):
+        def config(mode: str, tags: bool = False):
             return load_config("grpo_tiny", built_in(scratch, "demo") + [
-                f"trainer.default_local_dir={scratch}/run-{mode}", f"trainer.mode={mode}", "trainer.test_freq=-1"])
+                f"trainer.default_local_dir={scratch}/run-{mode}", f"trainer.mode={mode}", "trainer.test_freq=-1",
+                f"trainer.task_run_tags={str(tags).lower()}"])
 
-        results["floor"] = timing_medians(floor_steps(config("sync"), steps=total)[args.warmup:])
-        for way, (ray_workers, prefect_tasks, mode) in ways.items():
-            rows = ppoflow_steps(config(mode), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total)
-            results[way] = timing_medians(rows[args.warmup:])
+        def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+            steps = [row["timing_s/step"] for row in rows]
+            return {**timing_medians(rows), "step_mean": sum(steps) / len(steps), "step_max": max(steps)}
+
+        results["floor"] = summary(floor_steps(config("sync"), steps=total)[args.warmup:])
+        for way, (ray_workers, prefect_tasks, mode, tags) in ways.items():
+            rows = ppoflow_steps(config(mode, tags), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total)
+            results[way] = summary(rows[args.warmup:])
     ray.shutdown()
 
     floor = results["floor"]["step"]
     stages = ["gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; medians of {args.steps} steps "
-          f"after {args.warmup}; ms")
-    print("| way | step | x floor | " + " | ".join(stages) + " |\n|---|---|---|" + "---|" * len(stages))
+          f"after {args.warmup} (and the steps' mean and slowest); ms")
+    print("| way | step | x floor | mean step | slowest | " + " | ".join(stages) + " |\n|---|---|---|---|---|"
+          + "---|" * len(stages))
     for way, timing in results.items():
         split = " | ".join(f"{timing[name] * 1000:.1f}" if name in timing else "-" for name in stages)
-        print(f"| {way} | {timing['step'] * 1000:.1f} | {timing['step'] / floor:.2f} | {split} |")
+        print(f"| {way} | {timing['step'] * 1000:.1f} | {timing['step'] / floor:.2f} | "
+              f"{timing['step_mean'] * 1000:.1f} | {timing['step_max'] * 1000:.1f} | {split} |")
     print(json.dumps({way: {**timing, "ratio_to_floor": timing["step"] / floor} for way, timing in results.items()}))
 
 

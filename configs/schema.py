@@ -277,6 +277,11 @@ class TrainerConfig(Section):
     val_before_train: bool = Field(description="Validate once before the first step (when test_freq > 0).")
     default_local_dir: str = Field(description="Run directory: metrics.jsonl, TensorBoard events, checkpoints.")
     logger: list[str] = Field(description="Where metrics go besides metrics.jsonl: console, tensorboard.")
+    task_run_tags: bool = Field(
+        description="Tag every stage's task run (stage:, kind:, mode:, experiment:) for the Prefect UI's tag filters. "
+                    "Off by default: Prefect asks its server for tag concurrency slots before each tagged task "
+                    "run, a database write that stalls the step for seconds on a busy SQLite server "
+                    "(docs/ui.md). Task-run names carry the stage and step either way.")
 
 
 class RolloutPoolConfig(Section):

@@ -92,7 +92,8 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     started = time.perf_counter()
     workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
     note(f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s")
-    tags = (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}")
+    tags = (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}") if cfg.trainer.task_run_tags \
+        else None
     return RunContext(cfg, inputs.tokenizer, inputs.train_set, inputs.val_set, total_steps, inputs.custom_scorer,
                       reward_chunks, workers, Stages(workers, caches, orchestrated=orchestrated, tags=tags),
                       SamplingParams.for_training(cfg))

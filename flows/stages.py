@@ -57,12 +57,14 @@ class Stages:
     overhead benchmark's baseline), each through its step cache when ``skip.<stage>`` enables one.
 
     Every task run is named for its stage and what it ran for - ``generate[step=12]``,
-    ``generate[val@20]``, ``weight_sync[version=3]`` - and tagged ``stage:<name>``, ``kind:train`` or
-    ``kind:validation``, plus the run's own ``tags`` (``mode:<trainer mode>``, ``experiment:<name>``),
-    so that the Prefect UI's filters find a stage, a step or the validation runs."""
+    ``generate[val@20]``, ``weight_sync[version=3]`` - so that the Prefect UI's search finds a stage, a
+    step or the validation runs. With ``tags`` (``trainer.task_run_tags``: the run's ``mode:<trainer
+    mode>``, ``experiment:<name>``) each is also tagged ``stage:<name>`` and ``kind:train`` or
+    ``kind:validation`` for the UI's tag filters; without, no tags, because Prefect acquires tag
+    concurrency slots from its server before every tagged task run."""
 
     def __init__(self, workers: Workers, caches: dict[str, StageCache], *, orchestrated: bool,
-                 tags: tuple[str, ...] = ()):
+                 tags: tuple[str, ...] | None = None):
         self.workers, self.caches, self.orchestrated, self.tags = workers, caches, orchestrated, tags
 
     def task(self, name: str, label: str, kind: str = "train"):
@@ -71,6 +73,8 @@ class Stages:
         task = STAGES[name].task
         if not self.orchestrated:
             return task.fn
+        if self.tags is None:
+            return task.with_options(task_run_name=f"{name}[{label}]")
         return task.with_options(task_run_name=f"{name}[{label}]", tags={f"stage:{name}", f"kind:{kind}", *self.tags})
 
     def call(self, name: str, step: StepData, *args, **kwargs) -> StageResult:

@@ -188,7 +188,7 @@ def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
     skip = {**rollout_skip(root / "dump", [0, 1, 2, 3, 4]), "reward.enable": "true",
             "reward.dump_dir": str(root / "dump"), "reward.steps": "[1,2,3,4]"}
     words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
-        f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true"]
+        f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true", "trainer.task_run_tags=true"]
     with prefect_settings(prefect_server):
         rows, states, flow_run_id = train_run(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
     return SimpleNamespace(root=root, dump=root / "dump", rows=rows, states=states, skip=skip,

@@ -87,6 +87,7 @@ def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
     dump, flow_run_id, runs, lines, _ = replay
     hit = next(run for run in runs if run.name == "generate[step=2]")
     assert hit.state.name == "Cached"
+    assert hit.tags == []  # trainer.task_run_tags is off by default
     assert hit.cache_key == f"{PROJECT}/{CONFIG}/2/meta.json"
     said = [line.message for line in lines if line.task_run_id == hit.id]
     assert f"replaying the cache entry {dump}/{PROJECT}/{CONFIG}/2/meta.json" in said
