@@ -28,6 +28,14 @@ def copy_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     return {"score": (matches + stopped) / (len(ground_truth) + 1), "exact": float(solution_str == ground_truth)}
 
 
+def vault_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> dict:
+    """The synthetic vault task: 1 when the final answer - the text after the last tool answer (``=code>``)
+    when the trajectory called the tool, else the whole response - is the code, else 0. A code is right
+    or wrong: no partial credit, so a model that cannot know the code gains nothing by guessing its shape."""
+    exact = float(solution_str.rsplit(">", 1)[-1] == ground_truth)
+    return {"score": exact, "exact": exact}
+
+
 _GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
 
 
@@ -41,6 +49,7 @@ def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_in
 
 BUILTIN_SCORERS: dict[str, Scorer] = {
     "synthetic/copy": copy_score,
+    "synthetic/vault": vault_score,
     "openai/gsm8k": gsm8k_score,
 }
 

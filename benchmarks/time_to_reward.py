@@ -4,9 +4,10 @@ reward reaches 0.9, for several seeds.
 Each seed trains the demo as ``ppoflow train`` does (Prefect and Ray, sync mode, no validation) on a model
 built with that seed; the seed also sets the data order and the sampling. The training seconds are the sum
 of ``timing_s/step`` up to that step (start-up not included). Run it with two versions of ppoflow on the
-same machine to compare them:
+same machine to compare them, or one version with ``--set key=value`` overrides (for instance
+``--set actor_rollout_ref.rollout.mode=async``, the rollout service with ``single_turn_agent``):
 
-    python benchmarks/time_to_reward.py [--seeds 0 1 2] [--steps 200] [--target 0.9]
+    python benchmarks/time_to_reward.py [--seeds 0 1 2] [--steps 200] [--target 0.9] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     args = parser.parse_args()
 
     import ray
@@ -58,7 +60,7 @@ def main() -> None:
                 f"data.train_files={scratch}/train.parquet", "data.synthetic.seed=0", "data.val_files=null",
                 f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}", "trainer.test_freq=-1",
                 "trainer.logger=[]", f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1",
-                f"trainer.default_local_dir={run_dir}"])
+                f"trainer.default_local_dir={run_dir}", *args.set])
             rows = read_metrics(run_dir)
             step, seconds = time_to_target(rows, args.target)
             results[seed] = {"step": step, "training_s": seconds,
@@ -66,7 +68,7 @@ def main() -> None:
                              "median_step_s": sorted(r["timing_s/step"] for r in rows)[len(rows) // 2]}
     ray.shutdown()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; target: {WINDOW}-step mean reward "
-          f">= {args.target} within {args.steps} steps")
+          f">= {args.target} within {args.steps} steps; overrides: {' '.join(args.set) or 'none'}")
     print("| seed | step reached | training s to it | median step s | final 10-step mean |\n|---|---|---|---|---|")
     for seed, row in results.items():
         reached = "not reached" if row["step"] is None else row["step"]

@@ -42,6 +42,16 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
 
 
+def tool_config_file(path: str) -> str:
+    """``actor_rollout_ref.rollout.multi_turn.tool_config_path`` as a file to read: a bare name that is not
+    a file here names one shipped in ``configs/tools/`` (``vault.yaml``), so a preset works from any
+    directory; anything else is used as given."""
+    shipped = CONFIG_DIR / "tools" / path
+    if "/" not in path and not Path(path).exists() and shipped.is_file():
+        return str(shipped)
+    return path
+
+
 def preset_names() -> list[str]:
     """Names of the YAML presets shipped in ``configs/``."""
     return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))

@@ -74,6 +74,8 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                        "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
     if rollout.name == "vllm":
         errors += _vllm_errors(cfg)
+    if rollout.mode == "async":
+        errors += _rollout_service_errors(cfg)
     if cfg.actor_rollout_ref.hybrid_engine:
         errors += _colocation_errors(cfg)
     return errors
@@ -85,6 +87,9 @@ def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     if cfg.trainer.mode != "sync":
         return [(key, f"trainer.mode={cfg.trainer.mode} generates while the actor trains, which needs a rollout worker "
                       "of its own; set hybrid_engine=false (or null)")]
+    if rollout.mode != "sync":
+        return [(key, f"rollout.mode={rollout.mode} serves generation from replicas of their own; set "
+                      "hybrid_engine=false (or null)")]
     if rollout.name != "hf":
         return [(key, f"rollout.name={rollout.name} cannot share the actor's worker yet (its engine would have to "
                       "sleep during training); set hybrid_engine=false (or null)")]
@@ -92,6 +97,23 @@ def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         return [(key, f"rollout.weight_sync.backend={rollout.weight_sync.backend} sends weights between two workers; "
                       "a colocated rollout already holds them: use object_store, or hybrid_engine=false")]
     return []
+
+
+def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """What the rollout service (``rollout.mode=async``) does not run with yet."""
+    rollout, errors = cfg.actor_rollout_ref.rollout, []
+    if rollout.name != "hf":
+        errors.append(("actor_rollout_ref.rollout.mode", f"async serves the hf engine only so far, not "
+                                                          f"rollout.name={rollout.name}"))
+    if rollout.weight_sync.backend != "object_store":
+        errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
+                       f"{rollout.weight_sync.backend} pairs the actor with one rollout worker; rollout.mode=async "
+                       "pushes weights to every replica through the object store"))
+    multi_turn = rollout.multi_turn
+    if multi_turn.format == "question_mark" and multi_turn.tool_config_path is None:
+        errors.append(("actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                       "multi_turn.format=question_mark calls the first declared tool: declare one"))
+    return errors
 
 
 VLLM_MIN_VERSION = "0.10.2"

@@ -38,11 +38,15 @@ class SyntheticDataConfig(Section):
     """Built-in synthetic task; when set, missing ``train_files``/``val_files`` are generated from it
     (see ``DataConfig.synthetic`` for when a preset's task applies)."""
 
-    task: Literal["copy"] = Field("copy", description="Synthetic task: `copy` = repeat the prompt's digits, then stop.")
+    task: Literal["copy", "vault"] = Field(
+        "copy", description="Synthetic task: `copy` = repeat the prompt's digits, then stop; `vault` = answer the "
+                            "code the prompt's key opens, which the `vault` tool tells (see ppoflow.data.vault).")
     digits: int = Field(2, ge=1, le=8, description="Digits per prompt.")
     train_rows: int = Field(3200, ge=1, description="Rows written to the train file.")
     val_rows: int = Field(100, ge=1, description="Rows written to the validation file.")
     seed: int = Field(0, description="Seed of the generated rows.")
+    copy_share: float = Field(0.0, ge=0, lt=1, description="vault: share of the train rows that are copy rows "
+                                                           "(copying is what reading a tool's answer takes).")
 
 
 class DataConfig(Section):
@@ -170,8 +174,39 @@ class WeightSyncConfig(Section):
     delta: bool = Field(description="Send only the tensors that changed since the last sync.")
 
 
+class AgentConfig(Section):
+    """Agent loops of the rollout service (``rollout.mode=async``): how each trajectory is produced."""
+
+    num_workers: int = Field(ge=1, description="Agent-loop workers (asyncio Ray actors, no CPU reserved); each runs "
+                                               "the loops of its share of the prompts concurrently.")
+    default_agent_loop: str = Field(min_length=1, description="Loop for rows without an `agent_name` column: "
+                                                              "single_turn_agent, tool_agent, or a registered one.")
+    agent_loop_config_path: Optional[str] = Field(
+        description="YAML list of {name, _target_: module.Class} entries registering more agent loops.")
+
+
+class MultiTurnConfig(Section):
+    """Tool use in ``tool_agent`` (verl's ``rollout.multi_turn`` keys)."""
+
+    format: Literal["hermes", "question_mark"] = Field(
+        description="How a model turn calls a tool: hermes (<tool_call>{json}</tool_call>, answers rendered by the "
+                    "chat template) or question_mark (a turn ending in `?` calls the first tool with the text before "
+                    "it; answers written `=answer>`; for character-level toy models).")
+    max_assistant_turns: int = Field(ge=1, description="Model turns per trajectory at most.")
+    max_tool_response_length: int = Field(ge=1, description="Tokens of one tool answer kept at most.")
+    tool_config_path: Optional[str] = Field(description="YAML file declaring the tools (OpenAI function schemas and "
+                                                        "the Python callables behind them); null = no tools.")
+    tool_processes: int = Field(ge=1, description="Sandbox processes per agent worker that run tool calls.")
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(description="Generation engine: `hf` (transformers/torch, CPU or GPU) or `vllm` (GPU).")
+    mode: Literal["sync", "async"] = Field(
+        description="sync: one worker generates each batch in one call (static batching); async: the rollout "
+                    "service - num_replicas replicas serving per-request generation with continuous batching, "
+                    "called by agent loops per sample and per turn (multi-turn, tools).")
+    num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")
+    max_num_seqs: int = Field(ge=1, description="rollout.mode=async: sequences a replica decodes at once.")
     n: int = Field(ge=1, description="Responses sampled per prompt (the GRPO group size).")
     temperature: float = Field(ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
@@ -183,6 +218,8 @@ class RolloutConfig(Section):
     tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
     val_kwargs: ValSamplingConfig
     weight_sync: WeightSyncConfig
+    agent: AgentConfig
+    multi_turn: MultiTurnConfig
     resources: ResourcesConfig
 
 
@@ -345,7 +382,8 @@ class PPOConfig(Section):
         arr = self.actor_rollout_ref
         if arr.hybrid_engine is not None:
             return arr.hybrid_engine
-        return (self.trainer.mode == "sync" and arr.rollout.name == "hf" and arr.rollout.weight_sync.backend == "object_store"
+        return (self.trainer.mode == "sync" and arr.rollout.name == "hf" and arr.rollout.mode == "sync"
+                and arr.rollout.weight_sync.backend == "object_store"
                 and (arr.rollout.resources.num_gpus > 0) == (arr.actor.resources.num_gpus > 0))
 
     @property

@@ -27,17 +27,22 @@ from tensordict import TensorDict
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import DataConfig, SyntheticDataConfig
+from ppoflow.data.vault import vault_code
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.fs import atomic_write, open_fs
 
-SYNTHETIC_SOURCES = {"copy": "synthetic/copy"}
+SYNTHETIC_SOURCES = {"copy": "synthetic/copy", "vault": "synthetic/vault"}
 
 
 def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: str | None) -> None:
     """Write the synthetic task's train (and validation) rows as parquet files.
 
     ``copy``: the prompt is ``digits`` random digits followed by ``>``; the answer repeats them and
-    stops. The validation rows are drawn after the train rows from the same seeded stream; the train
+    stops. ``vault``: the same prompt is a key, and the answer is the code its vault holds
+    (:mod:`ppoflow.data.vault`; the row fixes the key for the ``vault`` tool); ``copy_share`` of its train
+    rows are copy rows instead, written as the tool writes its answers (``=58>``, answer ``58``): the
+    skill that reading the tool's answer needs. The validation rows are
+    drawn after the train rows from the same seeded stream; the train
     rows are drawn even when only ``val_url`` is written, so the validation file is the same whether
     or not the train file already existed (it never restarts the stream and repeats the train rows).
     """
@@ -46,10 +51,19 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
         records = []
         for index in range(rows):
             digits = "".join(rng.choice("0123456789") for _ in range(spec.digits))
-            records.append({"data_source": SYNTHETIC_SOURCES[spec.task],
-                            "prompt": [{"role": "user", "content": f"{digits}>"}],
-                            "reward_model": {"style": "rule", "ground_truth": digits},
-                            "extra_info": {"split": split, "index": index}})
+            task = spec.task
+            if task == "vault" and split == "train" and spec.copy_share > 0 and rng.random() < spec.copy_share:
+                task = "copy"
+            extra_info = {"split": split, "index": index}
+            if task == "vault":
+                extra_info["tools_kwargs"] = {"vault": {"key": digits}}
+            record = {"data_source": SYNTHETIC_SOURCES[task],
+                      "prompt": [{"role": "user", "content": f"={digits}>" if task != spec.task else f"{digits}>"}],
+                      "reward_model": {"style": "rule", "ground_truth": vault_code(digits) if task == "vault" else digits},
+                      "extra_info": extra_info}
+            if task != spec.task:  # a copy row among vault rows: answered without tools (verl's per-row agent_name)
+                record["agent_name"] = "single_turn_agent"
+            records.append(record)
         if url is not None:
             write_rows(url, records)
 
@@ -85,7 +99,8 @@ def write_rows(url: str, rows: list[dict]) -> None:
         import pyarrow.parquet as pq
 
         buffer = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        columns = dict.fromkeys(name for row in rows for name in row)  # a column some rows lack is null there
+        pq.write_table(pa.Table.from_pylist([{**dict.fromkeys(columns), **row} for row in rows]), buffer)
         atomic_write(fs, path, buffer.getvalue())
     else:
         atomic_write(fs, path, "".join(json.dumps(row) + "\n" for row in rows).encode())
@@ -144,12 +159,15 @@ def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) 
 
 @dataclass(frozen=True)
 class PromptDataset:
-    """Tokenized prompts plus the per-row fields the reward needs."""
+    """Tokenized prompts plus the per-row fields the reward needs, and those the agent loops read when the
+    dataset has them: a row's ``agent_name`` and its ``extra_info.tools_kwargs`` (None where absent)."""
 
     prompt_ids: list[list[int]]
     data_sources: list[str]
     ground_truths: list
     row_indices: list[int]
+    agent_names: list[str | None]
+    tools_kwargs: list[dict | None]
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -164,11 +182,12 @@ class PromptDataset:
             prompts[position, width - len(ids):] = torch.tensor(ids, dtype=torch.int64)
             mask[position, width - len(ids):] = True
         batch = TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[len(rows)])
-        return with_non_tensor_columns(batch, {
-            "uid": list(uids),
-            "data_source": [self.data_sources[row] for row in rows],
-            "ground_truth": [self.ground_truths[row] for row in rows],
-        })
+        columns = {"uid": list(uids), "data_source": [self.data_sources[row] for row in rows],
+                   "ground_truth": [self.ground_truths[row] for row in rows]}
+        for name, values in (("agent_name", self.agent_names), ("tools_kwargs", self.tools_kwargs)):
+            if any(value is not None for value in values):
+                columns[name] = [values[row] for row in rows]
+        return with_non_tensor_columns(batch, columns)
 
 
 def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
@@ -179,7 +198,7 @@ def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer,
 def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
     """Tokenize the prompts of :func:`read_prompt_rows`' rows, filtering or truncating those longer than
     ``data.max_prompt_length``; a prompt that cannot be used is a :class:`ConfigError` naming ``key``."""
-    prompt_ids, sources, truths, indices = [], [], [], []
+    prompt_ids, sources, truths, indices, agents, tools_kwargs = [], [], [], [], [], []
     for index, row in enumerate(rows):
         ids = _tokenize_prompt(row[data.prompt_key], tokenizer, key=key, index=index)
         if len(ids) > data.max_prompt_length:
@@ -194,9 +213,11 @@ def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) ->
         sources.append(row["data_source"])
         truths.append(row["reward_model"].get("ground_truth"))
         indices.append(index)
+        agents.append(row.get("agent_name"))
+        tools_kwargs.append((row.get("extra_info") or {}).get("tools_kwargs"))
     if not prompt_ids:
         raise ConfigError([(key, f"every prompt is longer than data.max_prompt_length={data.max_prompt_length}")])
-    return PromptDataset(prompt_ids, sources, truths, indices)
+    return PromptDataset(prompt_ids, sources, truths, indices, agents, tools_kwargs)
 
 
 def check_batch_fits(num_rows: int, batch_size: int) -> None:

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from prefect.settings import get_current_settings
 
 from ppoflow.algorithms.scoring import load_custom_scorer, scorer_for
-from ppoflow.configs import ConfigError, config_as_dict
+from ppoflow.configs import ConfigError, config_as_dict, tool_config_file
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import (SYNTHETIC_SOURCES, check_batch_fits, files_to_generate, read_prompt_rows,
                                    tokenize_rows)
@@ -56,7 +56,7 @@ def preflight(cfg: PPOConfig) -> None:
     checked = json.dumps(config_as_dict(cfg), sort_keys=True)
     if checked in _PASSED:
         return
-    problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg)
+    problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg) + _agent_problems(cfg)
     tokenizer, found = _model_problems(cfg)
     problems += found
     sources, found = _data_problems(cfg, tokenizer)
@@ -139,6 +139,36 @@ def _reward_manager_problems(cfg: PPOConfig) -> Problems:
         return [("reward_model.reward_manager", "reward_model.reward_manager=ray scores in Prefect tasks on Ray "
                  "workers, which must report to a Prefect server: set PREFECT_API_URL")]
     return []
+
+
+def _agent_problems(cfg: PPOConfig) -> Problems:
+    """``rollout.mode=async``: the agent-loop file registers its loops, the default loop is one of them, the
+    tool config reads, and every tool's function imports - in a sandbox process, never in this one."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "async":
+        return []
+    from ppoflow.workers.agent_loop import AGENT_LOOPS, load_agent_loop_config
+    from ppoflow.workers.tools import ToolRunner, load_tool_config
+
+    problems: Problems = []
+    if rollout.agent.agent_loop_config_path:
+        try:
+            load_agent_loop_config(rollout.agent.agent_loop_config_path)
+        except ConfigError as error:
+            problems += error.problems
+    if rollout.agent.default_agent_loop not in AGENT_LOOPS:
+        problems.append(("actor_rollout_ref.rollout.agent.default_agent_loop",
+                         f"unknown agent loop {rollout.agent.default_agent_loop!r}; registered: "
+                         f"{', '.join(sorted(AGENT_LOOPS))}"))
+    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    if rollout.multi_turn.tool_config_path:
+        try:
+            specs = load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path), key)
+        except ConfigError as error:
+            return problems + error.problems
+        with ToolRunner(specs) as runner:
+            problems += [(key, message) for message in runner.check()]
+    return problems
 
 
 # ------------------------------------------------------------------------------ models and data

@@ -19,6 +19,11 @@ field                         dtype       shape     meaning
                                                     generated the sample
 ``group_index``               int64       [N]       position of the sample's prompt in the step
                                                     (samples of one prompt share it)
+``turn_ids``                  int64       [N, R]    rollout.mode=async only: k on the tokens of the
+                                                    model's k-th turn, -k on the k-th tool answer
+                                                    (response_mask False there), 0 on padding
+``num_turns``, ``tool_calls`` int64       [N]       rollout.mode=async only: turns taken (model
+                                                    turns and tool answers), tool calls made
 ``uid``                       str         [N]       prompt uid (verl's group key)
 ``data_source``               str         [N]       dataset name; selects the reward scorer
 ``ground_truth``              JSON value  [N]       ``reward_model.ground_truth`` of the row
@@ -49,7 +54,10 @@ from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
-RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
+AGENT_FIELDS = ("agent_name", "tools_kwargs")
+"""Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
+present when the dataset has them); they do not stay in the step batch."""
+RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "turn_ids", "token_level_scores", "token_level_rewards",
                    "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
 """Fields aligned with the response tokens ([N, R]); :func:`trim_response_padding` slices them together."""
 
@@ -84,13 +92,28 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
     return batch
 
 
+def response_extent(batch: TensorDict) -> torch.Tensor:
+    """Per trajectory, how many response positions it occupies ([N]): up to its last model token, or its
+    last tool-answer token in a multi-turn batch (whose ``response_mask`` has holes where the tools spoke)."""
+    occupied = batch["turn_ids"] != 0 if "turn_ids" in batch.keys() else batch["response_mask"].bool()
+    positions = torch.arange(1, occupied.shape[1] + 1)
+    return (occupied * positions).amax(dim=1)
+
+
+def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last ``response_mask`` position ([N]; 0 for an empty row): where the outcome
+    reward goes, also in a multi-turn trajectory whose mask has holes."""
+    positions = torch.arange(1, response_mask.shape[1] + 1)
+    return ((response_mask.bool() * positions).amax(dim=1) - 1).clamp(min=0)
+
+
 def trim_response_padding(batch: TensorDict) -> TensorDict:
     """The batch with its response-aligned fields cut to the longest valid response in it.
 
     Responses are padded to ``max_response_length``; a forward pass over the padding is wasted
     work (often most of it once a policy learns to stop early).
     """
-    width = max(int(batch["response_mask"].sum(dim=1).max()), 1)
+    width = max(int(response_extent(batch).max()), 1)
     if width == batch["response_mask"].shape[1]:
         return batch
     trimmed = batch.clone(recurse=False)

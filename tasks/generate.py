@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult
+from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
 from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.workers.rollout import SamplingParams
 
@@ -22,4 +24,24 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
     """
     rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
                                                  sampling=sampling))
-    return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]))
+    metrics = {}
+    if "tool_errors" in rollout.keys():  # the rollout service: agent loops, maybe with tools
+        metrics = agent_metrics(rollout, non_tensor_column(rollout, "tool_errors"))
+    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors")
+    return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
+
+
+def agent_metrics(rollout: TensorDict, tool_errors: list[list[str]]) -> dict[str, float]:
+    """How the agent loops went: turns, tool calls and failed tool calls per trajectory; failures are
+    logged (they reach the flow run's logs) since a failing tool quietly teaches the model to avoid it."""
+    failed = sum(len(errors) for errors in tool_errors)
+    if failed:
+        examples = sorted({message for errors in tool_errors for message in errors})[:3]
+        logging.getLogger("ppoflow.rollout").warning("%d tool call(s) failed in this batch, e.g. %s", failed,
+                                                     "; ".join(examples))
+    calls = rollout["tool_calls"].float()
+    return {"agent/num_turns/mean": float(rollout["num_turns"].float().mean()),
+            "agent/num_turns/max": float(rollout["num_turns"].max()),
+            "agent/tool_calls/mean": float(calls.mean()),
+            "agent/tool_call_ratio": float((calls > 0).float().mean()),
+            "agent/tool_errors/count": float(failed)}

@@ -15,13 +15,14 @@ from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
 from ppoflow.algorithms.scoring import Scorer, score_responses
-from ppoflow.storage.batch import StageResult, non_tensor_column
+from ppoflow.storage.batch import StageResult, last_model_token, non_tensor_column, response_extent
 from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
-    """Each response up to (not including) its first EOS; other special tokens stay visible."""
-    lengths = batch["response_mask"].sum(dim=1).tolist()
+    """Each response up to (not including) its final EOS - in a multi-turn trajectory the model's turns
+    and the tools' answers, as the model saw them; other special tokens stay visible."""
+    lengths = response_extent(batch).tolist()
     texts = []
     for tokens, length in zip(batch["responses"].tolist(), lengths):
         tokens = tokens[:length]
@@ -64,7 +65,7 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
               non_tensor_column(batch, "ground_truth"), custom_scorer)
     scores, extras = score_on_ray(*inputs, chunks=ray_chunks) if ray_chunks else score_responses(*inputs)
     mask = batch["response_mask"]
-    last_token = (mask.sum(dim=1) - 1).clamp(min=0)
+    last_token = last_model_token(mask)
     token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)
     token_level_scores[torch.arange(mask.shape[0]), last_token] = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}

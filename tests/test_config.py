@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ppoflow.configs import CONFIG_DIR, ConfigError, load_config, preset_names, reference_table
+from ppoflow.configs.schema import SyntheticDataConfig
 
 DEMO_PATHS = ["data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet"]
 
@@ -49,7 +50,7 @@ def test_demo_preset_loads_with_its_values():
     assert cfg.critic.optim.lr == 1.0e-5
     # no config name = the demo
     assert load_config(None) == cfg
-    assert preset_names() == ["grpo_tiny", "ppo_trainer"]
+    assert preset_names() == ["grpo_tiny", "ppo_trainer", "vault_tool"]
 
 
 def test_yaml_file_path_is_merged_over_the_defaults(tmp_path):
@@ -472,7 +473,7 @@ def test_reference_table_mentions_every_key_once():
     demo = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "grpo_tiny.yaml"), resolve=False)
     expected = set(_leaf_keys(defaults))
     # optional sections (null in the defaults) get a row of their own plus one per key inside them
-    sections = {"data.synthetic": demo["data"]["synthetic"],
+    sections = {"data.synthetic": SyntheticDataConfig.model_fields,
                 "actor_rollout_ref.model.build": demo["actor_rollout_ref"]["model"]["build"],
                 "critic.model.build": demo["actor_rollout_ref"]["model"]["build"]}
     for section, inner in sections.items():
@@ -480,7 +481,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 149  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 161  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()

@@ -70,6 +70,43 @@ def test_synthetic_rows_layout(tmp_path):
     assert len({row["reward_model"]["ground_truth"] for row in train}) > 1
 
 
+def test_vault_rows_fix_the_key_for_the_tool_and_mix_in_copy_rows(tmp_path):
+    from ppoflow.data.vault import vault, vault_code
+
+    spec = SyntheticDataConfig(task="vault", digits=2, train_rows=200, val_rows=20, seed=3, copy_share=0.5)
+    write_synthetic_dataset(spec, str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"))
+    train = read_rows(str(tmp_path / "train.parquet"), key="k")
+    val = read_rows(str(tmp_path / "val.parquet"), key="k")
+    vaults = [row for row in train if row["data_source"] == "synthetic/vault"]
+    copies = [row for row in train if row["data_source"] == "synthetic/copy"]
+    assert 60 < len(copies) < 140 and all(row["data_source"] == "synthetic/vault" for row in val)
+    for row in vaults + val:
+        key = row["prompt"][0]["content"][:-1]
+        assert row["prompt"][0]["content"] == f"{key}>" and row.get("agent_name") is None
+        assert row["extra_info"]["tools_kwargs"] == {"vault": {"key": key}}
+        assert row["reward_model"]["ground_truth"] == vault_code(key) == vault(key)
+    for row in copies:  # written as the tool writes its answers, answered without tools
+        assert row["prompt"][0]["content"] == f"={row['reward_model']['ground_truth']}>"
+        assert row["agent_name"] == "single_turn_agent" and row["extra_info"].get("tools_kwargs") is None
+    assert sorted(vault_code(f"{k:02d}") for k in range(100)) == [f"{k:02d}" for k in range(100)]  # a shuffle
+    assert sum(vault_code(f"{k:02d}") == f"{k:02d}" for k in range(100)) < 5  # that hardly keeps a key
+
+
+def test_prompt_batches_carry_the_agent_columns_only_when_the_dataset_has_them(tmp_path, tokenizer):
+    rows = [chat_row("60>", "60"), {**chat_row("=61>", "61"), "agent_name": "single_turn_agent"},
+            {**chat_row("62>", "19"), "extra_info": {"tools_kwargs": {"vault": {"key": "62"}}}}]
+    write_rows(str(tmp_path / "agents.jsonl"), rows)
+    dataset = load_prompt_dataset(str(tmp_path / "agents.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert dataset.agent_names == [None, "single_turn_agent", None]
+    assert dataset.tools_kwargs == [None, None, {"vault": {"key": "62"}}]
+    batch = dataset.batch([2, 1], ["a", "b"], pad_token_id=0)
+    assert non_tensor_column(batch, "agent_name") == [None, "single_turn_agent"]
+    assert non_tensor_column(batch, "tools_kwargs") == [{"vault": {"key": "62"}}, None]
+    write_rows(str(tmp_path / "plain.jsonl"), rows[:1])
+    plain = load_prompt_dataset(str(tmp_path / "plain.jsonl"), data_config(), tokenizer, key="data.train_files")
+    assert not {"agent_name", "tools_kwargs"} & set(plain.batch([0], ["a"], pad_token_id=0).keys())
+
+
 def test_synthetic_rows_are_deterministic_per_seed_and_val_continues_the_stream(tmp_path):
     spec = SyntheticDataConfig(task="copy", digits=4, train_rows=30, val_rows=10, seed=3)
     write_synthetic_dataset(spec, str(tmp_path / "a/train.parquet"), str(tmp_path / "a/val.parquet"))
@@ -289,6 +326,7 @@ def test_overlong_prompts_error(overlong_file, tokenizer):
 
 def test_prompt_batch_is_left_padded():
     dataset = PromptDataset(prompt_ids=[[5, 6, 17], [13, 17], [4]], data_sources=["a", "b", "c"],
+                            agent_names=[None] * 3, tools_kwargs=[None] * 3,
                             ground_truths=["56", ["x", 2], None], row_indices=[0, 1, 5])
     batch = dataset.batch([1, 0, 2], ["u1", "u0", "u2"], pad_token_id=0)
     assert batch.batch_size == torch.Size([3])

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ppoflow.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
-                                      scorer_for)
+                                      scorer_for, vault_score)
 
 
 # ------------------------------------------------------------------------------------- copy
@@ -31,6 +31,18 @@ def test_copy_score(solution, truth, score, exact):
     assert set(result) == {"score", "exact"}
     assert result["score"] == pytest.approx(score, abs=1e-12)
     assert result["exact"] == exact
+
+
+@pytest.mark.parametrize("solution, score", [
+    ("?=58>58", 1.0),       # called the tool, copied its answer
+    ("58", 1.0),            # knew it
+    ("?=58>5", 0.0),        # no partial credit
+    ("?=58>58?=58>", 0.0),  # asked again, never answered
+    ("37", 0.0),
+    ("?=error: raised>58", 1.0),  # the answer after the last tool answer counts, whatever the tool said
+])
+def test_vault_score_is_the_final_answer_exactly(solution, score):
+    assert vault_score("synthetic/vault", solution, "58") == {"score": score, "exact": score}
 
 
 # ------------------------------------------------------------------------------------ gsm8k
@@ -94,7 +106,7 @@ def test_unknown_data_source():
     with pytest.raises(ValueError) as caught:
         score_responses(["synthetic/copy", "my/task"], ["1", "2"], ["1", "2"])
     assert str(caught.value) == ("no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, "
-                                 "openai/gsm8k; or set custom_reward_function.path")
+                                 "synthetic/vault, openai/gsm8k; or set custom_reward_function.path")
     assert scorer_for("synthetic/copy", None) is copy_score
     assert scorer_for("openai/gsm8k", None) is gsm8k_score
     custom = lambda *args, **kwargs: 0.0  # noqa: E731

@@ -99,8 +99,13 @@ class Workers:
 def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
     """The resources of every role this config runs, keyed by the config key that sets them."""
     roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.resources}
-    if not cfg.colocated:
-        roles["actor_rollout_ref.rollout"] = cfg.actor_rollout_ref.rollout.resources
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode == "async":  # one set of rollout.resources per replica
+        replicas = rollout.num_replicas
+        roles[f"actor_rollout_ref.rollout ({replicas} replicas)"] = rollout.resources.model_copy(
+            update={"num_cpus": rollout.resources.num_cpus * replicas, "num_gpus": rollout.resources.num_gpus * replicas})
+    elif not cfg.colocated:
+        roles["actor_rollout_ref.rollout"] = rollout.resources
     if cfg.use_reference:
         roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.resources
     if cfg.use_critic:
@@ -137,8 +142,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     started_ray = _connect_ray(cfg, roles)
     _check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
 
-    def actor_of(cls, key, *, restartable: bool = False):
-        resources = roles[key]
+    def actor_of(cls, resources: ResourcesConfig, *, restartable: bool = False):
         env = {**WORKER_ENV, "OMP_NUM_THREADS": str(resources.num_threads)}
         return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                                        max_restarts=RESTARTS if restartable else 0,
@@ -148,14 +152,20 @@ def start_workers(cfg: PPOConfig) -> Workers:
     # The rollout and reference workers hold no training state, so Ray may restart them after a crash
     # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
     # the actor and critic resume from checkpoints instead.
-    handles = {"actor": actor_of(actor_worker_class(cfg), "actor_rollout_ref.actor")}
-    if not cfg.colocated:
-        handles["rollout"] = actor_of(rollout_worker_class(cfg), "actor_rollout_ref.rollout", restartable=True)
+    arr = cfg.actor_rollout_ref
+    handles = {"actor": actor_of(actor_worker_class(cfg), arr.actor.resources)}
+    service = None
+    if arr.rollout.mode == "async":
+        service = _start_rollout_service(cfg, lambda cls: actor_of(cls, arr.rollout.resources, restartable=True))
+    elif not cfg.colocated:
+        handles["rollout"] = actor_of(rollout_worker_class(cfg), arr.rollout.resources, restartable=True)
     if cfg.use_reference:
-        handles["ref"] = actor_of(ReferenceWorker, "actor_rollout_ref.ref", restartable=True)
+        handles["ref"] = actor_of(ReferenceWorker, arr.ref.resources, restartable=True)
     if cfg.use_critic:
-        handles["critic"] = actor_of(CriticWorker, "critic")
-    ray.get([handle.__ray_ready__.remote() for handle in handles.values()])  # surfaces constructor errors
+        handles["critic"] = actor_of(CriticWorker, cfg.critic.resources)
+    service_handles = service.replicas + service.agents if service else []
+    # surfaces constructor errors
+    ray.get([handle.__ray_ready__.remote() for handle in [*handles.values(), *service_handles]])
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
     if backend != "object_store":  # the actor (rank 0) and the rollout (rank 1) share a collective group
         group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
@@ -163,8 +173,24 @@ def start_workers(cfg: PPOConfig) -> Workers:
     roles_served = {role: RayRole(handle) for role, handle in handles.items()}
     if cfg.colocated:
         roles_served["rollout"] = roles_served["actor"]
+    if service is not None:
+        roles_served["rollout"] = service
     return Workers(**roles_served, colocated=cfg.colocated, uses_ray=True, started_ray=started_ray,
-                   _handles=list(handles.values()))
+                   _handles=list(handles.values()) + service_handles)
+
+
+def _start_rollout_service(cfg: PPOConfig, replica_of):
+    """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources) and
+    ``agent.num_workers`` agent-loop workers (asyncio actors that reserve no CPU) that call them."""
+    import ray
+
+    from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutReplica, RolloutService
+
+    rollout = cfg.actor_rollout_ref.rollout
+    replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
+    agents = [ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": WORKER_ENV}).remote(cfg, replicas)
+              for _ in range(rollout.agent.num_workers)]
+    return RolloutService(replicas, agents)
 
 
 def start_local_workers(cfg: PPOConfig) -> Workers:
@@ -172,6 +198,8 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
     from ppoflow.workers.critic import CriticWorker
     from ppoflow.workers.policy import ReferenceWorker
 
+    if cfg.actor_rollout_ref.rollout.mode == "async":
+        raise ValueError("actor_rollout_ref.rollout.mode=async serves generation from Ray actors; it needs Ray")
     actor = LocalRole(actor_worker_class(cfg)(cfg))
     return Workers(rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)), actor=actor,
                    ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,

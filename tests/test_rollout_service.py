@@ -1,0 +1,165 @@
+"""The rollout service (``actor_rollout_ref.rollout.mode=async``) on a real local Ray: replicas behind the load
+balancer (sticky sessions, spread load, a killed replica's requests served elsewhere), whole runs through
+Prefect with single-turn and tool-using agent loops, and its config errors before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ppoflow.configs import ConfigError, load_config
+from ppoflow.flows.preflight import preflight
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.workers.serving import RequestSampling
+
+SAMPLING = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=6, seed=0,
+                           ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_local, tiny_model, tmp_path_factory):
+    """Two replicas of the tiny model (restartable, as the run starts them)."""
+    from ppoflow.workers.rollout_service import RolloutReplica
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    handles = [ray_local.remote(RolloutReplica).options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(cfg)
+               for _ in range(2)]
+    ray_local.get([handle.__ray_ready__.remote() for handle in handles])
+    yield handles
+    for handle in handles:
+        ray_local.kill(handle)
+
+
+def admitted(ray, handles) -> list[int]:
+    return [stats["requests_admitted"] for stats in ray.get([h.stats.remote() for h in handles])]
+
+
+def test_sessions_stick_to_a_replica_and_load_spreads(ray_local, replicas):
+    from ppoflow.workers.rollout_service import LoadBalancer
+
+    balancer = LoadBalancer(replicas)
+    before = admitted(ray_local, replicas)
+
+    async def session(name: str):
+        first = await balancer.generate(name, [5, 6, 7], SAMPLING)
+        await balancer.generate(name, [5, 6, 7] + first.token_ids, SAMPLING)  # a second turn
+        return balancer.sessions[name]
+
+    async def sessions():
+        return await asyncio.gather(*(session(f"s{i}") for i in range(8)))
+
+    placed = asyncio.run(sessions())
+    after = admitted(ray_local, replicas)
+    assert sorted(set(placed)) == [0, 1]  # both replicas took sessions
+    assert [a - b for a, b in zip(after, before)] == [2 * placed.count(0), 2 * placed.count(1)]  # turns stayed
+    assert balancer.in_flight == [0, 0]
+
+
+def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas):
+    from ppoflow.workers.rollout_service import LoadBalancer
+
+    balancer = LoadBalancer(replicas)
+    long = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=40, seed=1,
+                           ignore_eos=True)
+
+    async def run():
+        requests = [asyncio.ensure_future(balancer.generate(f"k{i}", [5, 6], long)) for i in range(6)]
+        await asyncio.sleep(0.2)
+        ray_local.kill(replicas[0], no_restart=False)  # Ray restarts it; its requests in flight fail
+        return await asyncio.gather(*requests)
+
+    outputs = asyncio.run(run())
+    assert all(len(output.token_ids) == 40 for output in outputs)
+
+
+def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_local, replicas, tiny_model):
+    import torch
+    from tensordict import TensorDict
+
+    from ppoflow.workers.rollout import SamplingParams
+    from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutService
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    agents = [ray_local.remote(AgentLoopWorker).options(num_cpus=0).remote(cfg, replicas) for _ in range(2)]
+    service = RolloutService(replicas, agents)
+    prompts = TensorDict({"prompts": torch.tensor([[0, 5, 6], [7, 8, 9], [0, 0, 4]]),
+                          "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool)},
+                         batch_size=[3])
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=3, seed=4)
+    batch = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
+    again = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
+    assert batch["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch["prompts"].tolist() == prompts["prompts"].repeat_interleave(2, dim=0).tolist()
+    assert batch["responses"].shape == (6, 3) and batch["turn_ids"].shape == (6, 3)
+    assert batch["responses"].tolist() == again["responses"].tolist()  # seeded per trajectory, not per schedule
+    assert batch["num_turns"].tolist() == [1] * 6
+    for agent in agents:
+        ray_local.kill(agent)
+
+
+@pytest.mark.parametrize("preset, words", [
+    ("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=2",
+                   "actor_rollout_ref.rollout.agent.num_workers=2"]),
+    ("vault_tool", ["data.synthetic.copy_share=0"]),  # vault rows only: every trajectory may call the tool
+])
+def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_path, preset, words):
+    """Two steps through Prefect: the stage batch and the agent metrics; in the vault run, the random model
+    calls the tool now and then, and the answers come back masked."""
+    from ppoflow.flows.train import ppo_train
+
+    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
+                 "data.val_files=null", "data.synthetic.train_rows=64", "data.train_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                 "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.logger=[]",
+                 f"trainer.default_local_dir={tmp_path}/run", *words]
+    state = ppo_train(config=preset, overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["agent/num_turns/mean"] >= 1 and row["agent/tool_errors/count"] == 0
+        assert row["response_length/mean"] > 0
+    if preset == "vault_tool":
+        assert sum(row["agent/tool_calls/mean"] for row in rows) > 0
+        assert max(row["agent/num_turns/max"] for row in rows) >= 3  # call, answer, another turn
+
+
+@pytest.mark.parametrize("words, key, needle", [
+    (["actor_rollout_ref.rollout.agent.default_agent_loop=no_such_loop"],
+     "actor_rollout_ref.rollout.agent.default_agent_loop", "unknown agent loop 'no_such_loop'"),
+    (["actor_rollout_ref.rollout.multi_turn.tool_config_path=/nonexistent/tools.yaml"],
+     "actor_rollout_ref.rollout.multi_turn.tool_config_path", "/nonexistent/tools.yaml"),
+])
+def test_agent_settings_are_checked_before_anything_starts(tiny_model, tmp_path, words, key, needle):
+    cfg = load_config("vault_tool", [f"actor_rollout_ref.model.path={tiny_model}",
+                                     f"data.train_files={tmp_path}/train.parquet", "data.val_files=null",
+                                     "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}/run", *words])
+    with pytest.raises(ConfigError) as raised:
+        preflight(cfg)
+    assert any(k == key and needle in message for k, message in raised.value.problems), raised.value.problems
+
+
+def test_a_tool_whose_function_does_not_import_is_a_config_error(tiny_model, tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - function: 'no_such_module_here:f'\n    tool_schema:\n      type: function\n"
+                     "      function: {name: f, description: x, parameters: {type: object, properties: {}}}\n")
+    cfg = load_config("vault_tool", [f"actor_rollout_ref.model.path={tiny_model}",
+                                     f"data.train_files={tmp_path}/train.parquet", "data.val_files=null",
+                                     "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}/run",
+                                     f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"])
+    with pytest.raises(ConfigError) as raised:
+        preflight(cfg)
+    assert any(key == "actor_rollout_ref.rollout.multi_turn.tool_config_path" and "no_such_module_here" in message
+               for key, message in raised.value.problems), raised.value.problems
+
+
+@pytest.mark.parametrize("words, key", [
+    (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "actor_rollout_ref.rollout.weight_sync.backend"),
+    (["actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine"),
+    (["actor_rollout_ref.rollout.multi_turn.format=question_mark"], "actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+])
+def test_combinations_the_service_does_not_run_name_the_key(words, key):
+    with pytest.raises(ConfigError) as raised:
+        load_config("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", *words])
+    assert key in [k for k, _ in raised.value.problems]

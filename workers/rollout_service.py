@@ -1,0 +1,228 @@
+"""The rollout as a service (``actor_rollout_ref.rollout.mode=async``): replicas, a load balancer, and
+the agent-loop workers that call them (verl's V1 rollout: LLM server replicas + AgentLoop workers).
+
+* :class:`RolloutReplica` - a Ray actor holding a copy of the policy and a continuous-batching engine
+  (:mod:`ppoflow.workers.serving`): ``generate(request_id, prompt_ids, sampling)`` returns the tokens
+  and their log-probs; requests in flight are decoded together, a finished one frees its slot at once.
+* :class:`LoadBalancer` - sends a request to the replica with the fewest requests in flight, keeps the
+  turns of one session (trajectory) on one replica, and retries a request elsewhere when its replica
+  dies (Ray restarts it; a restarted replica serves its initial weights, which the trainer detects from
+  the weight versions it stamps and repairs by re-syncing and generating again).
+* :class:`AgentLoopWorker` - an asyncio Ray actor that runs the agent loops of its share of a prompt
+  batch concurrently and pads their trajectories into the rollout part of the step batch.
+* :class:`RolloutService` - the rollout role the tasks call (``workers.rollout``): ``generate`` splits a
+  prompt batch over the agent workers, ``apply_weights`` reaches every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import replace
+
+import torch
+from tensordict import TensorDict
+
+from ppoflow.configs import tool_config_file
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.storage.batch import non_tensor_column, with_non_tensor_columns
+from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
+from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
+from ppoflow.workers.rollout import SamplingParams
+from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, TokenOutput
+from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
+
+logger = logging.getLogger("ppoflow.rollout")
+
+class RolloutReplica:
+    """One generation replica: the policy on its device behind a continuous-batching engine."""
+
+    def __init__(self, cfg: PPOConfig):
+        rollout = cfg.actor_rollout_ref.rollout
+        self.device = claim_resources(rollout.resources)
+        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
+        self.engine = ContinuousBatchingEngine(self.model, eos_token_id=tokenizer.eos_token_id, device=self.device,
+                                               max_num_seqs=rollout.max_num_seqs)
+        self.engine.start()
+        self.receiver = WeightReceiver()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
+        """Generate one request's tokens (batched with whatever else is in flight on this replica)."""
+        return await asyncio.wrap_future(self.engine.submit(request_id, prompt_ids, sampling))
+
+    async def apply_weights(self, update: WeightUpdate) -> int:
+        """Load the actor's weights between two decoding steps; returns the version now served. The buckets
+        are fetched from the object store without blocking the event loop, which keeps taking requests."""
+        fetched = [payload if isinstance(payload, list) else await payload for payload in update.payloads]
+        return await asyncio.to_thread(self._load, replace(update, payloads=fetched))
+
+    def _load(self, update: WeightUpdate) -> int:
+        with self.engine.paused():
+            self.engine.weight_version = self.receiver.apply(self.model, update, self.device)
+        return self.engine.weight_version
+
+    async def stats(self) -> dict:
+        return self.engine.stats()
+
+
+class LoadBalancer:
+    """Routes requests over replicas: least in flight, sticky per session, retried elsewhere on failure."""
+
+    def __init__(self, replicas: list, *, max_sessions: int = 100_000, retries: int = 3):
+        self.replicas, self.retries, self.max_sessions = replicas, retries, max_sessions
+        self.in_flight = [0] * len(replicas)
+        self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.requests = 0
+
+    def pick(self, session_id: str, avoid: set[int]) -> int:
+        """The session's replica if it has one (and it is not to be avoided), else the least loaded."""
+        index = self.sessions.get(session_id)
+        if index is None or index in avoid:
+            candidates = [i for i in range(len(self.replicas)) if i not in avoid] or list(range(len(self.replicas)))
+            index = min(candidates, key=lambda i: self.in_flight[i])
+        self.sessions[session_id] = index
+        self.sessions.move_to_end(session_id)
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+        return index
+
+    async def generate(self, session_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
+        import ray
+
+        failed: set[int] = set()
+        for attempt in range(len(self.replicas) + self.retries):
+            index = self.pick(session_id, failed)
+            self.requests += 1
+            self.in_flight[index] += 1
+            try:
+                return await self.replicas[index].generate.remote(f"{session_id}#{self.requests}", prompt_ids,
+                                                                  sampling)
+            except ray.exceptions.RayActorError as error:
+                logger.warning("rollout replica %d failed a request (%s); retrying on another", index,
+                               type(error).__name__)
+                failed.add(index)
+                if len(failed) == len(self.replicas):  # all down at once: wait for Ray to restart them
+                    failed.clear()
+                    await asyncio.sleep(min(2.0 ** attempt, 10.0))
+            finally:
+                self.in_flight[index] -= 1
+        raise RuntimeError(f"no rollout replica could serve session {session_id}")
+
+
+def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
+    """The sampling seed of one trajectory: depends only on the run's seed, the step and the trajectory's
+    place in the batch, so replays and resumes sample the same whatever the scheduling."""
+    text = f"{seed}/{step}/{position}/{sample}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") % (2**63)
+
+
+class AgentLoopWorker:
+    """Runs agent loops concurrently on one asyncio event loop (a Ray actor with no CPU of its own)."""
+
+    def __init__(self, cfg: PPOConfig, replicas: list):
+        rollout = cfg.actor_rollout_ref.rollout
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        self.default_loop = rollout.agent.default_agent_loop
+        if rollout.agent.agent_loop_config_path:
+            load_agent_loop_config(rollout.agent.agent_loop_config_path)
+        self.tools = None
+        if rollout.multi_turn.tool_config_path:
+            from ppoflow.workers.tools import ToolRunner, load_tool_config
+
+            self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
+                                    processes=rollout.multi_turn.tool_processes)
+        self.client = LoadBalancer(replicas)
+        self.settings = AgentSettings(response_length=cfg.data.max_response_length,
+                                      max_assistant_turns=rollout.multi_turn.max_assistant_turns,
+                                      max_tool_response_length=rollout.multi_turn.max_tool_response_length,
+                                      tool_format=rollout.multi_turn.format)
+        self.loops: dict = {}
+
+    def loop(self, name: str):
+        if name not in self.loops:
+            self.loops.update(make_loops({name}, client=self.client, tokenizer=self.tokenizer,
+                                         settings=self.settings, tools=self.tools))
+        return self.loops[name]
+
+    async def generate(self, prompts: TensorDict, *, first_position: int, step: int, sampling: SamplingParams,
+                       weight_version: int) -> TensorDict:
+        """``sampling.n`` trajectories per prompt (rows prompt-major), ``group_index`` counted from
+        ``first_position``; a ``tool_errors`` column lists each trajectory's failed tool calls."""
+        names = _column(prompts, "agent_name") or [None] * prompts.batch_size[0]
+        tools_kwargs = _column(prompts, "tools_kwargs") or [None] * prompts.batch_size[0]
+        call_id = uuid.uuid4().hex[:8]
+        runs, groups = [], []
+        for row in range(prompts.batch_size[0]):
+            prompt_ids = prompts["prompts"][row][prompts["prompt_mask"][row]].tolist()
+            loop = self.loop(names[row] or self.default_loop)
+            position = first_position + row
+            for sample in range(sampling.n):
+                runs.append(loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{call_id}/{position}/{sample}",
+                                     seed=trajectory_seed(sampling.seed, step, position, sample),
+                                     tools_kwargs=tools_kwargs[row]))
+                groups.append(position)
+        outputs = await asyncio.gather(*runs)
+        batch = outputs_to_batch(outputs, prompt_width=prompts["prompts"].shape[1],
+                                 response_width=sampling.max_new_tokens,
+                                 pad_token_id=self.tokenizer.pad_token_id, weight_version=weight_version)
+        batch["group_index"] = torch.tensor(groups, dtype=torch.int64)
+        errors = [output.extra_fields.get("tool_errors", []) for output in outputs]
+        for message in sorted({m for row_errors in errors for m in row_errors})[:5]:
+            logger.warning("tool call failed: %s", message)
+        return with_non_tensor_columns(batch, {"tool_errors": errors})
+
+    async def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
+
+
+def _column(batch: TensorDict, name: str) -> list | None:
+    return non_tensor_column(batch, name) if name in batch.keys() else None
+
+
+def _concatenate(*chunks: TensorDict) -> TensorDict:
+    """The agent workers' shares as one batch, in order (the ``tool_errors`` lists joined alongside)."""
+    errors = [row for chunk in chunks for row in non_tensor_column(chunk, "tool_errors")]
+    batch = torch.cat([chunk.exclude("tool_errors") for chunk in chunks], dim=0)
+    return with_non_tensor_columns(batch, {"tool_errors": errors})
+
+
+class RolloutService:
+    """The rollout role of ``rollout.mode=async``: the replicas and the agent-loop workers, called through
+    the same ``submit(method, ...)`` as any role (see :mod:`ppoflow.workers.group`)."""
+
+    def __init__(self, replicas: list, agents: list):
+        import ray
+
+        self.replicas, self.agents = replicas, agents
+        self._concatenate = ray.remote(num_cpus=0)(_concatenate)
+        self.weight_version = 0
+
+    def submit(self, method: str, *args, **kwargs):
+        if method == "generate":
+            return self.generate(*args, **kwargs)
+        if method == "apply_weights":
+            return self.apply_weights(*args)
+        raise AttributeError(f"the rollout service has no {method!r}")
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams):
+        """A reference to the generated rollout batch: the prompts split into contiguous shares, one per
+        agent worker, their trajectories concatenated in prompt order."""
+        rows = prompts.batch_size[0]
+        share = -(-rows // len(self.agents))
+        parts = [agent.generate.remote(prompts[start:start + share], first_position=start, step=step,
+                                       sampling=sampling, weight_version=self.weight_version)
+                 for agent, start in zip(self.agents, range(0, rows, share))]
+        return self._concatenate.remote(*parts)
+
+    def apply_weights(self, update) -> list:
+        """References to every replica taking the update (a :class:`WeightUpdate` or a reference to one;
+        each returns the version it now serves)."""
+        import ray
+
+        self.weight_version = (ray.get(update) if isinstance(update, ray.ObjectRef) else update).version
+        return [replica.apply_weights.remote(update) for replica in self.replicas]

@@ -1,0 +1,507 @@
+"""A continuous-batching generation engine for a transformers causal LM: request-level generation for
+agent loops (verl's V1 / AgentLoop design), which call a rollout replica per sample and per turn.
+
+A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and
+their log-probabilities. The engine keeps every request in flight in one batch: each :meth:`step
+<ContinuousBatchingEngine.step>` admits waiting requests into free slots (one forward prefills their
+prompts but the last token into the KV cache), runs ONE decode forward for all running sequences (it
+feeds each its newest token: a joining request's last prompt token, so every token is sampled from
+this forward), samples one token per sequence, and drops the sequences that finished, so a finished
+sequence frees its slot for the next request at the next step instead of idling until the longest
+sequence of a static batch is done.
+
+The KV cache is a transformers ``DynamicCache`` on a shared time axis with left padding: every running
+row's newest token sits at the last column, a row's own tokens are the last ``cached_length`` columns
+and the columns before them are masked padding. Joining rows are left-padded into the batch, finished
+rows are index-selected out, and leading columns that no running row uses are dropped. Position ids
+come from each row's own length, so rotary positions match an unpadded run of the same prompt. This
+needs full-attention cache layers (``DynamicLayer``); models with sliding-window, linear-attention or
+shared-KV layers are refused at construction.
+
+Sampling is per request and reproducible: each request owns a ``torch.Generator`` seeded with its
+seed and draws one uniform number per token from it, so its tokens depend only on its prompt, seed and
+weights, not on what else is batched with it. Log-probs follow :func:`workers.rollout.sample_responses`
+(verl's convention): ``log_softmax(logits / temperature)`` at the sampled token, top-k/top-p not
+folded in, temperature 1 for greedy requests.
+
+No Ray here: a Ray actor wraps the engine (``submit`` from its event loop, ``start`` for the stepping
+thread, ``paused`` around in-place weight loads).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """How to sample one request: greedy (argmax) when ``greedy`` or ``temperature == 0``, else
+    temperature, then top-k (``top_k <= 0``: off), then top-p (``top_p == 1``: off), as transformers'
+    warpers do. At most ``max_new_tokens`` tokens; EOS (unless ``ignore_eos``) and ``stop_token_ids``
+    end the request and are included in its output."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    greedy: bool
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+    @property
+    def log_prob_temperature(self) -> float:
+        """The temperature of the distribution whose log-probs are returned (1 for greedy requests)."""
+        return 1.0 if self.is_greedy else self.temperature
+
+
+@dataclass
+class TokenOutput:
+    """A finished request: its generated tokens (including the EOS/stop token that ended it), each
+    token's log-prob (see the module docstring), why it ended (``"stop"``, ``"length"`` or ``"abort"``)
+    and the lowest and highest ``weight_version`` its tokens were sampled under."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    weight_versions: tuple[int, int]
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request in flight: what was asked, its own random stream, and what it has generated so far."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: RequestSampling
+    future: Future
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: tuple[int, int] | None = None
+
+    @property
+    def cached_length(self) -> int:
+        """Tokens of this request in the KV cache: the prompt but its last token, then every token fed
+        back since (the newest token is fed at the next step)."""
+        return len(self.prompt_ids) - 1 + len(self.token_ids)
+
+    @property
+    def next_input(self) -> int:
+        """The token the next decode forward feeds for this request."""
+        return self.token_ids[-1] if self.token_ids else self.prompt_ids[-1]
+
+    def record(self, token: int, log_prob: float, weight_version: int) -> None:
+        self.token_ids.append(token)
+        self.log_probs.append(log_prob)
+        low, high = self.weight_versions or (weight_version, weight_version)
+        self.weight_versions = (min(low, weight_version), max(high, weight_version))
+
+    def finish_reason(self, eos_token_id: int | None) -> str | None:
+        """``"stop"`` or ``"length"`` when the newest token ends the request, else None."""
+        last = self.token_ids[-1]
+        if (last == eos_token_id and not self.sampling.ignore_eos) or last in self.sampling.stop_token_ids:
+            return "stop"
+        return "length" if len(self.token_ids) >= self.sampling.max_new_tokens else None
+
+    def output(self, finish_reason: str, weight_version: int) -> TokenOutput:
+        """What the request has so far (``weight_version`` stands in when no token was sampled yet)."""
+        return TokenOutput(list(self.token_ids), list(self.log_probs), finish_reason,
+                           self.weight_versions or (weight_version, weight_version))
+
+
+def _settle(future: Future, result: TokenOutput | None = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless it already is (a caller may have cancelled it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def left_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]`` attention mask whose row ``i`` has ones in its last ``lengths[i]`` columns."""
+    columns = torch.arange(width, device=lengths.device)
+    return (columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
+
+
+def sample_next_tokens(logits: torch.Tensor, *, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                       top_ps: torch.Tensor, greedy: torch.Tensor,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` ``[rows, vocab]`` and its log-prob under ``softmax(logits / T)``.
+
+    Per row: greedy rows take the argmax (their ``temperatures`` entry must be 1, the log-prob
+    convention); the others scale by their temperature, keep their ``top_ks`` most likely tokens
+    (``<= 0``: all), then the smallest head of those whose mass reaches their ``top_ps`` (``1``: all),
+    and pick the token where that distribution's CDF crosses their ``uniforms`` draw (in ``[0, 1)``), so
+    a row's token depends on nothing but its own logits and draw.
+    """
+    scaled = logits / temperatures.unsqueeze(1)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        vocab = logits.shape[-1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        keep = ranks < torch.where(top_ks > 0, top_ks, vocab).unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= (mass_before < top_ps.unsqueeze(1)) | (top_ps >= 1).unsqueeze(1)
+        cdf = probs.masked_fill(~keep, 0.0).cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
+        tokens = torch.where(greedy, tokens, order.gather(-1, picked).squeeze(1))
+    log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, log_probs
+
+
+def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``(keys, values)``, ``[rows, heads, columns, head_dim]``, of a full-attention
+    ``DynamicCache`` (its layers are ``DynamicLayer``s; see :meth:`ContinuousBatchingEngine.__init__`)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _set_cache_layers(cache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Replace each layer's keys and values in place (what ``DynamicLayer.batch_select_indices`` does)."""
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.keys, layer.values = keys, values
+
+
+def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
+    """``states`` ``[rows, heads, columns, head_dim]`` with zero columns prepended up to ``width``."""
+    return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
+
+
+def _join_rows(running: list[tuple[torch.Tensor, torch.Tensor]],
+               joining: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the running rows then the joining rows on one time axis, the shorter side left-padded."""
+    width = max(running[0][0].shape[-2], joining[0][0].shape[-2])
+    return [(torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)]),
+             torch.cat([_left_pad(values, width), _left_pad(new_values, width)]))
+            for (keys, values), (new_keys, new_values) in zip(running, joining, strict=True)]
+
+
+def _select_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+                 width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, only ``rows`` and only the last ``width`` columns."""
+    return [(keys[rows, :, keys.shape[-2] - width:], values[rows, :, values.shape[-2] - width:])
+            for keys, values in layers]
+
+
+class ContinuousBatchingEngine:
+    """Serves generation requests with continuous batching over ``model`` (a transformers causal LM
+    whose KV cache is full attention in every layer: Llama, Qwen2, ...). See the module docstring.
+
+    Thread safety: :meth:`submit`, :meth:`abort`, :meth:`abort_all`, :meth:`paused` and :meth:`stats`
+    may be called from any thread; :meth:`step` runs on one thread at a time (the one :meth:`start`
+    starts, or the caller's). ``weight_version`` is set by the owner after loading new weights
+    (inside :meth:`paused`); every sampled token is stamped with the version current at its step.
+    """
+
+    def __init__(self, model, *, eos_token_id: int | None, device: torch.device, max_num_seqs: int = 64):
+        from transformers.cache_utils import DynamicLayer
+
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.model = model.eval()
+        self._model_config = model.config  # the cache's layout; fixed, though the weights may change
+        self.eos_token_id = eos_token_id
+        self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
+        self.weight_version = 0
+        self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        layer_types = {type(layer).__name__ for layer in self._new_cache().layers if type(layer) is not DynamicLayer}
+        if layer_types:
+            raise NotImplementedError(f"the continuous-batching engine needs full-attention KV cache layers; "
+                                      f"{type(model).__name__} has {sorted(layer_types)}")
+        parameters = inspect.signature(model.forward).parameters
+        # transformers 5 names the cache argument ``cache``; remote-code models may still take ``past_key_values``
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._prefill_options = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+
+        self._condition = threading.Condition()
+        # guarded by _condition
+        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._stepping = False
+        self._pause_depth = 0
+        self._stop_requested = False
+        self._counters = {"steps": 0, "prefills": 0, "requests_admitted": 0, "tokens_generated": 0,
+                          "running_rows_summed": 0, "failed_steps": 0}
+        # owned by the stepping thread (swapped under _condition where other threads read them)
+        self._running: list[_Request] = []
+        self._cache = None
+        self._thread: threading.Thread | None = None
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self._model_config)
+
+    # --- the request API (any thread) ------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: RequestSampling) -> Future:
+        """Queue a request; the future resolves with its :class:`TokenOutput`, or fails with a
+        ``ValueError`` when the request cannot be served (empty prompt, token ids outside the vocabulary,
+        prompt + ``max_new_tokens`` beyond the model's ``max_position_embeddings``, an id already in
+        flight)."""
+        future: Future = Future()
+        prompt_ids = [int(token) for token in prompt_ids]
+        problem = self._problem(prompt_ids, sampling)
+        if problem is None:
+            with self._condition:
+                if request_id in self._requests:
+                    problem = f"request {request_id!r} is already in flight"
+                else:
+                    request = _Request(request_id, prompt_ids, sampling, future,
+                                       torch.Generator().manual_seed(sampling.seed))
+                    self._requests[request_id] = request
+                    self._waiting.append(request)
+                    self._condition.notify_all()
+        if problem is not None:
+            future.set_exception(ValueError(problem))
+        return future
+
+    def _problem(self, prompt_ids: list[int], sampling: RequestSampling) -> str | None:
+        """Why a request cannot be served, or None."""
+        if not prompt_ids:
+            return "the prompt is empty"
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
+            return f"the prompt has token ids outside the model's vocabulary [0, {self.vocab_size})"
+        if self.max_positions is not None and len(prompt_ids) + sampling.max_new_tokens > self.max_positions:
+            return (f"prompt length {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} = "
+                    f"{len(prompt_ids) + sampling.max_new_tokens} exceeds the model's max_position_embeddings="
+                    f"{self.max_positions}")
+        return None
+
+    def abort(self, request_id: str) -> None:
+        """End a request now: its future resolves with its tokens so far, ``finish_reason="abort"``
+        (a finished or unknown id is ignored). A running row leaves the batch at the next step."""
+        with self._condition:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return
+            if request in self._waiting:
+                self._waiting.remove(request)
+            output = request.output("abort", self.weight_version)
+        _settle(request.future, output)
+
+    def abort_all(self) -> None:
+        """:meth:`abort` every request in flight."""
+        with self._condition:
+            requests = list(self._requests.values())
+            self._requests.clear()
+            self._waiting.clear()
+            outputs = [request.output("abort", self.weight_version) for request in requests]
+        for request, output in zip(requests, outputs):
+            _settle(request.future, output)
+
+    @contextmanager
+    def paused(self):
+        """No step runs while this is held (it waits for the step in progress to end): the owner loads
+        new weights in place inside it. Requests may still be submitted and aborted. Not from a future's
+        callback: those run on the stepping thread, whose step this would wait for."""
+        with self._condition:
+            self._pause_depth += 1
+            while self._stepping:
+                self._condition.wait()
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._pause_depth -= 1
+                self._condition.notify_all()
+
+    def stats(self) -> dict:
+        """Counters for metrics: decode ``steps``, ``prefills`` (forwards), ``requests_admitted``,
+        ``tokens_generated``, ``mean_running`` (rows per decode step), ``failed_steps``, and the
+        ``running`` / ``waiting`` requests now."""
+        with self._condition:
+            counters = dict(self._counters)
+            running, waiting = len(self._running), len(self._waiting)
+        summed = counters.pop("running_rows_summed")
+        return {**counters, "mean_running": summed / counters["steps"] if counters["steps"] else 0.0,
+                "running": running, "waiting": waiting}
+
+    # --- the background thread ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Step on a daemon thread while there is work; it sleeps on a condition variable otherwise."""
+        with self._condition:
+            if self._thread is not None:
+                return
+            self._stop_requested = False
+            self._thread = threading.Thread(target=self._serve, name="continuous-batching", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after its current step. Requests in flight stay (abort them first to end them)."""
+        with self._condition:
+            thread, self._stop_requested = self._thread, True
+            self._condition.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._condition:
+            self._thread = None
+
+    def _serve(self) -> None:
+        while True:
+            with self._condition:
+                while not self._stop_requested and (self._pause_depth or not (self._waiting or self._running)):
+                    self._condition.wait()
+                if self._stop_requested:
+                    return
+            self.step()
+
+    # --- one scheduling iteration (the stepping thread) ---------------------------------------
+
+    def step(self) -> int:
+        """Admit waiting requests into free slots (prefilling their prompts), run one decode forward for
+        every running sequence, sample a token for each and finish those that end. An exception fails
+        the futures of the requests it hit (the engine stays usable). Returns how many requests are
+        running afterwards; does nothing while :meth:`paused` is held."""
+        with self._condition:
+            while self._stepping:
+                self._condition.wait()
+            if self._pause_depth:
+                return len(self._running)
+            self._stepping = True
+            joining = self._admit()
+            weight_version = self.weight_version
+        try:
+            with torch.no_grad():
+                if joining:
+                    self._prefill(joining)
+                if self._running:
+                    self._decode(weight_version)
+        finally:
+            with self._condition:
+                self._stepping = False
+                self._condition.notify_all()
+        return len(self._running)
+
+    def _admit(self) -> list[_Request]:
+        """Waiting requests for the free slots, in arrival order (called under the lock)."""
+        joining = []
+        while self._waiting and len(self._running) + len(joining) < self.max_num_seqs:
+            request = self._waiting.popleft()
+            if request.future.cancelled():
+                del self._requests[request.request_id]
+            else:
+                joining.append(request)
+        return joining
+
+    def _prefill(self, joining: list[_Request]) -> None:
+        """Run the joining prompts (but their last tokens, which the next decode feeds) through the model
+        in one left-padded forward, and add their rows to the batch cache."""
+        try:
+            prefilled = [len(request.prompt_ids) - 1 for request in joining]
+            width = max(1, *prefilled)  # one masked column when every prompt is a single token
+            lengths = torch.tensor(prefilled, device=self.device)
+            input_ids = torch.zeros((len(joining), width), dtype=torch.long)
+            for row, request in enumerate(joining):
+                if len(request.prompt_ids) > 1:
+                    input_ids[row, width - len(request.prompt_ids) + 1:] = torch.tensor(request.prompt_ids[:-1])
+            attention_mask = left_padding_mask(lengths, width)
+            position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            cache = self._new_cache()
+            self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=True, **{self._cache_argument: cache}, **self._prefill_options)
+            if self._running:
+                _set_cache_layers(cache, _join_rows(_cache_layers(self._cache), _cache_layers(cache)))
+        except Exception as error:
+            logger.exception("prefill of %d requests failed", len(joining))
+            self._fail(joining, error)
+            return
+        with self._condition:
+            self._running, self._cache = self._running + joining, cache
+            self._counters["prefills"] += 1
+            self._counters["requests_admitted"] += len(joining)
+
+    def _decode(self, weight_version: int) -> None:
+        """One forward for every running row (its newest token), one sampled token each, and the rows
+        that end (or were aborted or cancelled) leave the batch."""
+        running = self._running
+        try:
+            lengths = torch.tensor([request.cached_length for request in running], device=self.device)
+            width = self._cache.get_seq_length()
+            input_ids = torch.tensor([[request.next_input] for request in running], device=self.device)
+            logits = self.model(input_ids=input_ids, attention_mask=left_padding_mask(lengths + 1, width + 1),
+                                position_ids=lengths.unsqueeze(1), use_cache=True,
+                                **{self._cache_argument: self._cache}).logits[:, -1].float()
+            samplings = [request.sampling for request in running]
+            tokens, log_probs = sample_next_tokens(
+                logits,
+                temperatures=torch.tensor([s.log_prob_temperature for s in samplings], device=self.device),
+                top_ks=torch.tensor([s.top_k for s in samplings], device=self.device),
+                top_ps=torch.tensor([s.top_p for s in samplings], device=self.device),
+                greedy=torch.tensor([s.is_greedy for s in samplings], device=self.device),
+                uniforms=torch.cat([torch.rand(1, generator=request.generator) for request in running]).to(self.device))
+            tokens, log_probs = tokens.tolist(), log_probs.tolist()
+        except Exception as error:
+            logger.exception("decode step over %d requests failed", len(running))
+            self._fail(running, error)
+            with self._condition:
+                self._running, self._cache = [], None
+            return
+        finished, survivors, kept_rows = [], [], []
+        with self._condition:
+            for row, (request, token, log_prob) in enumerate(zip(running, tokens, log_probs)):
+                registered = self._requests.get(request.request_id) is request
+                if not registered or request.future.cancelled():  # aborted, or cancelled by its caller
+                    if registered:
+                        del self._requests[request.request_id]
+                    continue
+                request.record(token, log_prob, weight_version)
+                reason = request.finish_reason(self.eos_token_id)
+                if reason is None:
+                    survivors.append(request)
+                    kept_rows.append(row)
+                else:
+                    del self._requests[request.request_id]
+                    finished.append((request, request.output(reason, weight_version)))
+            self._counters["steps"] += 1
+            self._counters["running_rows_summed"] += len(running)
+            self._counters["tokens_generated"] += len(tokens)
+        for request, output in finished:
+            _settle(request.future, output)
+        if len(survivors) < len(running):
+            if survivors:
+                width = max(request.cached_length for request in survivors)
+                rows = torch.tensor(kept_rows, device=self.device)
+                _set_cache_layers(self._cache, _select_rows(_cache_layers(self._cache), rows, width))
+            with self._condition:
+                self._running, self._cache = survivors, self._cache if survivors else None
+
+    def _fail(self, requests: list[_Request], error: Exception) -> None:
+        """Fail the futures of ``requests`` with ``error`` and forget them."""
+        with self._condition:
+            self._counters["failed_steps"] += 1
+            for request in requests:
+                if self._requests.get(request.request_id) is request:
+                    del self._requests[request.request_id]
+        for request in requests:
+            _settle(request.future, error=error)

@@ -1,0 +1,744 @@
+"""Tools for multi-turn agent loops: declared in a YAML file, run in sandbox processes.
+
+The agent loop (:mod:`workers.agent_loop`) parses a tool call out of a model turn and appends the tool's
+answer to the trajectory. This module is the tool side:
+
+* :func:`load_tool_config` reads the file named by ``actor_rollout_ref.rollout.multi_turn.tool_config_path``
+  (verl's layout, except that a tool is a Python function instead of a class)::
+
+      tools:
+        - function: "my_pkg.my_module:lookup"   # or "tools.py:lookup", relative to this file's folder
+          config: {timeout_s: 2.0, memory_mb: 512, max_output_chars: 256}   # optional; these are the defaults
+          tool_schema:                            # OpenAI function schema, as in verl
+            type: function
+            function:
+              name: lookup
+              description: "Look a key up."
+              parameters: {type: object, properties: {key: {type: string}}, required: [key]}
+
+  It validates the file but never imports a tool's module: that would run user code in the trainer.
+* :class:`ToolRunner` runs calls in separate processes (``spawn``: the caller may be a multi-threaded Ray
+  actor, which must not ``fork``). Each process imports the tool functions once, when it starts, and runs
+  every call under resource limits. Whatever goes wrong (bad arguments, a tool that raises, hangs, eats
+  memory or kills its process) becomes an error observation for the model, never an exception or a hang
+  in the trainer; a process that timed out or died is killed and replaced by a fresh one.
+
+How a tool process is confined:
+
+* The trainer kills it (SIGKILL) when a call passes its ``timeout_s``.
+* Before each call its soft RLIMIT_AS is set to its current address space plus the tool's ``memory_mb``,
+  so a runaway allocation raises ``MemoryError`` in the tool instead of exhausting the machine; its soft
+  RLIMIT_CPU is set generously above the CPU time it has used (see :func:`_cpu_budget_s`).
+* A watcher thread ends it when the trainer's process ends, even while a tool is stuck.
+* ``spawn`` starts a fresh interpreter that inherits none of the trainer's open files or sockets beyond
+  stdin/stdout/stderr and its own pipe; messages on that pipe are JSON, not pickles, so that nothing a
+  tool writes into it can run code in the trainer when the trainer reads it.
+
+As with any ``spawn`` process, the caller's ``__main__`` module is imported again in each tool process
+(under ``if __name__ == "__main__":`` guards), as multiprocessing does for every spawned process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import difflib
+import inspect
+import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import resource
+import signal
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ppoflow.algorithms.scoring import load_custom_scorer
+
+logger = logging.getLogger(__name__)
+
+TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "unavailable", "raised", "bad_return", "memory", "timeout",
+               "crashed", "start_failed")
+"""The values of :attr:`ToolResult.error`: what went wrong, in one word, for logs and metrics."""
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+    "object": (dict,), "null": (type(None),)}
+"""JSON Schema's basic types and the Python types ``json.loads`` gives for them (bool is only boolean)."""
+
+_LIMIT_KEYS = ("timeout_s", "memory_mb", "max_output_chars")
+"""The keys of a tool's ``config:`` section: the :class:`ToolSpec` fields of the same names."""
+
+_TOOL_KEYS = ("function", "config", "tool_schema")
+_TOOL_NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_TOOL_NAME_MAX_LENGTH = 64
+"""OpenAI's rule for function names: letters, digits, ``_`` and ``-``, at most 64 of them."""
+
+_MAX_MESSAGE_BYTES = 16 << 20
+"""The largest message the trainer reads from a tool process; replies are truncated well below this in the
+tool process, so only a broken process sends more."""
+
+
+def _cpu_budget_s(wall_s: float) -> int:
+    """CPU seconds a tool process may spend on work the trainer waits ``wall_s`` for (RLIMIT_CPU).
+
+    Generous on purpose: the trainer's wall-clock timeout ends a slow call first. The limit is the
+    backstop for a process that keeps spinning after the trainer died (or hung) and cannot kill it.
+    """
+    return math.ceil(60 + 10 * wall_s)
+
+
+# ------------------------------------------------------------------------------ declaring tools
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One tool: its name, the function that implements it, its OpenAI schema and its limits.
+
+    ``function`` is ``"package.module:function"`` or ``"/absolute/path/file.py:function"``; the function
+    takes the call's arguments as keyword arguments and returns a ``str`` (or a JSON-serialisable value,
+    which the model sees as JSON text). ``memory_mb`` is how much address space one call may add to its
+    process; output beyond ``max_output_chars`` characters is cut off with a marker.
+    Build specs with :func:`load_tool_config`, which validates them.
+    """
+
+    name: str
+    function: str
+    schema: dict = field(hash=False)
+    timeout_s: float = 2.0
+    memory_mb: int = 512
+    max_output_chars: int = 256
+
+    def openai_schema(self) -> dict:
+        """The OpenAI function schema (``{"type": "function", "function": {...}}``) for chat templates that
+        render tools; a copy, so that a caller cannot change the one calls are validated against."""
+        return copy.deepcopy(self.schema)
+
+
+def load_tool_config(path: str, key: str = TOOL_CONFIG_KEY) -> list[ToolSpec]:
+    """Read and validate the tool config file at ``path`` (a local path or an fsspec URL).
+
+    Every problem becomes one ``(key, message)`` line of a single ``ConfigError``; each message names the
+    file and the tool (its index, and its name when it has one). No tool module is imported here (see
+    :meth:`ToolRunner.check` for that); a relative ``.py`` path is resolved against the config file's folder.
+    """
+    # Imported here rather than at the top: every tool process imports this module, and ppoflow.configs
+    # takes seconds and hundreds of MB to import, which every process start (and restart) would pay.
+    from ppoflow.configs import ConfigError
+    from ppoflow.storage.fs import normalize_url, open_fs
+
+    url = normalize_url(path)
+    try:
+        fs, fs_path = open_fs(url)
+        text = fs.cat_file(fs_path).decode()
+    except FileNotFoundError:
+        raise ConfigError([(key, f"no such tool config file: {url}")]) from None
+    except (OSError, ValueError) as error:
+        raise ConfigError([(key, f"cannot read tool config file {url}: {error}")]) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError([(key, f"tool config file {url} is not valid YAML: {error}")]) from None
+    local_folder = None if "://" in url else Path(url).parent
+    specs, problems = _tool_specs(document, local_folder)
+    if problems:
+        raise ConfigError([(key, f"tool config file {url}: {problem}") for problem in problems])
+    return specs
+
+
+def _tool_specs(document, local_folder: Path | None) -> tuple[list[ToolSpec], list[str]]:
+    """The specs a parsed tool config declares, and its problems (``local_folder``: where relative ``.py``
+    paths point, None for a remote config)."""
+    if not isinstance(document, dict) or not isinstance(document.get("tools"), list):
+        return [], ["must hold a mapping with a `tools:` list (verl's tool config layout)"]
+    problems = [f"unknown top-level key {name!r}; the only one is `tools`" for name in document if name != "tools"]
+    if not document["tools"]:
+        problems.append("`tools:` is empty; declare at least one tool or unset the key")
+    specs: list[ToolSpec] = []
+    names_seen: set[str] = set()
+    for index, entry in enumerate(document["tools"]):
+        spec, tool_problems = _tool_spec(entry, local_folder)
+        label = f"tools[{index}]" + (f" ({spec.name})" if spec else "")
+        problems += [f"{label}: {problem}" for problem in tool_problems]
+        if spec is None:
+            continue
+        if spec.name in names_seen:
+            problems.append(f"{label}: duplicate tool name {spec.name!r}; tool names must be unique")
+        names_seen.add(spec.name)
+        specs.append(spec)
+    return specs, problems
+
+
+def _tool_spec(entry, local_folder: Path | None) -> tuple[ToolSpec | None, list[str]]:
+    """One ``tools:`` entry as a spec (None when it has no usable name) and the entry's problems."""
+    if not isinstance(entry, dict):
+        return None, [f"must be a mapping with function and tool_schema, not {type(entry).__name__}"]
+    problems = ["class_name names a verl tool class; ppoflow tools are functions: set `function`"
+                if name == "class_name" else _unknown_key_problem(name, _TOOL_KEYS)
+                for name in entry if name not in _TOOL_KEYS]
+    function, function_problems = _function_path(entry.get("function"), local_folder)
+    schema = entry.get("tool_schema")
+    name, schema_problems = _schema_problems(schema)
+    limits, limit_problems = _limits(entry.get("config"))
+    problems += function_problems + schema_problems + limit_problems
+    if name is None:
+        return None, problems
+    return ToolSpec(name=name, function=function or "", schema=schema, **limits), problems
+
+
+def _unknown_key_problem(name, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+    return f"unknown key {name!r}; {hint}"
+
+
+def _function_path(value, local_folder: Path | None) -> tuple[str | None, list[str]]:
+    """``value`` checked (not imported) and normalised: ``module:function``, or ``file.py:function`` with the
+    file made absolute and required to exist."""
+    if value is None:
+        return None, ["`function` is missing; set it to 'package.module:function' or 'file.py:function'"]
+    source, _, attribute = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not source or not attribute.isidentifier():
+        return None, [f"function {value!r} must look like 'package.module:function' or 'file.py:function'"]
+    if not source.endswith(".py"):
+        if not all(part.isidentifier() for part in source.split(".")):
+            return None, [f"function {value!r}: {source!r} is not a module name (or a path ending in .py)"]
+        return value, []
+    file = Path(source).expanduser()
+    if not file.is_absolute():
+        if local_folder is None:
+            return None, [(f"function {value!r}: a relative .py path needs a local tool config file; "
+                           "give an absolute path")]
+        file = local_folder / file
+    if not file.is_file():
+        return None, [f"function {value!r}: no such file {str(file)!r}"]
+    return f"{file.resolve()}:{attribute}", []
+
+
+def _schema_problems(schema) -> tuple[str | None, list[str]]:
+    """The tool's name from its ``tool_schema`` (None when it has none) and what is wrong with the schema."""
+    if schema is None:
+        return None, ["`tool_schema` is missing; give the tool's OpenAI function schema"]
+    if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict):
+        return None, ["tool_schema must be a mapping with type: function and a function: mapping"]
+    problems = [] if schema.get("type") == "function" else [
+        f"tool_schema.type must be 'function', not {schema.get('type')!r}"]
+    function = schema["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not name or len(name) > _TOOL_NAME_MAX_LENGTH or \
+            not set(name) <= _TOOL_NAME_CHARACTERS:
+        problems.append(f"tool_schema.function.name must be 1 to {_TOOL_NAME_MAX_LENGTH} letters, digits, _ or -, "
+                        f"not {name!r}")
+        name = None
+    if not isinstance(function.get("description", ""), str):
+        problems.append("tool_schema.function.description must be a string")
+    parameters = function.get("parameters", {"type": "object"})
+    if not isinstance(parameters, dict) or parameters.get("type") != "object":
+        return name, problems + ["tool_schema.function.parameters must be a mapping with type: object"]
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict):
+        return name, problems + ["tool_schema.function.parameters.properties must be a mapping"]
+    for argument, declared in properties.items():
+        where = f"tool_schema.function.parameters.properties.{argument}"
+        if not isinstance(declared, dict):
+            problems.append(f"{where} must be a mapping (type:, description:, ...)")
+            continue
+        types = declared.get("type", [])
+        if not isinstance(types, list):
+            types = [types]
+        unknown = [kind for kind in types if not isinstance(kind, str) or kind not in _JSON_TYPES]
+        if unknown or ("type" in declared and not types):
+            problems.append(f"{where}.type must be one of {', '.join(_JSON_TYPES)} (or a list of them), "
+                            f"not {declared['type']!r}")
+        if "enum" in declared and not isinstance(declared["enum"], list):
+            problems.append(f"{where}.enum must be a list")
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or \
+            not all(isinstance(argument, str) and argument in properties for argument in required):
+        problems.append(f"tool_schema.function.parameters.required must list names of properties, not {required!r}")
+    return name, problems
+
+
+def _limits(config) -> tuple[dict, list[str]]:
+    """The limits a tool's ``config:`` section sets (the others keep :class:`ToolSpec`'s defaults)."""
+    if config is None:
+        return {}, []
+    if not isinstance(config, dict):
+        return {}, [f"config must be a mapping of {', '.join(_LIMIT_KEYS)}, not {type(config).__name__}"]
+    problems = [f"config: {_unknown_key_problem(name, _LIMIT_KEYS)}" for name in config if name not in _LIMIT_KEYS]
+    limits = {}
+    for name in _LIMIT_KEYS:
+        if name not in config:
+            continue
+        value = config[name]
+        allowed = (int, float) if name == "timeout_s" else (int,)
+        if isinstance(value, bool) or not isinstance(value, allowed) or not 0 < value < math.inf:
+            kind = "number" if name == "timeout_s" else "whole number"
+            problems.append(f"config.{name} must be a positive {kind}, not {value!r}")
+        else:
+            limits[name] = float(value) if name == "timeout_s" else value
+    return limits, problems
+
+
+# ------------------------------------------------------------------------------ running tools
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one call: ``text`` is what the model sees (the result, or an ``error: ...``
+    observation); ``error`` is None on success, else one of :data:`ERROR_KINDS`; ``seconds`` is how long
+    the call took for the caller, waiting for a free tool process included."""
+
+    text: str
+    ok: bool
+    error: str | None
+    seconds: float
+
+
+class _BadArguments(ValueError):
+    """The arguments of a call do not fit the tool's schema; the message says how."""
+
+
+class _ProcessEnded(Exception):
+    """A tool process died (or broke the message protocol); the message says how it ended."""
+
+
+class _SandboxFailed(Exception):
+    """A tool process timed out, died or did not start; ``kind`` is the error kind, the message says what
+    happened (the observation is ``error: <message>``)."""
+
+    def __init__(self, kind: str, text: str):
+        super().__init__(text)
+        self.kind = kind
+
+
+class ToolRunner:
+    """Runs tool calls in ``processes`` sandbox processes, never in the caller's.
+
+    Calls beyond ``processes`` at once wait for a free process. ``start_timeout_s`` bounds how long a
+    process may take to start and import the tool functions. Use :meth:`check` before training to fail
+    fast on tools that cannot be imported; :meth:`close` (or ``with``) ends the processes, and so does the
+    interpreter's exit.
+    """
+
+    def __init__(self, specs: list[ToolSpec], *, processes: int = 1, start_timeout_s: float = 30.0):
+        if processes < 1:
+            raise ValueError(f"processes must be at least 1, not {processes}")
+        self.specs = {spec.name: spec for spec in specs}
+        if len(self.specs) != len(specs):
+            raise ValueError("tool names must be unique")
+        self.processes = processes
+        self.start_timeout_s = start_timeout_s
+        self._functions = {spec.name: spec.function for spec in specs}
+        self._context = multiprocessing.get_context("spawn")
+        self._idle: queue.SimpleQueue[_Sandbox | None] = queue.SimpleQueue()
+        for _ in range(processes):
+            self._idle.put(None)  # a process starts when a call (or check) first needs it
+        self._executor = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="ppoflow-tools")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._live: set[_Sandbox] = set()
+        self._finalizer = weakref.finalize(self, _kill_all, self._live)
+        self._calls = 0
+        self._total_seconds = 0.0
+        self._errors = dict.fromkeys(ERROR_KINDS, 0)
+
+    # --- the API
+
+    async def call(self, name: str, arguments: dict | str, fixed: dict | None = None) -> ToolResult:
+        """Run tool ``name`` with ``arguments`` (a mapping, or the JSON text of one) without blocking the loop.
+
+        ``fixed``: arguments the dataset sets for this row (verl's per-row ``tools_kwargs``), passed after the
+        model's are checked against the schema and taking precedence over them, so a model cannot override
+        them."""
+        started = time.monotonic()
+        spec, parsed, failure = self._prepare(name, arguments, fixed)
+        if failure is not None:
+            return self._finish(name, *failure, started)
+        outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, spec, parsed)
+        return self._finish(name, *outcome, started)
+
+    def call_sync(self, name: str, arguments: dict | str, fixed: dict | None = None) -> ToolResult:
+        """:meth:`call` for scripts and tests: blocks until the result is there."""
+        started = time.monotonic()
+        spec, parsed, failure = self._prepare(name, arguments, fixed)
+        return self._finish(name, *(failure or self._run(spec, parsed)), started)
+
+    def check(self) -> list[str]:
+        """Start every process and return one message per tool whose function cannot be imported (empty when
+        all can), for the trainer to raise as a config error before training starts. A process that cannot
+        start at all (it dies or hangs while importing) gives one message naming every tool."""
+        self._raise_if_closed()
+        sandboxes = [self._idle.get() for _ in range(self.processes)]
+        # all started before any is waited for, so that they import the tool functions in parallel
+        sandboxes = [sandbox if _is_alive(sandbox) else self._replace(sandbox) for sandbox in sandboxes]
+        problems: set[str] = set()
+        for position, sandbox in enumerate(sandboxes):
+            try:
+                _ready(sandbox)
+                problems.update(f"tool {name!r} ({self.specs[name].function}): {message}"
+                                for name, message in sandbox.import_errors.items())
+            except _SandboxFailed as failure:
+                self._retire(sandbox)
+                sandboxes[position] = None
+                problems.add(f"tools {', '.join(self.specs)}: {failure}")
+        for sandbox in sandboxes:
+            self._idle.put(sandbox)
+        return sorted(problems)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: ``calls``, ``errors`` and ``errors/<kind>`` for every kind, ``mean_seconds``."""
+        with self._lock:
+            return {"calls": self._calls, "errors": sum(self._errors.values()),
+                    **{f"errors/{kind}": count for kind, count in self._errors.items()},
+                    "mean_seconds": self._total_seconds / self._calls if self._calls else 0.0}
+
+    def close(self) -> None:
+        """Kill the tool processes (a call in flight gets a ``crashed`` observation) and stop the threads."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- in the caller's thread: checks that need no tool process
+
+    def _prepare(self, name: str, arguments, fixed: dict | None = None
+                 ) -> tuple[ToolSpec | None, dict | None, tuple[str, str] | None]:
+        """The spec and parsed arguments of a call (with the ``fixed`` ones), or the ``(kind, text)`` of why
+        it cannot run."""
+        self._raise_if_closed()
+        spec = self.specs.get(name)
+        if spec is None:
+            shown = _truncate(str(name), _TOOL_NAME_MAX_LENGTH)  # the model wrote it: it may be any length
+            tools = ", ".join(self.specs) or "none"
+            return None, None, ("unknown_tool", f"error: unknown tool {shown!r}; the tools are: {tools}")
+        try:
+            return spec, {**_parse_arguments(spec, arguments), **(fixed or {})}, None
+        except _BadArguments as problem:
+            return spec, None, ("bad_arguments", _truncate(f"error: bad arguments for {name}: {problem}",
+                                                           spec.max_output_chars))
+
+    def _finish(self, name: str, kind: str, text: str, started: float) -> ToolResult:
+        seconds = time.monotonic() - started
+        error = None if kind == "ok" else kind
+        with self._lock:
+            self._calls += 1
+            self._total_seconds += seconds
+            if error is not None:
+                self._errors[error] += 1
+        if error is not None:
+            logger.debug("tool %s failed (%s) after %.3f s", name, error, seconds)
+        return ToolResult(text=text, ok=error is None, error=error, seconds=seconds)
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ToolRunner is closed")
+
+    # --- on a thread that may block: one call in one tool process
+
+    def _run(self, spec: ToolSpec, arguments: dict) -> tuple[str, str]:
+        """Run one validated call in a free process; ``(kind, text)``. A process that times out or dies is
+        replaced before the next call can take it."""
+        sandbox = self._idle.get()
+        healthy = False
+        try:
+            if not _is_alive(sandbox):
+                sandbox = self._replace(sandbox)
+            outcome = _ready(sandbox).run(spec, arguments)
+            healthy = True
+            return outcome
+        except _SandboxFailed as failure:
+            logger.warning("tool %s: %s; starting a fresh tool process", spec.name, failure)
+            return failure.kind, _truncate(f"error: {failure}", spec.max_output_chars)
+        finally:
+            self._idle.put(sandbox if healthy else self._replace(sandbox))
+
+    def _replace(self, sandbox: _Sandbox | None) -> _Sandbox | None:
+        """Kill ``sandbox`` (if any) and start a fresh process in its place; None when the runner is closed or
+        the start failed (logged; the next call tries again)."""
+        self._retire(sandbox)
+        with self._lock:  # under the lock, so that close() cannot miss a process started meanwhile
+            if self._closed:
+                return None
+            try:
+                fresh = _Sandbox(self._context, self._functions, self.start_timeout_s)
+            except OSError as error:
+                logger.error("cannot start a tool process: %s", error)
+                return None
+            self._live.add(fresh)
+        return fresh
+
+    def _retire(self, sandbox: _Sandbox | None) -> None:
+        if sandbox is not None:
+            sandbox.kill()
+            with self._lock:
+                self._live.discard(sandbox)
+
+
+def _is_alive(sandbox: _Sandbox | None) -> bool:
+    return sandbox is not None and sandbox.process.is_alive()
+
+
+def _ready(sandbox: _Sandbox | None) -> _Sandbox:
+    """``sandbox`` once it has imported the tool functions; raises :class:`_SandboxFailed` if it cannot."""
+    if sandbox is None:
+        raise _SandboxFailed("start_failed", "cannot start a tool process (see the trainer's log)")
+    sandbox.wait_ready()
+    return sandbox
+
+
+def _kill_all(sandboxes: set[_Sandbox]) -> None:
+    """Kill and reap every process in ``sandboxes`` (ToolRunner.close, garbage collection, interpreter exit)."""
+    for sandbox in list(sandboxes):
+        sandbox.kill()
+    sandboxes.clear()
+
+
+def _parse_arguments(spec: ToolSpec, arguments) -> dict:
+    """``arguments`` (a mapping or JSON text) as a dict that fits the spec's parameters: required properties
+    present, declared basic types and enums respected (nested values are the tool's to check)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as error:
+            raise _BadArguments(f"arguments are not valid JSON ({error})") from None
+    if not isinstance(arguments, dict):
+        raise _BadArguments(f"arguments must be a JSON object, not {_json_type_name(arguments)}")
+    try:
+        json.dumps(arguments)  # the process gets them as JSON
+    except (TypeError, ValueError) as error:
+        raise _BadArguments(f"arguments are not JSON-serialisable ({error})") from None
+    parameters = spec.schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        raise _BadArguments(f"missing required argument{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")
+    if parameters.get("additionalProperties") is False:
+        unexpected = [name for name in arguments if name not in properties]
+        if unexpected:
+            raise _BadArguments(f"unexpected argument {unexpected[0]!r}; the arguments are: {', '.join(properties)}")
+    for name, value in arguments.items():
+        declared = properties.get(name, {})
+        types = declared.get("type", [])
+        types = types if isinstance(types, list) else [types]
+        if types and not any(_has_json_type(value, kind) for kind in types):
+            raise _BadArguments(f"argument {name!r} must be {' or '.join(types)}, not {_json_type_name(value)}")
+        if "enum" in declared and value not in declared["enum"]:
+            raise _BadArguments(f"argument {name!r} must be one of {declared['enum']!r}, not {value!r}")
+    return arguments
+
+
+def _has_json_type(value, kind: str) -> bool:
+    if isinstance(value, bool):
+        return kind == "boolean"
+    return isinstance(value, _JSON_TYPES[kind])
+
+
+def _json_type_name(value) -> str:
+    for kind in _JSON_TYPES:
+        if _has_json_type(value, kind):
+            return kind
+    return type(value).__name__
+
+
+def _truncate(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and a marker saying how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [truncated: {len(text)} characters in all]"
+
+
+class _Sandbox:
+    """One tool process and the trainer's end of its pipe.
+
+    ``import_errors`` (tool name -> why its function cannot be imported) is None until the process has
+    imported the tool functions and said so.
+    """
+
+    def __init__(self, context, functions: dict[str, str], start_timeout_s: float):
+        self.connection, child_end = context.Pipe()
+        self.tool_names = set(functions)
+        self.start_timeout_s = start_timeout_s
+        self.process = context.Process(target=_serve, args=(child_end, functions, _cpu_budget_s(start_timeout_s)),
+                                       name="ppoflow-tools", daemon=True)
+        try:
+            self.process.start()
+        finally:
+            child_end.close()
+        self.import_errors: dict[str, str] | None = None
+
+    def wait_ready(self) -> None:
+        """Wait until the process has imported the tool functions; raises :class:`_SandboxFailed`."""
+        if self.import_errors is not None:
+            return
+        try:
+            message = self._receive(self.start_timeout_s)
+        except _ProcessEnded as ended:
+            raise _SandboxFailed("start_failed", f"the tool process {ended} while importing the tool functions") \
+                from None
+        if message is None:
+            raise _SandboxFailed("start_failed", f"the tool process did not finish importing the tool functions "
+                                                 f"within {self.start_timeout_s:g} s")
+        errors = message.get("import_errors")
+        if not isinstance(errors, dict) or not set(errors) <= self.tool_names or \
+                not all(isinstance(text, str) for text in errors.values()):
+            raise _SandboxFailed("start_failed", "the tool process broke the message protocol")
+        self.import_errors = errors
+
+    def run(self, spec: ToolSpec, arguments: dict) -> tuple[str, str]:
+        """Run one call in the (ready) process: ``(kind, text)`` as it answered; raises :class:`_SandboxFailed`
+        when it timed out or died (the caller then replaces it)."""
+        request = {"tool": spec.name, "arguments": arguments, "memory_mb": spec.memory_mb,
+                   "cpu_s": _cpu_budget_s(spec.timeout_s), "max_output_chars": spec.max_output_chars}
+        try:
+            self.connection.send_bytes(json.dumps(request).encode())
+            reply = self._receive(spec.timeout_s)
+        except _ProcessEnded as ended:
+            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process {ended}") from None
+        except OSError:  # the pipe broke on sending: the process is gone
+            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process {self._ending()}") from None
+        if reply is None:
+            raise _SandboxFailed("timeout", f"{spec.name} timed out after {spec.timeout_s:g} s")
+        if reply.get("kind") not in _PROCESS_KINDS or not isinstance(reply.get("text"), str):
+            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process broke the message protocol")
+        return reply["kind"], reply["text"]
+
+    def _receive(self, timeout_s: float) -> dict | None:
+        """The process's next message, or None when none came within ``timeout_s``; raises
+        :class:`_ProcessEnded` when the process died (or sent something that is not a message)."""
+        try:
+            if not self.connection.poll(timeout_s):
+                return None
+            message = json.loads(self.connection.recv_bytes(_MAX_MESSAGE_BYTES))
+        except (EOFError, OSError, ValueError):
+            message = None
+        if not isinstance(message, dict):
+            raise _ProcessEnded(self._ending())
+        return message
+
+    def _ending(self) -> str:
+        """How the process ended, in words (it is killed first if it is still running)."""
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        if code is None:
+            self.kill()
+            return "stopped answering"
+        if code < 0:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def kill(self) -> None:
+        """Kill the process, reap it (no zombie) and release its pipe."""
+        self.process.kill()
+        self.process.join(timeout=5.0)
+        self.connection.close()
+
+
+# ------------------------------------------------------------------------------ inside a tool process
+
+_PROCESS_KINDS = ("ok", "unavailable", "raised", "bad_return", "memory")
+"""The kinds a tool process itself reports; timeouts, deaths and failed starts are seen by the trainer."""
+
+
+class _NotSerialisable(Exception):
+    """The tool returned a value that is neither ``str`` nor JSON-serialisable; the message names its type."""
+
+
+def _serve(connection, functions: dict[str, str], start_cpu_s: int) -> None:
+    """The main function of a tool process: import the tool functions, then answer calls until the trainer
+    closes the pipe (or dies)."""
+    threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
+    _set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + start_cpu_s)
+    callables, import_errors = {}, {}
+    for name, path in functions.items():
+        source, _, attribute = path.rpartition(":")
+        try:
+            callables[name] = load_custom_scorer(source, attribute)
+        except ValueError as error:
+            import_errors[name] = str(error)
+    _send(connection, {"import_errors": import_errors})
+    while True:
+        try:
+            request = json.loads(connection.recv_bytes())
+        except (EOFError, OSError):  # the trainer closed the pipe, or died
+            return
+        _send(connection, _answer(request, callables, import_errors))
+
+
+def _exit_when_parent_dies() -> None:
+    """End this process when the trainer's ends, even while a tool is stuck (blocked reads end anyway)."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
+def _send(connection, message: dict) -> None:
+    """Send ``message`` as ASCII JSON: a lone surrogate in a tool's text is escaped, not an encoding error."""
+    connection.send_bytes(json.dumps(message).encode())
+
+
+def _answer(request: dict, callables: dict, import_errors: dict[str, str]) -> dict:
+    """Run one call under its limits: ``{"kind": ..., "text": ...}`` with ``text`` cut to the tool's maximum."""
+    name = request["tool"]
+    if name in import_errors:
+        kind, text = "unavailable", f"error: tool {name} is unavailable: {import_errors[name]}"
+    else:
+        _set_soft_limit(resource.RLIMIT_AS, _address_space_bytes() + (request["memory_mb"] << 20))
+        _set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + request["cpu_s"])
+        try:
+            kind, text = "ok", _call(callables[name], request["arguments"])
+        except MemoryError:
+            kind, text = "memory", f"error: {name} ran out of memory (it may use {request['memory_mb']} MB per call)"
+        except _NotSerialisable as error:
+            kind, text = "bad_return", f"error: {name} returned {error}, which is neither text nor JSON-serialisable"
+        except BaseException as error:  # noqa: BLE001 - whatever a tool raises (SystemExit too) is an observation
+            kind, text = "raised", f"error: {name} raised {type(error).__name__}: {_describe(error)}"
+    return {"kind": kind, "text": _truncate(text, request["max_output_chars"])}
+
+
+def _call(function, arguments: dict) -> str:
+    """The tool's result as text (an ``async def`` tool is awaited)."""
+    value = function(**arguments)
+    if inspect.iscoroutine(value):
+        value = asyncio.run(value)
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # TypeError: no JSON form; ValueError: a circular reference
+        raise _NotSerialisable(f"a {type(value).__name__}") from None
+
+
+def _describe(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not take the tool process down
+        return "(its message cannot be printed)"
+
+
+def _address_space_bytes() -> int:
+    """This process's virtual memory size now (Linux), the base of a call's RLIMIT_AS."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _set_soft_limit(which: int, soft: int) -> None:
+    """Set a soft resource limit, capped by the hard one (left as it is, so later calls can raise the soft one)."""
+    _, hard = resource.getrlimit(which)
+    resource.setrlimit(which, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
