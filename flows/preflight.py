@@ -148,7 +148,8 @@ def _agent_problems(cfg: PPOConfig) -> Problems:
     if rollout.mode != "async":
         return []
     from ppoflow.workers.agent_loop import AGENT_LOOPS, load_agent_loop_config
-    from ppoflow.workers.tools import ToolRunner, load_tool_config
+    from ppoflow.workers.tool_config import TOOL_CONFIG_KEY, load_tool_config
+    from ppoflow.workers.tools import ToolRunner
 
     problems: Problems = []
     if rollout.agent.agent_loop_config_path:
@@ -160,7 +161,7 @@ def _agent_problems(cfg: PPOConfig) -> Problems:
         problems.append(("actor_rollout_ref.rollout.agent.default_agent_loop",
                          f"unknown agent loop {rollout.agent.default_agent_loop!r}; registered: "
                          f"{', '.join(sorted(AGENT_LOOPS))}"))
-    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    key = TOOL_CONFIG_KEY
     if rollout.multi_turn.tool_config_path:
         try:
             specs = load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path), key)

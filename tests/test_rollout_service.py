@@ -5,6 +5,7 @@ Prefect with single-turn and tool-using agent loops, and its config errors befor
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -29,6 +30,17 @@ def replicas(ray_local, tiny_model, tmp_path_factory):
     yield handles
     for handle in handles:
         ray_local.kill(handle)
+
+
+def serving_version(ray, replica, timeout_s: float = 60.0) -> int:
+    """The replica's weight version once it answers (Ray may still be restarting it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(replica.weight_version.remote())
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, "the replica did not come back"
+            time.sleep(0.2)
 
 
 def admitted(ray, handles) -> list[int]:
@@ -71,6 +83,24 @@ def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas)
 
     outputs = asyncio.run(run())
     assert all(len(output.token_ids) == 40 for output in outputs)
+    assert serving_version(ray_local, replicas[0]) == 0  # back, with its initial weights
+
+
+def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_local, replicas, tiny_model):
+    from ppoflow.workers.models import load_causal_lm
+    from ppoflow.workers.rollout_service import RolloutService
+    from ppoflow.workers.weight_sync import WeightSender
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    service = RolloutService(replicas, agents=[])
+    update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
+        load_causal_lm(cfg.actor_rollout_ref.model), 7)
+    assert ray_local.get(service.submit("apply_weights", update)) == [7, 7]
+    ray_local.kill(replicas[1], no_restart=False)  # Ray restarts it with its initial weights
+    time.sleep(0.5)
+    assert serving_version(ray_local, replicas[1]) == 0
+    service.resync_restarted()  # what generate() does first
+    assert ray_local.get([replica.weight_version.remote() for replica in replicas]) == [7, 7]
 
 
 def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_local, replicas, tiny_model):
@@ -99,8 +129,8 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
 
 
 @pytest.mark.parametrize("preset, words", [
-    ("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=2",
-                   "actor_rollout_ref.rollout.agent.num_workers=2"]),
+    pytest.param("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=2",
+                               "actor_rollout_ref.rollout.agent.num_workers=2"], marks=pytest.mark.slow),
     ("vault_tool", ["data.synthetic.copy_share=0"]),  # vault rows only: every trajectory may call the tool
 ])
 def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_path, preset, words):

@@ -65,6 +65,10 @@ class RolloutReplica:
             self.engine.weight_version = self.receiver.apply(self.model, update, self.device)
         return self.engine.weight_version
 
+    async def weight_version(self) -> int:
+        """The version of the weights served (0, the initial ones, after Ray restarted this replica)."""
+        return self.engine.weight_version
+
     async def stats(self) -> dict:
         return self.engine.stats()
 
@@ -131,7 +135,8 @@ class AgentLoopWorker:
             load_agent_loop_config(rollout.agent.agent_loop_config_path)
         self.tools = None
         if rollout.multi_turn.tool_config_path:
-            from ppoflow.workers.tools import ToolRunner, load_tool_config
+            from ppoflow.workers.tool_config import load_tool_config
+            from ppoflow.workers.tools import ToolRunner
 
             self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
                                     processes=rollout.multi_turn.tool_processes)
@@ -201,6 +206,8 @@ class RolloutService:
         self.replicas, self.agents = replicas, agents
         self._concatenate = ray.remote(num_cpus=0)(_concatenate)
         self.weight_version = 0
+        self.last_update = None
+        """The last weights pushed (a reference: it keeps their buckets alive), for a restarted replica."""
 
     def submit(self, method: str, *args, **kwargs):
         if method == "generate":
@@ -212,6 +219,7 @@ class RolloutService:
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams):
         """A reference to the generated rollout batch: the prompts split into contiguous shares, one per
         agent worker, their trajectories concatenated in prompt order."""
+        self.resync_restarted()
         rows = prompts.batch_size[0]
         share = -(-rows // len(self.agents))
         parts = [agent.generate.remote(prompts[start:start + share], first_position=start, step=step,
@@ -225,4 +233,21 @@ class RolloutService:
         import ray
 
         self.weight_version = (ray.get(update) if isinstance(update, ray.ObjectRef) else update).version
+        self.last_update = update
         return [replica.apply_weights.remote(update) for replica in self.replicas]
+
+    def resync_restarted(self) -> None:
+        """Give every replica that serves other weights than the last pushed (Ray restarted it after a crash)
+        those weights again before it takes requests. A replica restarted in the middle of a batch serves
+        its initial weights until the next batch; the trainer sees their version on the trajectories and
+        generates that batch again."""
+        import ray
+
+        if self.last_update is None:
+            return
+        versions = ray.get([replica.weight_version.remote() for replica in self.replicas])
+        stale = [index for index, version in enumerate(versions) if version != self.weight_version]
+        if stale:
+            logger.warning("rollout replica(s) %s serve weight version(s) %s instead of %d (restarted): re-syncing",
+                           stale, [versions[i] for i in stale], self.weight_version)
+            ray.get([self.replicas[index].apply_weights.remote(self.last_update) for index in stale])
