@@ -193,6 +193,9 @@ class MultiTurnConfig(Section):
                     "chat template) or question_mark (a turn ending in `?` calls the first tool with the text before "
                     "it; answers written `=answer>`; for character-level toy models).")
     max_assistant_turns: int = Field(ge=1, description="Model turns per trajectory at most.")
+    max_tokens_per_turn: Optional[int] = Field(ge=1, description="Tokens one model turn may generate at most (within "
+                                                               "data.max_response_length for the whole trajectory); "
+                                                               "null = the remaining response budget.")
     max_tool_response_length: int = Field(ge=1, description="Tokens of one tool answer kept at most.")
     tool_config_path: Optional[str] = Field(description="YAML file declaring the tools (OpenAI function schemas and "
                                                         "the Python callables behind them); null = no tools.")

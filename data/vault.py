@@ -9,7 +9,10 @@ for it (``extra_info.tools_kwargs``, verl's per-row tool arguments), so a call i
 
     37>  ?  =58>  58</s>        (prompt, call, the tool's answer (masked), the model's answer)
 
-``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml`` declares the tool.
+With ``data.synthetic.copy_share`` some train rows are copy rows written as the tool writes its
+answers (``=58>`` -> ``58``), answered without tools: reading the tool's answer is copying it, a skill
+the model has to learn somewhere. ``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml``
+declares the tool.
 """
 
 from __future__ import annotations

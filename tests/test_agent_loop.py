@@ -75,7 +75,8 @@ class VaultTools:
 
 
 def settings(**changes) -> AgentSettings:
-    values = dict(response_length=12, max_assistant_turns=3, max_tool_response_length=4, tool_format="question_mark")
+    values = dict(response_length=12, max_assistant_turns=3, max_tokens_per_turn=None, max_tool_response_length=4,
+                  tool_format="question_mark")
     return AgentSettings(**{**values, **changes})
 
 
@@ -148,6 +149,18 @@ def test_tool_agent_stops_at_the_turn_limit_and_the_response_budget(tiny):
                       settings=settings(max_assistant_turns=5, response_length=6), tools=tools)["tool_agent"]
     output = asyncio.run(loop.run(SAMPLING, prompt_ids=[5], session_id="s", seed=1, tools_kwargs={"vault": {"key": "1"}}))
     assert len(output.response_ids) == 6  # "?=X>" (4 tokens), then "?" and a cut answer: never past the budget
+
+
+def test_a_turn_generates_at_most_max_tokens_per_turn(tiny):
+    _, tokenizer = tiny
+    model, tools = ScriptedModel(tokenizer, ["?", "58"]), VaultTools()
+    loop = make_loops({"tool_agent"}, client=model, tokenizer=tokenizer, settings=settings(max_tokens_per_turn=2),
+                      tools=tools)["tool_agent"]
+    output = asyncio.run(loop.run(SAMPLING, prompt_ids=[5], session_id="s", seed=1, tools_kwargs={"vault": {"key": "37"}}))
+    assert output.response_mask[-2:] == [1, 1] and output.response_ids[-1] != tokenizer.eos_token_id  # "58", cut
+    single = make_loops({"single_turn_agent"}, client=ScriptedModel(tokenizer, ["12345"]), tokenizer=tokenizer,
+                        settings=settings(max_tokens_per_turn=2), tools=None)["single_turn_agent"]
+    assert len(asyncio.run(single.run(SAMPLING, prompt_ids=[5], session_id="t", seed=1)).response_ids) == 2
 
 
 def test_a_failing_tool_becomes_an_error_answer(tiny):

@@ -138,6 +138,8 @@ class AgentSettings:
     response_length: int
     """Budget of response tokens per trajectory, the model's and the tools' (``data.max_response_length``)."""
     max_assistant_turns: int
+    max_tokens_per_turn: int | None
+    """Tokens one model turn may generate at most (None: the rest of the response budget)."""
     max_tool_response_length: int
     tool_format: str
     """How tool calls are written: ``hermes`` or ``question_mark`` (see :data:`TOOL_CALL_PARSERS`)."""
@@ -154,11 +156,13 @@ class AgentLoop(ABC):
         """``row``: ``prompt_ids`` (list[int]), ``session_id`` (unique per trajectory), ``seed`` (this
         trajectory's sampling seed), ``tools_kwargs`` (per tool, arguments the dataset fixes for this row)."""
 
-    def request(self, sampling: SamplingParams, *, seed: int, max_new_tokens: int,
+    def request(self, sampling: SamplingParams, *, seed: int, budget: int,
                 stop_token_ids: tuple[int, ...] = ()) -> RequestSampling:
-        """One generation request's sampling, from the run's sampling settings."""
+        """One model turn's request: the run's sampling settings, at most ``budget`` tokens (the rest of the
+        trajectory's response budget) and ``max_tokens_per_turn``."""
+        per_turn = self.settings.max_tokens_per_turn or budget
         return RequestSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                               greedy=sampling.greedy, max_new_tokens=max_new_tokens, seed=seed,
+                               greedy=sampling.greedy, max_new_tokens=min(budget, per_turn), seed=seed,
                                stop_token_ids=stop_token_ids)
 
 
@@ -174,7 +178,7 @@ class SingleTurnAgentLoop(AgentLoop):
 
     async def run(self, sampling: SamplingParams, **row) -> AgentLoopOutput:
         output = AgentLoopOutput(list(row["prompt_ids"]))
-        request = self.request(sampling, seed=row["seed"], max_new_tokens=self.settings.response_length)
+        request = self.request(sampling, seed=row["seed"], budget=self.settings.response_length)
         output.add_model_turn(await self.client.generate(row["session_id"], output.prompt_ids, request))
         return output
 
@@ -264,8 +268,7 @@ class ToolAgentLoop(AgentLoop):
             budget = settings.response_length - len(output.response_ids)
             if budget <= 0:
                 break
-            request = self.request(sampling, seed=turn_seed(row["seed"], turn), max_new_tokens=budget,
-                                   stop_token_ids=stop_ids)
+            request = self.request(sampling, seed=turn_seed(row["seed"], turn), budget=budget, stop_token_ids=stop_ids)
             generated = await self.client.generate(row["session_id"], output.prompt_ids + output.response_ids,
                                                    request)
             output.add_model_turn(generated)

@@ -143,6 +143,7 @@ class AgentLoopWorker:
         self.client = LoadBalancer(replicas)
         self.settings = AgentSettings(response_length=cfg.data.max_response_length,
                                       max_assistant_turns=rollout.multi_turn.max_assistant_turns,
+                                      max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
                                       max_tool_response_length=rollout.multi_turn.max_tool_response_length,
                                       tool_format=rollout.multi_turn.format)
         self.loops: dict = {}
