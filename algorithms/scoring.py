@@ -96,18 +96,31 @@ def scorer_for(data_source: str, custom: Scorer | None) -> Scorer:
     return BUILTIN_SCORERS[data_source]
 
 
+def solution_text(token_ids: list[int], tokenizer) -> str:
+    """A response as a scorer sees it: its tokens up to (not including) a final EOS, decoded with other
+    special tokens kept visible."""
+    if token_ids and token_ids[-1] == tokenizer.eos_token_id:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | None = None
+              ) -> tuple[float, dict[str, float]]:
+    """One response's score and any extra values its scorer reported."""
+    result = scorer_for(data_source, custom)(data_source, solution, ground_truth)
+    if isinstance(result, dict):
+        return float(result["score"]), {name: float(value) for name, value in result.items() if name != "score"}
+    return float(result), {}
+
+
 def score_responses(data_sources: list[str], solutions: list[str], ground_truths: list,
                     custom: Scorer | None = None) -> tuple[list[float], dict[str, list[float]]]:
     """Score each response; returns the scores and any extra per-sample values the scorers reported."""
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for source, solution, truth in zip(data_sources, solutions, ground_truths, strict=True):
-        result = scorer_for(source, custom)(source, solution, truth)
-        if isinstance(result, dict):
-            scores.append(float(result["score"]))
-            for name, value in result.items():
-                if name != "score":
-                    extras.setdefault(name, []).append(float(value))
-        else:
-            scores.append(float(result))
+        score, extra = score_one(source, solution, truth, custom)
+        scores.append(score)
+        for name, value in extra.items():
+            extras.setdefault(name, []).append(value)
     return scores, extras

@@ -109,6 +109,11 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
                        f"{rollout.weight_sync.backend} pairs the actor with one rollout worker; rollout.mode=async "
                        "pushes weights to every replica through the object store"))
+    reward_cache = cfg.skip.get("reward")
+    if reward_cache is not None and reward_cache.enable and cfg.reward_model.reward_manager == "naive":
+        errors.append(("skip.reward.enable", "rollout.mode=async scores each trajectory as it finishes, so there is "
+                                             "no reward stage to cache: the rollout cache (skip.rollout) keeps the "
+                                             "scores"))
     multi_turn = rollout.multi_turn
     if multi_turn.format == "question_mark" and multi_turn.tool_config_path is None:
         errors.append(("actor_rollout_ref.rollout.multi_turn.tool_config_path",

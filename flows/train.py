@@ -48,8 +48,10 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     """Stages 2-5 on the step's generated batch: reward, log-probs, advantage, critic and actor updates."""
     cfg, stages, batch = run.cfg, run.stages, step.batch
     correction = cfg.algorithm.rollout_correction
-    # 2. reward: score each response, on its last token
-    stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
+    # 2. reward: score each response, on its last token (a rollout that streams the reward has scored each
+    #    trajectory as it finished)
+    if "token_level_scores" not in batch.keys():
+        stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
     # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
     #    in stage 5), reference log-probs, values; the batch is placed once for the passes that run
     recompute_old = not correction.bypass_mode and not cfg.old_log_probs_from_update
@@ -185,7 +187,7 @@ def ppo_train(
     fields, when set, are applied last. An invalid config fails the run at once, naming the key.
 
     Args:
-        config: Preset in configs/ (grpo_tiny, ppo_trainer) or a path to a YAML file.
+        config: Preset in configs/ (grpo_tiny, vault_tool, ppo_trainer) or a path to a YAML file.
         overrides: key=value overrides, one per row, e.g. actor_rollout_ref.rollout.n=4 or skip.rollout.steps=[1,2].
         experiment_name: trainer.experiment_name (names the run and cache directories); blank: the config's.
         total_training_steps: trainer.total_training_steps; blank: the config's.

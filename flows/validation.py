@@ -22,9 +22,10 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
         batch = stages.run("generate", run.workers, prompts, step, sampling, label=label, kind="validation").fields
-        scores = stages.run("reward", batch, run.tokenizer, run.custom_scorer, run.reward_chunks, label=label,
-                            kind="validation").fields
-        sequence_scores = scores["token_level_scores"].sum(dim=1).tolist()
+        if "token_level_scores" not in batch.keys():  # not scored while generating
+            batch.update(stages.run("reward", batch, run.tokenizer, run.custom_scorer, run.reward_chunks, label=label,
+                                    kind="validation").fields)
+        sequence_scores = batch["token_level_scores"].sum(dim=1).tolist()
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)
         if not samples:

@@ -107,6 +107,14 @@ def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
     return ((response_mask.bool() * positions).amax(dim=1) - 1).clamp(min=0)
 
 
+def scores_on_last_tokens(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``token_level_scores`` [N, R]: each trajectory's score on its last model token, zero elsewhere."""
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    token_level_scores[torch.arange(response_mask.shape[0]), last_model_token(response_mask)] = torch.tensor(
+        scores, dtype=torch.float32)
+    return token_level_scores * response_mask
+
+
 def trim_response_padding(batch: TensorDict) -> TensorDict:
     """The batch with its response-aligned fields cut to the longest valid response in it.
 

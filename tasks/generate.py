@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
 from ppoflow.storage.step_cache.stage_cache import cacheable
+from ppoflow.tasks.reward import extra_means
 from ppoflow.workers.rollout import SamplingParams
 
 
@@ -18,16 +19,23 @@ from ppoflow.workers.rollout import SamplingParams
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
-    Only tensors travel to the rollout worker; the per-prompt columns (uid, data_source,
-    ground_truth) stay here and are repeated onto the prompt's ``n`` responses. Retried: a rollout
-    worker that died mid-generation is restarted by Ray, and the flow re-syncs its weights.
+    Only tensors travel to the rollout worker - and, to a rollout that scores trajectories as they
+    finish (``workers.streams_reward``), each prompt's data source and ground truth; the per-prompt columns
+    are repeated onto the prompt's ``n`` responses here. Retried: a rollout worker that died
+    mid-generation is restarted by Ray, and the flow re-syncs its weights.
     """
-    rollout = workers.get(workers.rollout.submit("generate", prompts.exclude(*NON_TENSOR_FIELDS), step=step,
-                                                 sampling=sampling))
+    sent = prompts.exclude("uid") if workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
+    rollout = workers.get(workers.rollout.submit("generate", sent, step=step, sampling=sampling))
     metrics = {}
     if "tool_errors" in rollout.keys():  # the rollout service: agent loops, maybe with tools
         metrics = agent_metrics(rollout, non_tensor_column(rollout, "tool_errors"))
-    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors")
+    if "reward_extras" in rollout.keys():  # scored while generating: the reward stage's metrics, here
+        extras: dict[str, list[float]] = {}
+        for trajectory in non_tensor_column(rollout, "reward_extras"):
+            for name, value in trajectory.items():
+                extras.setdefault(name, []).append(value)
+        metrics.update(extra_means(extras))
+    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors", "reward_extras")
     return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
 
 

@@ -8,28 +8,26 @@ as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``rewar
 
 from __future__ import annotations
 
-import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import Scorer, score_responses
-from ppoflow.storage.batch import StageResult, last_model_token, non_tensor_column, response_extent
+from ppoflow.algorithms.scoring import Scorer, score_responses, solution_text
+from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
 from ppoflow.storage.step_cache.stage_cache import cacheable
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
-    """Each response up to (not including) its final EOS - in a multi-turn trajectory the model's turns
-    and the tools' answers, as the model saw them; other special tokens stay visible."""
-    lengths = response_extent(batch).tolist()
-    texts = []
-    for tokens, length in zip(batch["responses"].tolist(), lengths):
-        tokens = tokens[:length]
-        if tokens and tokens[-1] == tokenizer.eos_token_id:
-            tokens = tokens[:-1]
-        texts.append(tokens)
-    return tokenizer.batch_decode(texts, skip_special_tokens=False)
+    """Each response as its scorer sees it (:func:`solution_text`) - in a multi-turn trajectory the model's
+    turns and the tools' answers, as the model saw them."""
+    return [solution_text(tokens[:length], tokenizer)
+            for tokens, length in zip(batch["responses"].tolist(), response_extent(batch).tolist())]
+
+
+def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
+    """``reward/<name>/mean`` of each extra value the scorers reported."""
+    return {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
 
 
 @task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
@@ -64,10 +62,6 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
     inputs = (non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
               non_tensor_column(batch, "ground_truth"), custom_scorer)
     scores, extras = score_on_ray(*inputs, chunks=ray_chunks) if ray_chunks else score_responses(*inputs)
-    mask = batch["response_mask"]
-    last_token = last_model_token(mask)
-    token_level_scores = torch.zeros(mask.shape, dtype=torch.float32)
-    token_level_scores[torch.arange(mask.shape[0]), last_token] = torch.tensor(scores, dtype=torch.float32)
-    metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
-    return StageResult(TensorDict({"token_level_scores": token_level_scores * mask}, batch_size=batch.batch_size),
-                       metrics)
+    token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
+    return StageResult(TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size),
+                       extra_means(extras))

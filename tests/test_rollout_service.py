@@ -124,6 +124,21 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
     assert batch["responses"].shape == (6, 3) and batch["turn_ids"].shape == (6, 3)
     assert batch["responses"].tolist() == again["responses"].tolist()  # seeded per trajectory, not per schedule
     assert batch["num_turns"].tolist() == [1] * 6
+    assert "token_level_scores" not in batch.keys()  # no data sources sent: the reward stage scores
+    # with each prompt's data source and ground truth, every trajectory is scored as soon as it finishes
+    from ppoflow.algorithms.scoring import copy_score, solution_text
+    from ppoflow.storage.batch import with_non_tensor_columns
+    from ppoflow.workers.models import load_tokenizer
+
+    with_truths = with_non_tensor_columns(prompts.clone(), {"data_source": ["synthetic/copy"] * 3,
+                                                            "ground_truth": ["12", "34", "5"]})
+    scored = ray_local.get(service.submit("generate", with_truths, step=7, sampling=sampling))
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    expected = [copy_score("synthetic/copy", solution_text(ids[:int(mask.sum())], tokenizer), truth)
+                for ids, mask, truth in zip(scored["responses"].tolist(), scored["response_mask"],
+                                            ["12", "12", "34", "34", "5", "5"])]
+    assert scored["token_level_scores"].sum(dim=1).tolist() == pytest.approx([e["score"] for e in expected])
+    assert [extras["exact"] for extras in scored["reward_extras"].tolist()] == [e["exact"] for e in expected]
     for agent in agents:
         ray_local.kill(agent)
 
@@ -150,6 +165,8 @@ def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_
     for row in rows:
         assert row["agent/num_turns/mean"] >= 1 and row["agent/tool_errors/count"] == 0
         assert row["response_length/mean"] > 0
+        # scored while generating: no reward stage, the scorer's extras still reported
+        assert "timing_s/reward" not in row and "reward/exact/mean" in row
     if preset == "vault_tool":
         assert sum(row["agent/tool_calls/mean"] for row in rows) > 0
         assert max(row["agent/num_turns/max"] for row in rows) >= 3  # call, answer, another turn
@@ -188,6 +205,7 @@ def test_a_tool_whose_function_does_not_import_is_a_config_error(tiny_model, tmp
     (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "actor_rollout_ref.rollout.weight_sync.backend"),
     (["actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine"),
     (["actor_rollout_ref.rollout.multi_turn.format=question_mark"], "actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    (["skip.reward.enable=true", "skip.reward.steps=[1]"], "skip.reward.enable"),
 ])
 def test_combinations_the_service_does_not_run_name_the_key(words, key):
     with pytest.raises(ConfigError) as raised:

@@ -59,6 +59,8 @@ class Workers:
     critic: Any = None
     colocated: bool = False
     """The rollout role is the actor's worker (``actor_rollout_ref.hybrid_engine``)."""
+    streams_reward: bool = False
+    """The rollout scores each trajectory as it finishes (the rollout service with in-process scoring)."""
     uses_ray: bool = True
     started_ray: bool = False
     _handles: list = field(default_factory=list)
@@ -175,8 +177,14 @@ def start_workers(cfg: PPOConfig) -> Workers:
         roles_served["rollout"] = roles_served["actor"]
     if service is not None:
         roles_served["rollout"] = service
-    return Workers(**roles_served, colocated=cfg.colocated, uses_ray=True, started_ray=started_ray,
-                   _handles=list(handles.values()) + service_handles)
+    return Workers(**roles_served, colocated=cfg.colocated, streams_reward=streams_reward(cfg), uses_ray=True,
+                   started_ray=started_ray, _handles=list(handles.values()) + service_handles)
+
+
+def streams_reward(cfg: PPOConfig) -> bool:
+    """Whether the rollout scores trajectories as they finish: the rollout service does, unless the scoring
+    fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``)."""
+    return cfg.actor_rollout_ref.rollout.mode == "async" and cfg.reward_model.reward_manager == "naive"
 
 
 def _start_rollout_service(cfg: PPOConfig, replica_of):

@@ -26,9 +26,10 @@ from dataclasses import replace
 import torch
 from tensordict import TensorDict
 
+from ppoflow.algorithms.scoring import load_custom_scorer, score_one, solution_text
 from ppoflow.configs import tool_config_file
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.storage.batch import non_tensor_column, with_non_tensor_columns
+from ppoflow.storage.batch import non_tensor_column, scores_on_last_tokens, with_non_tensor_columns
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
 from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
 from ppoflow.workers.rollout import SamplingParams
@@ -141,6 +142,8 @@ class AgentLoopWorker:
             self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
                                     processes=rollout.multi_turn.tool_processes)
         self.client = LoadBalancer(replicas)
+        custom = cfg.custom_reward_function
+        self.custom_scorer = load_custom_scorer(custom.path, custom.name) if custom.path else None
         self.settings = AgentSettings(response_length=cfg.data.max_response_length,
                                       max_assistant_turns=rollout.multi_turn.max_assistant_turns,
                                       max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
@@ -157,21 +160,28 @@ class AgentLoopWorker:
     async def generate(self, prompts: TensorDict, *, first_position: int, step: int, sampling: SamplingParams,
                        weight_version: int) -> TensorDict:
         """``sampling.n`` trajectories per prompt (rows prompt-major), ``group_index`` counted from
-        ``first_position``; a ``tool_errors`` column lists each trajectory's failed tool calls."""
-        names = _column(prompts, "agent_name") or [None] * prompts.batch_size[0]
-        tools_kwargs = _column(prompts, "tools_kwargs") or [None] * prompts.batch_size[0]
+        ``first_position``; a ``tool_errors`` column lists each trajectory's failed tool calls. When the
+        prompts carry ``data_source`` and ``ground_truth`` (streamed reward), each trajectory is scored as
+        soon as it finishes, while the others still generate: ``token_level_scores`` and a
+        ``reward_extras`` column (what the scorer reported besides the score)."""
+        rows = prompts.batch_size[0]
+        names = _column(prompts, "agent_name") or [None] * rows
+        tools_kwargs = _column(prompts, "tools_kwargs") or [None] * rows
+        sources, truths = _column(prompts, "data_source"), _column(prompts, "ground_truth")
         call_id = uuid.uuid4().hex[:8]
         runs, groups = [], []
-        for row in range(prompts.batch_size[0]):
+        for row in range(rows):
             prompt_ids = prompts["prompts"][row][prompts["prompt_mask"][row]].tolist()
             loop = self.loop(names[row] or self.default_loop)
             position = first_position + row
             for sample in range(sampling.n):
-                runs.append(loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{call_id}/{position}/{sample}",
-                                     seed=trajectory_seed(sampling.seed, step, position, sample),
-                                     tools_kwargs=tools_kwargs[row]))
+                trajectory = loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{call_id}/{position}/{sample}",
+                                      seed=trajectory_seed(sampling.seed, step, position, sample),
+                                      tools_kwargs=tools_kwargs[row])
+                runs.append(trajectory if sources is None else self.scored(trajectory, sources[row], truths[row]))
                 groups.append(position)
-        outputs = await asyncio.gather(*runs)
+        finished = await asyncio.gather(*runs)
+        outputs = finished if sources is None else [output for output, _ in finished]
         batch = outputs_to_batch(outputs, prompt_width=prompts["prompts"].shape[1],
                                  response_width=sampling.max_new_tokens,
                                  pad_token_id=self.tokenizer.pad_token_id, weight_version=weight_version)
@@ -179,7 +189,19 @@ class AgentLoopWorker:
         errors = [output.extra_fields.get("tool_errors", []) for output in outputs]
         for message in sorted({m for row_errors in errors for m in row_errors})[:5]:
             logger.warning("tool call failed: %s", message)
-        return with_non_tensor_columns(batch, {"tool_errors": errors})
+        columns = {"tool_errors": errors}
+        if sources is not None:
+            batch["token_level_scores"] = scores_on_last_tokens([score for _, (score, _) in finished],
+                                                                batch["response_mask"])
+            columns["reward_extras"] = [extras for _, (_, extras) in finished]
+        return with_non_tensor_columns(batch, columns)
+
+    async def scored(self, trajectory, data_source: str, ground_truth) -> tuple:
+        """The trajectory, and its score and extras, scored in a thread as soon as it finishes (a slow
+        custom scorer does not hold up the event loop)."""
+        output = await trajectory
+        solution = solution_text(output.response_ids, self.tokenizer)
+        return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer)
 
     async def close(self) -> None:
         if self.tools is not None:
@@ -191,10 +213,10 @@ def _column(batch: TensorDict, name: str) -> list | None:
 
 
 def _concatenate(*chunks: TensorDict) -> TensorDict:
-    """The agent workers' shares as one batch, in order (the ``tool_errors`` lists joined alongside)."""
-    errors = [row for chunk in chunks for row in non_tensor_column(chunk, "tool_errors")]
-    batch = torch.cat([chunk.exclude("tool_errors") for chunk in chunks], dim=0)
-    return with_non_tensor_columns(batch, {"tool_errors": errors})
+    """The agent workers' shares as one batch, in order (their per-trajectory lists joined alongside)."""
+    names = [name for name in ("tool_errors", "reward_extras") if name in chunks[0].keys()]
+    columns = {name: [row for chunk in chunks for row in non_tensor_column(chunk, name)] for name in names}
+    return with_non_tensor_columns(torch.cat([chunk.exclude(*names) for chunk in chunks], dim=0), columns)
 
 
 class RolloutService:
