@@ -276,3 +276,20 @@ def test_losses_kl_and_advantages_ignore_the_tools_tokens():
 
 def test_turn_seeds_differ_per_turn_and_repeat_per_seed():
     assert turn_seed(7, 1) == 7 and turn_seed(7, 2) == turn_seed(7, 2) != turn_seed(7, 3)
+
+
+def test_failed_tool_calls_are_counted_and_logged_for_the_run(caplog):
+    from ppoflow.tasks.generate import agent_metrics
+
+    batch = outputs_to_batch(multi_turn_outputs(), prompt_width=2, response_width=8, pad_token_id=0, weight_version=5)
+    import logging
+
+    rollout_logger = logging.getLogger("ppoflow.rollout")  # the ppoflow loggers may not propagate to the root
+    rollout_logger.addHandler(caplog.handler)
+    try:
+        metrics = agent_metrics(batch, [["vault: error: timed out"], []])
+    finally:
+        rollout_logger.removeHandler(caplog.handler)
+    assert metrics["agent/tool_errors/count"] == 1 and metrics["agent/tool_call_ratio"] == 0.5
+    assert metrics["agent/num_turns/max"] == 3 and metrics["agent/tool_calls/mean"] == 0.5
+    assert "1 tool call(s) failed in this batch, e.g. vault: error: timed out" in caplog.text
