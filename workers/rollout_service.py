@@ -71,6 +71,7 @@ class RolloutReplica:
         return self.engine.weight_version
 
     async def stats(self) -> dict:
+        """The engine's counters (requests admitted, tokens generated, mean running batch size, ...)."""
         return self.engine.stats()
 
 
@@ -152,6 +153,7 @@ class AgentLoopWorker:
         self.loops: dict = {}
 
     def loop(self, name: str):
+        """The agent loop registered as ``name`` (one instance per worker, made on first use)."""
         if name not in self.loops:
             self.loops.update(make_loops({name}, client=self.client, tokenizer=self.tokenizer,
                                          settings=self.settings, tools=self.tools))
@@ -202,10 +204,6 @@ class AgentLoopWorker:
         output = await trajectory
         solution = solution_text(output.response_ids, self.tokenizer)
         return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer)
-
-    async def close(self) -> None:
-        if self.tools is not None:
-            self.tools.close()
 
 
 def _column(batch: TensorDict, name: str) -> list | None:
