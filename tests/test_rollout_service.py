@@ -95,6 +95,8 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     service = RolloutService(replicas, agents=[])
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
         load_causal_lm(cfg.actor_rollout_ref.model), 7)
+    for replica in replicas:  # an earlier test killed one: Ray may still be bringing it back
+        serving_version(ray_local, replica)
     assert ray_local.get(service.submit("apply_weights", update)) == [7, 7]
     ray_local.kill(replicas[1], no_restart=False)  # Ray restarts it with its initial weights
     time.sleep(0.5)
