@@ -57,8 +57,9 @@ NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
 AGENT_FIELDS = ("agent_name", "tools_kwargs")
 """Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
 present when the dataset has them); they do not stay in the step batch."""
-RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "turn_ids", "token_level_scores", "token_level_rewards",
-                   "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
+RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "turn_ids", "token_level_scores",
+                   "token_level_rewards", "old_log_probs", "ref_log_probs", "values", "advantages", "returns",
+                   "rollout_is_weights")
 """Fields aligned with the response tokens ([N, R]); :func:`trim_response_padding` slices them together."""
 
 @dataclass
@@ -95,16 +96,18 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
 def response_extent(batch: TensorDict) -> torch.Tensor:
     """Per trajectory, how many response positions it occupies ([N]): up to its last model token, or its
     last tool-answer token in a multi-turn batch (whose ``response_mask`` has holes where the tools spoke)."""
-    occupied = batch["turn_ids"] != 0 if "turn_ids" in batch.keys() else batch["response_mask"].bool()
-    positions = torch.arange(1, occupied.shape[1] + 1)
-    return (occupied * positions).amax(dim=1)
+    return _end_of_last_true(batch["turn_ids"] != 0 if "turn_ids" in batch.keys() else batch["response_mask"])
 
 
 def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
     """Index of each row's last ``response_mask`` position ([N]; 0 for an empty row): where the outcome
     reward goes, also in a multi-turn trajectory whose mask has holes."""
-    positions = torch.arange(1, response_mask.shape[1] + 1)
-    return ((response_mask.bool() * positions).amax(dim=1) - 1).clamp(min=0)
+    return (_end_of_last_true(response_mask) - 1).clamp(min=0)
+
+
+def _end_of_last_true(flags: torch.Tensor) -> torch.Tensor:
+    """Per row of ``flags`` [N, R], one past its last True position (0 for a row with none)."""
+    return (flags.bool() * torch.arange(1, flags.shape[1] + 1)).amax(dim=1)
 
 
 def scores_on_last_tokens(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
