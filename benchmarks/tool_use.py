@@ -8,7 +8,7 @@ rows and copy rows). The table gives, per run, the greedy validation reward on v
 training and at the end, the mean training reward and exact-answer rate of the first and last 10
 steps, and the share of trajectories that called the tool (``agent/tool_call_ratio``) in them.
 
-    python benchmarks/tool_use.py [--seeds 0 1 2] [--steps 500]
+    python benchmarks/tool_use.py [--seeds 0 1 2] [--steps 500] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
 
     import ray
@@ -54,7 +56,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
-            for variant, overrides in VARIANTS.items():
+            for variant in args.variants:
                 run_dir = f"{scratch}/run{seed}-{variant.replace(' ', '_')}"
                 started = time.perf_counter()
                 ppo_train(config="vault_tool", overrides=[
@@ -63,13 +65,13 @@ def main() -> None:
                     f"data.val_files={scratch}/val.parquet", f"trainer.test_freq={args.steps // 4}",
                     f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}", "trainer.logger=[]",
                     f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1",
-                    f"trainer.default_local_dir={run_dir}", *overrides])
+                    f"trainer.default_local_dir={run_dir}", *args.set, *VARIANTS[variant]])
                 rows = read_metrics(run_dir)
                 validations = [row[VALIDATION] for row in rows if VALIDATION in row]
                 rows = [row for row in rows if "critic/score/mean" in row]
                 results.append({
                     "seed": seed, "variant": variant, "wall_s": time.perf_counter() - started,
-                    "val_first": validations[0], "val_last": validations[-1],
+                    "val_first": validations[0], "val_last": validations[-1], "validations": validations,
                     **{f"{name}_{part}": window_mean(rows, metric, last)
                        for name, metric in (("reward", "critic/score/mean"), ("exact", "reward/exact/mean"),
                                             ("tool_calls", "agent/tool_call_ratio"))

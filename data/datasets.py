@@ -40,8 +40,8 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
     ``copy``: the prompt is ``digits`` random digits followed by ``>``; the answer repeats them and
     stops. ``vault``: the same prompt is a key, and the answer is the code its vault holds
     (:mod:`ppoflow.data.vault`; the row fixes the key for the ``vault`` tool); ``copy_share`` of its train
-    rows are copy rows instead, written as the tool writes its answers (``=58>``, answer ``58``): the
-    skill that reading the tool's answer needs. The validation rows are
+    rows are copy rows instead: a vault row up to the tool's answer, with random digits for the answer
+    (``37>?=58>``, answer ``58``): the skill that reading the tool's answer needs. The validation rows are
     drawn after the train rows from the same seeded stream; the train
     rows are drawn even when only ``val_url`` is written, so the validation file is the same whether
     or not the train file already existed (it never restarts the stream and repeats the train rows).
@@ -51,14 +51,16 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
         records = []
         for index in range(rows):
             digits = "".join(rng.choice("0123456789") for _ in range(spec.digits))
-            task = spec.task
+            task, prompt = spec.task, f"{digits}>"
             if task == "vault" and split == "train" and spec.copy_share > 0 and rng.random() < spec.copy_share:
                 task = "copy"
+                key = "".join(rng.choice("0123456789") for _ in range(spec.digits))
+                prompt = f"{key}>?={digits}>"  # a vault row up to the tool's answer, the answer's digits random
             extra_info = {"split": split, "index": index}
             if task == "vault":
                 extra_info["tools_kwargs"] = {"vault": {"key": digits}}
             record = {"data_source": SYNTHETIC_SOURCES[task],
-                      "prompt": [{"role": "user", "content": f"={digits}>" if task != spec.task else f"{digits}>"}],
+                      "prompt": [{"role": "user", "content": prompt}],
                       "reward_model": {"style": "rule", "ground_truth": vault_code(digits) if task == "vault" else digits},
                       "extra_info": extra_info}
             if task != spec.task:  # a copy row among vault rows: answered without tools (verl's per-row agent_name)

@@ -9,9 +9,11 @@ for it (``extra_info.tools_kwargs``, verl's per-row tool arguments), so a call i
 
     37>  ?  =58>  58</s>        (prompt, call, the tool's answer (masked), the model's answer)
 
-With ``data.synthetic.copy_share`` some train rows are copy rows written as the tool writes its
-answers (``=58>`` -> ``58``), answered without tools: reading the tool's answer is copying it, a skill
-the model has to learn somewhere. ``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml``
+With ``data.synthetic.copy_share`` some train rows are copy rows: a vault row up to the tool's answer,
+with random digits for the answer (``37>?=58>`` -> ``58``), answered without tools. Reading the tool's
+answer is copying it, a skill the model has to learn somewhere, and a copy row teaches it in the very
+context where a vault row needs it (docs/benchmarks.md compares it with bare ``=58>`` copy rows); the
+random digits teach copying, not the vault's codes. ``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml``
 declares the tool.
 """
 

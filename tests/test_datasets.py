@@ -79,14 +79,16 @@ def test_vault_rows_fix_the_key_for_the_tool_and_mix_in_copy_rows(tmp_path):
     val = read_rows(str(tmp_path / "val.parquet"), key="k")
     vaults = [row for row in train if row["data_source"] == "synthetic/vault"]
     copies = [row for row in train if row["data_source"] == "synthetic/copy"]
-    assert 60 < len(copies) < 140 and all(row["data_source"] == "synthetic/vault" for row in val)
+    assert 60 < len(copies) < 140 and len({row["prompt"][0]["content"][:2] for row in copies}) > 30
+    assert all(row["data_source"] == "synthetic/vault" for row in val)
     for row in vaults + val:
         key = row["prompt"][0]["content"][:-1]
         assert row["prompt"][0]["content"] == f"{key}>" and row.get("agent_name") is None
         assert row["extra_info"]["tools_kwargs"] == {"vault": {"key": key}}
         assert row["reward_model"]["ground_truth"] == vault_code(key) == vault(key)
-    for row in copies:  # written as the tool writes its answers, answered without tools
-        assert row["prompt"][0]["content"] == f"={row['reward_model']['ground_truth']}>"
+    for row in copies:  # a vault row up to the tool's answer (random digits), answered without tools
+        key, answer = row["prompt"][0]["content"][:2], row["reward_model"]["ground_truth"]
+        assert row["prompt"][0]["content"] == f"{key}>?={answer}>" and key.isdigit() and answer.isdigit()
         assert row["agent_name"] == "single_turn_agent" and row["extra_info"].get("tools_kwargs") is None
     assert sorted(vault_code(f"{k:02d}") for k in range(100)) == [f"{k:02d}" for k in range(100)]  # a shuffle
     assert sum(vault_code(f"{k:02d}") == f"{k:02d}" for k in range(100)) < 5  # that hardly keeps a key
