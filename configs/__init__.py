@@ -224,8 +224,8 @@ def _describe(issue: dict) -> tuple[str, str]:
     if issue["loc"][:1] == ("skip",) and issue["loc"][2:3] == ("[key]",):
         stage = issue["input"]
         close = difflib.get_close_matches(stage, STAGES_WITH_SKIP, n=1)
-        hint = f"; did you mean 'skip.{close[0]}'?" if close else f"; stages: {', '.join(STAGES_WITH_SKIP)}"
-        return f"skip.{stage}", f"unknown stage{hint}"
+        hint = f"; did you mean 'skip.{close[0]}'?" if close else f"; known: {', '.join(STAGES_WITH_SKIP)}"
+        return f"skip.{stage}", f"unknown cache{hint}"
     loc = issue["loc"]
     if issue["type"] != "extra_forbidden":  # drop pydantic's union-member tags: data.train_files.str
         loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]

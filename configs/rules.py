@@ -10,6 +10,7 @@ import os
 import re
 
 from ppoflow.configs.schema import LOGGERS, PPOConfig
+from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 
 SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
 """fsspec option names that carry credentials (s3fs: key, secret, token)."""
@@ -54,14 +55,17 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     for name in cfg.trainer.logger:
         if name not in LOGGERS:
             errors.append(("trainer.logger", f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}"))
-    stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic}
+    stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic,
+                  SAMPLE_CACHE_KEY: cfg.actor_rollout_ref.rollout.mode == "async"}
     for stage, skip in cfg.skip.items():
         if not skip.enable:
             continue
         if not skip.steps:
             errors.append((f"skip.{stage}.steps", "caching is enabled but no step is listed"))
         if not stage_runs.get(stage, True):
-            errors.append((f"skip.{stage}.enable", f"this run has no {stage} stage to cache"))
+            errors.append((f"skip.{stage}.enable", "caches the rollout service's samples: it needs "
+                           "actor_rollout_ref.rollout.mode=async" if stage == SAMPLE_CACHE_KEY
+                           else f"this run has no {stage} stage to cache"))
         secrets = sorted(key for key in skip.storage_options if SECRET_OPTION.search(key))
         if secrets:
             errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "

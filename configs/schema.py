@@ -342,7 +342,8 @@ class SkipStageConfig(Section):
 
     enable: bool = Field(description="Turn caching of this stage on.")
     dump_dir: str = Field(description="Cache root, any fsspec URL (`~` expanded).")
-    steps: list[int] = Field(description="Training steps whose result may be loaded or dumped.")
+    steps: list[int] = Field(description="Training steps whose result may be loaded or dumped (for "
+                                         "skip.async_rollout: feed indexes of prompts, from 1).")
     action: Literal["cache", "repeat"] = Field(description="cache = this step's own dump; repeat = the nearest dumped step.")
     storage_options: dict = Field(description="fsspec options (endpoint; never credentials) for dump_dir.")
     allow_mismatch: bool = Field(description="Replay entries recorded with other sampling settings, model or tokenizer "

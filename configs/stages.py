@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE
+from ppoflow.storage.step_cache.sample_cache import SAMPLE_STAGE
 
 
 @dataclass(frozen=True)
@@ -38,5 +39,10 @@ STAGES = (
 """In the order a step runs them."""
 
 STAGE_NAMES = {stage.name: stage for stage in STAGES}
-STAGES_WITH_SKIP = tuple(stage.skip for stage in STAGES if stage.skip)
-"""The keys accepted under ``skip.``."""
+SAMPLE_CACHE_KEY = SAMPLE_STAGE
+"""verl's ``skip.async_rollout``: the generate stage's trajectories cached per prompt by the rollout service
+(``rollout.mode=async``) as each prompt's group finishes, keyed by feed order
+(:mod:`ppoflow.storage.step_cache.sample_cache`)."""
+
+STAGES_WITH_SKIP = (*(stage.skip for stage in STAGES if stage.skip), SAMPLE_CACHE_KEY)
+"""The keys accepted under ``skip.``: each cached stage's, and the per-sample cache's."""

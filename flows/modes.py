@@ -100,7 +100,7 @@ class TrainerMode:
         """Start generating ``step``'s batch with the weights the rollout serves now; with ``background``
         as a Prefect future that runs while this thread goes on (replays never start in the background)."""
         run = self.run
-        prompts = run.prompts(step, self.state.prompt_rows(step))
+        prompts = run.prompts(step, *self.state.drawn_prompts(step))
         uids, n = non_tensor_column(prompts, "uid"), run.cfg.actor_rollout_ref.rollout.n
         self.launch_versions[step] = self.synced_version
         cached = run.stages.caches.get(GENERATE.name)

@@ -27,13 +27,13 @@ from prefect.settings import get_current_settings
 
 from ppoflow.algorithms.scoring import load_custom_scorer, scorer_for
 from ppoflow.configs import ConfigError, config_as_dict, tool_config_file
+from ppoflow.configs.cache_settings import storage_settings
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import (SYNTHETIC_SOURCES, check_batch_fits, files_to_generate, read_prompt_rows,
                                    tokenize_rows)
 from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import MARKER, manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, remove_if_present
-from ppoflow.tasks.stages import storage_settings
 from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
 
 STORAGE_TIMEOUT_S = 10.0

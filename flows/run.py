@@ -22,8 +22,9 @@ from ppoflow.data.datasets import PromptDataset
 from ppoflow.flows.logs import note
 from ppoflow.flows.preflight import preflight
 from ppoflow.flows.stages import Stages
-from ppoflow.storage.batch import NON_TENSOR_FIELDS
-from ppoflow.storage.fingerprints import model_identity, tokenizer_identity
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
+from ppoflow.storage.fingerprints import model_identities, rollout_identity
+from ppoflow.storage.step_cache.sample_cache import sample_id
 from ppoflow.tasks.stages import stage_caches
 from ppoflow.tasks.startup import load_data, start_workers
 from ppoflow.workers.group import Workers
@@ -46,9 +47,13 @@ class RunContext:
     stages: Stages
     sampling: SamplingParams
 
-    def prompts(self, step: int, rows: list[int]) -> TensorDict:
-        """The prompt batch of ``step`` from train-set ``rows``; uids are ``{step}-{i}``."""
-        return self.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], self.tokenizer.pad_token_id)
+    def prompts(self, step: int, epoch: int, rows: list[int]) -> TensorDict:
+        """The prompt batch of ``step`` from train-set ``rows`` (drawn in ``epoch``); uids are ``{step}-{i}``,
+        and each prompt's ``sample_id`` is its place in the feed order (verl's ``sample_{epoch}_{index}``,
+        ``index`` counting prompts from 1 over the run), which keys the rollout service's sample cache."""
+        batch = self.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], self.tokenizer.pad_token_id)
+        first = (step - 1) * len(rows) + 1
+        return with_non_tensor_columns(batch, {"sample_id": [sample_id(epoch, first + i) for i in range(len(rows))]})
 
     def share(self, batch: TensorDict):
         """Place the batch's tensors once where every worker can read them (Ray's object store)."""
@@ -56,13 +61,11 @@ class RunContext:
 
     @cached_property
     def rollout_identity(self) -> dict:
-        """What a cached rollout must have been sampled with to be replayed here: the sampling settings
-        that shape the samples (not the seed), and the identities of the model and the tokenizer."""
-        sampling = self.sampling.as_dict()
-        del sampling["seed"]
+        """What a cached rollout must have been sampled with to be replayed here (see
+        :func:`~ppoflow.storage.fingerprints.rollout_identity`)."""
         model = self.cfg.actor_rollout_ref.model
-        return {"sampling": sampling, "model": model_identity(model.path),
-                "tokenizer": tokenizer_identity(model.tokenizer_path or model.path)}
+        models = model_identities(model.path, model.tokenizer_path or model.path)
+        return rollout_identity(self.sampling.as_dict(), models)
 
     def rollout_record(self) -> dict:
         """What a cached rollout records beside its identity, for people reading the cache."""

@@ -28,14 +28,14 @@ class TrainerState:
         self._drawn: dict[int, tuple[int, list[int]]] = {}
         self._batches: Iterator[tuple[int, list[int]]] | None = None
 
-    def prompt_rows(self, step: int) -> list[int]:
-        """The train-set rows of ``step``'s prompts: drawn once from the loader (crossing epochs without
-        a pause), the same rows however often it is asked."""
+    def drawn_prompts(self, step: int) -> tuple[int, list[int]]:
+        """The epoch and the train-set rows of ``step``'s prompts: drawn once from the loader (crossing
+        epochs without a pause), the same rows however often it is asked."""
         if step not in self._drawn:
             if self._batches is None:
                 self._batches = iter(self.loader)
             self._drawn[step] = next(self._batches)
-        return self._drawn[step][1]
+        return self._drawn[step]
 
     def finish_step(self, step: int) -> int:
         """Forget ``step``'s drawn prompts; returns the epoch they came from."""

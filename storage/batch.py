@@ -54,9 +54,10 @@ from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
-AGENT_FIELDS = ("agent_name", "tools_kwargs")
+AGENT_FIELDS = ("agent_name", "tools_kwargs", "sample_id")
 """Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
-present when the dataset has them); they do not stay in the step batch."""
+present when the dataset has them; a train prompt's place in the feed order, which keys the rollout
+service's sample cache); they do not stay in the step batch."""
 RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "turn_ids", "token_level_scores",
                    "token_level_rewards", "old_log_probs", "ref_log_probs", "values", "advantages", "returns",
                    "rollout_is_weights")
@@ -91,6 +92,22 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
         # Wrap each value so that list/dict values stay opaque instead of being stacked.
         batch.set(name, NonTensorStack(*[NonTensorData(data=value) for value in values]))
     return batch
+
+
+def concatenate(*chunks: TensorDict, pad_token_id: int) -> TensorDict:
+    """Consecutive chunks of a batch as one batch: prompts left-padded to the widest chunk's, per-row
+    non-tensor columns joined in order."""
+    names = [name for name in chunks[0].keys() if isinstance(chunks[0].get(name), NonTensorStack)]
+    width = max(chunk["prompts"].shape[1] for chunk in chunks)
+    tensors = []
+    for chunk in chunks:
+        chunk, missing = chunk.exclude(*names), width - chunk["prompts"].shape[1]
+        if missing:
+            chunk["prompts"] = torch.nn.functional.pad(chunk["prompts"], (missing, 0), value=pad_token_id)
+            chunk["prompt_mask"] = torch.nn.functional.pad(chunk["prompt_mask"], (missing, 0), value=False)
+        tensors.append(chunk)
+    columns = {name: [row for chunk in chunks for row in non_tensor_column(chunk, name)] for name in names}
+    return with_non_tensor_columns(torch.cat(tensors, dim=0), columns)
 
 
 def response_extent(batch: TensorDict) -> torch.Tensor:

@@ -20,6 +20,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
+def rollout_identity(sampling: dict, models: dict) -> dict:
+    """What a cached rollout must have been sampled with to be replayed: the sampling settings that shape
+    the samples (``sampling`` without its seed) and the model and tokenizer (:func:`model_identities`)."""
+    return {"sampling": {name: value for name, value in sampling.items() if name != "seed"}, **models}
+
+
+def model_identities(model_url: str, tokenizer_url: str) -> dict:
+    """``{"model": ..., "tokenizer": ...}``: the identities of a model and a tokenizer directory."""
+    return {"model": model_identity(model_url), "tokenizer": tokenizer_identity(tokenizer_url)}
+
+
 def model_identity(url: str) -> str:
     """``sha256:...`` of a Hugging Face model directory's config and sampled weight bytes."""
     fs, root = open_fs(url)

@@ -8,6 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
+from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
 from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.reward import extra_means
@@ -35,8 +36,18 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
             for name, value in trajectory.items():
                 extras.setdefault(name, []).append(value)
         metrics.update(extra_means(extras))
-    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors", "reward_extras")
+    if "sample_cache" in rollout.keys():  # the rollout service's per-sample cache (skip.async_rollout)
+        metrics.update(sample_cache_metrics(non_tensor_column(rollout, "sample_cache")))
+    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors", "reward_extras", "sample_cache")
     return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
+
+
+def sample_cache_metrics(outcomes: list[str]) -> dict[str, float]:
+    """``skip/async_rollout/hit``: the share of the step's trajectories replayed from the sample cache; the
+    ``read_failed`` and ``dump_failed`` shares say how often its storage failed (the samples were
+    generated, and not recorded)."""
+    return {f"skip/{SAMPLE_CACHE_KEY}/{outcome}": outcomes.count(outcome) / len(outcomes)
+            for outcome in ("hit", "read_failed", "dump_failed")}
 
 
 def agent_metrics(rollout: TensorDict, tool_errors: list[list[str]]) -> dict[str, float]:

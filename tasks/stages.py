@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from prefect import Task
 
-from ppoflow.configs.schema import PPOConfig, SkipStageConfig
+from ppoflow.configs.cache_settings import entry_size_bound, run_cache_dir, storage_settings
+from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES, StageNames
 from ppoflow.storage.fs import normalize_url
-from ppoflow.storage.step_cache import config_dir
 from ppoflow.storage.step_cache.stage_cache import StageCache
 from ppoflow.tasks.advantage import advantage
 from ppoflow.tasks.generate import generate
@@ -46,31 +46,6 @@ STAGES = {stage.name: stage for stage in (
     Stage(STAGE_NAMES["update_actor"], update_actor),
     Stage(STAGE_NAMES["weight_sync"], weight_sync),
 )}
-
-
-def run_cache_dir(skip: SkipStageConfig, cfg: PPOConfig) -> str:
-    """The run's cache directory under ``skip.dump_dir`` (verl's layout, from the run's shape)."""
-    return config_dir(normalize_url(skip.dump_dir), experiment_name=cfg.trainer.experiment_name,
-                      project_name=cfg.trainer.project_name, gbs=cfg.gen_batch_size,
-                      n=cfg.actor_rollout_ref.rollout.n, max_prompt_length=cfg.data.max_prompt_length,
-                      max_response_length=cfg.data.max_response_length)
-
-
-def storage_settings(skip: SkipStageConfig) -> dict:
-    """fsspec options for ``dump_dir``; s3fs's listings cache off, or another process's keys look missing."""
-    options = dict(skip.storage_options)
-    if skip.dump_dir.startswith(("s3://", "s3a://")):
-        options.setdefault("use_listings_cache", False)
-    return options
-
-
-def entry_size_bound(cfg: PPOConfig) -> int:
-    """More bytes than any cache entry of this run can hold: every trajectory's prompt and response tokens
-    with 64 bytes each (int64 ids plus every float field a stage adds), plus 64 MiB for the payload's
-    JSON header (uids, data sources, ground truths). A larger entry is refused before it is read."""
-    trajectories = cfg.gen_batch_size * cfg.actor_rollout_ref.rollout.n
-    tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
-    return trajectories * tokens * 64 + (64 << 20)
 
 
 def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:

@@ -263,10 +263,10 @@ def test_unknown_key_suggests_the_closest_known_key():
 
 
 def test_unknown_skip_stage_suggests_a_stage():
-    assert only_problem(["skip.rolout.enable=true"]) == ("skip.rolout", "unknown stage; did you mean 'skip.rollout'?")
+    assert only_problem(["skip.rolout.enable=true"]) == ("skip.rolout", "unknown cache; did you mean 'skip.rollout'?")
     key, message = only_problem(["skip.zzz.enable=true"])
     assert key == "skip.zzz"
-    assert message == ("unknown stage; stages: rollout, reward, old_log_prob, ref, values, advantage")
+    assert message == "unknown cache; known: rollout, reward, old_log_prob, ref, values, advantage, async_rollout"
 
 
 @pytest.mark.parametrize("override, key, got", [

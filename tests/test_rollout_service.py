@@ -92,7 +92,7 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     from ppoflow.workers.weight_sync import WeightSender
 
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
-    service = RolloutService(replicas, agents=[])
+    service = RolloutService(replicas, agents=[], pad_token_id=0)
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
         load_causal_lm(cfg.actor_rollout_ref.model), 7)
     for replica in replicas:  # an earlier test killed one: Ray may still be bringing it back
@@ -114,7 +114,7 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
 
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
     agents = [ray_local.remote(AgentLoopWorker).options(num_cpus=0).remote(cfg, replicas) for _ in range(2)]
-    service = RolloutService(replicas, agents)
+    service = RolloutService(replicas, agents, pad_token_id=0)
     prompts = TensorDict({"prompts": torch.tensor([[0, 5, 6], [7, 8, 9], [0, 0, 4]]),
                           "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool)},
                          batch_size=[3])

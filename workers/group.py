@@ -192,13 +192,14 @@ def _start_rollout_service(cfg: PPOConfig, replica_of):
     ``agent.num_workers`` agent-loop workers (asyncio actors that reserve no CPU) that call them."""
     import ray
 
+    from ppoflow.workers.models import load_tokenizer
     from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutReplica, RolloutService
 
     rollout = cfg.actor_rollout_ref.rollout
     replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
     agents = [ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": WORKER_ENV}).remote(cfg, replicas)
               for _ in range(rollout.agent.num_workers)]
-    return RolloutService(replicas, agents)
+    return RolloutService(replicas, agents, pad_token_id=load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id)
 
 
 def start_local_workers(cfg: PPOConfig) -> Workers:

@@ -28,8 +28,13 @@ from tensordict import TensorDict
 
 from ppoflow.algorithms.scoring import load_custom_scorer, score_one, solution_text
 from ppoflow.configs import tool_config_file
+from ppoflow.configs.cache_settings import entry_size_bound, run_cache_dir, storage_settings
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.storage.batch import non_tensor_column, scores_on_last_tokens, with_non_tensor_columns
+from ppoflow.configs.stages import SAMPLE_CACHE_KEY
+from ppoflow.storage.batch import concatenate, non_tensor_column, scores_on_last_tokens, with_non_tensor_columns
+from ppoflow.storage.bounded import client_timeouts
+from ppoflow.storage.fingerprints import model_identities
+from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
 from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
 from ppoflow.workers.rollout import SamplingParams
@@ -151,6 +156,7 @@ class AgentLoopWorker:
                                       max_tool_response_length=rollout.multi_turn.max_tool_response_length,
                                       tool_format=rollout.multi_turn.format)
         self.loops: dict = {}
+        self.sample_cache = sample_cache(cfg)
 
     def loop(self, name: str):
         """The agent loop registered as ``name`` (one instance per worker, made on first use)."""
@@ -165,38 +171,75 @@ class AgentLoopWorker:
         ``first_position``; a ``tool_errors`` column lists each trajectory's failed tool calls. When the
         prompts carry ``data_source`` and ``ground_truth`` (streamed reward), each trajectory is scored as
         soon as it finishes, while the others still generate: ``token_level_scores`` and a
-        ``reward_extras`` column (what the scorer reported besides the score)."""
+        ``reward_extras`` column (what the scorer reported besides the score). With the sample cache, a
+        ``sample_cache`` column says per trajectory whether its group was replayed (``hit``), generated
+        (``miss``, ``read_failed``, ``dump_failed``) or not cached (``off``)."""
         rows = prompts.batch_size[0]
         names = _column(prompts, "agent_name") or [None] * rows
         tools_kwargs = _column(prompts, "tools_kwargs") or [None] * rows
+        samples = _column(prompts, "sample_id") or [None] * rows
         sources, truths = _column(prompts, "data_source"), _column(prompts, "ground_truth")
         call_id = uuid.uuid4().hex[:8]
-        runs, groups = [], []
-        for row in range(rows):
-            prompt_ids = prompts["prompts"][row][prompts["prompt_mask"][row]].tolist()
-            loop = self.loop(names[row] or self.default_loop)
-            position = first_position + row
-            for sample in range(sampling.n):
-                trajectory = loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{call_id}/{position}/{sample}",
-                                      seed=trajectory_seed(sampling.seed, step, position, sample),
-                                      tools_kwargs=tools_kwargs[row])
-                runs.append(trajectory if sources is None else self.scored(trajectory, sources[row], truths[row]))
-                groups.append(position)
-        finished = await asyncio.gather(*runs)
-        outputs = finished if sources is None else [output for output, _ in finished]
-        batch = outputs_to_batch(outputs, prompt_width=prompts["prompts"].shape[1],
-                                 response_width=sampling.max_new_tokens,
-                                 pad_token_id=self.tokenizer.pad_token_id, weight_version=weight_version)
-        batch["group_index"] = torch.tensor(groups, dtype=torch.int64)
-        errors = [output.extra_fields.get("tool_errors", []) for output in outputs]
+        groups = await asyncio.gather(*(
+            self.group(prompts["prompts"][row][prompts["prompt_mask"][row]].tolist(), names[row] or self.default_loop,
+                       sampling, step=step, position=first_position + row, session=f"{call_id}/{first_position + row}",
+                       weight_version=weight_version, tools_kwargs=tools_kwargs[row], sample=samples[row],
+                       source=sources[row] if sources else None, truth=truths[row] if truths else None)
+            for row in range(rows)))
+        batch = concatenate(*(group for group, _ in groups), pad_token_id=self.tokenizer.pad_token_id)
+        batch["group_index"] = torch.arange(first_position, first_position + rows).repeat_interleave(sampling.n)
+        errors = non_tensor_column(batch, "tool_errors")
         for message in sorted({m for row_errors in errors for m in row_errors})[:5]:
             logger.warning("tool call failed: %s", message)
-        columns = {"tool_errors": errors}
-        if sources is not None:
-            batch["token_level_scores"] = scores_on_last_tokens([score for _, (score, _) in finished],
-                                                                batch["response_mask"])
+        if self.sample_cache is None:
+            return batch
+        return with_non_tensor_columns(batch, {"sample_cache": [outcome for _, outcome in groups
+                                                                for _ in range(sampling.n)]})
+
+    async def group(self, prompt_ids: list[int], loop_name: str, sampling: SamplingParams, *, step: int,
+                    position: int, session: str, weight_version: int, tools_kwargs, sample: str | None,
+                    source: str | None, truth) -> tuple[TensorDict, str]:
+        """One prompt's ``n`` trajectories (its prompt unpadded) and how the sample cache served them:
+        replayed from the cache when it holds them (stamped with the weights served now: they stand in for
+        fresh samples, their manifest keeps the versions they were sampled with), else generated
+        concurrently (and scored when ``source`` is given) and recorded as soon as all ``n`` finish."""
+        cache = self.sample_cache if sample is not None and self.sample_cache is not None else None
+        if cache is not None and not cache.covers(sample):
+            cache = None
+        outcome = "off"
+        if cache is not None:
+            found = await asyncio.to_thread(cache.lookup, sample, prompt_ids, sampling.as_dict())
+            outcome = found.outcome
+            if found.group is not None and ("token_level_scores" in found.group.keys()) == (source is not None):
+                found.group["weight_version"] = torch.full_like(found.group["weight_version"], weight_version)
+                return found.group, outcome
+            if found.group is not None:
+                logger.warning("cached %s was recorded %s scores; generating it", sample,
+                               "without" if source is not None else "with")
+                outcome = "miss"
+        loop = self.loop(loop_name)
+        runs = []
+        for index in range(sampling.n):
+            trajectory = loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{session}/{index}",
+                                  seed=trajectory_seed(sampling.seed, step, position, index), tools_kwargs=tools_kwargs)
+            runs.append(trajectory if source is None else self.scored(trajectory, source, truth))
+        finished = await asyncio.gather(*runs)
+        outputs = finished if source is None else [output for output, _ in finished]
+        group = outputs_to_batch(outputs, prompt_width=len(prompt_ids), response_width=sampling.max_new_tokens,
+                                 pad_token_id=self.tokenizer.pad_token_id, weight_version=weight_version)
+        columns = {"tool_errors": [output.extra_fields.get("tool_errors", []) for output in outputs]}
+        if source is not None:
+            group["token_level_scores"] = scores_on_last_tokens([score for _, (score, _) in finished],
+                                                                group["response_mask"])
             columns["reward_extras"] = [extras for _, (_, extras) in finished]
-        return with_non_tensor_columns(batch, columns)
+        group = with_non_tensor_columns(group, columns)
+        if cache is not None:
+            versions = group["weight_version"]
+            meta = {"seed": sampling.seed, "train_step": step,
+                    "weight_version": {"min": int(versions.min()), "max": int(versions.max())}}
+            if not await asyncio.to_thread(cache.dump, sample, prompt_ids, sampling.as_dict(), group, meta=meta):
+                outcome = "dump_failed"
+        return group, outcome
 
     async def scored(self, trajectory, data_source: str, ground_truth) -> tuple:
         """The trajectory, and its score and extras, scored in a thread as soon as it finishes (a slow
@@ -206,26 +249,33 @@ class AgentLoopWorker:
         return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer)
 
 
+def sample_cache(cfg: PPOConfig) -> SampleCache | None:
+    """The run's sample cache (``skip.async_rollout``), if enabled."""
+    skip = cfg.skip.get(SAMPLE_CACHE_KEY)
+    if skip is None or not skip.enable:
+        return None
+    model = cfg.actor_rollout_ref.model
+    return SampleCache(run_cache_dir(skip, cfg, key=SAMPLE_CACHE_KEY), indexes=skip.steps, action=skip.action,
+                       storage_options=client_timeouts(skip.dump_dir, storage_settings(skip), timeout_s=skip.timeout_s,
+                                                       retries=skip.retries),
+                       timeout_s=skip.timeout_s, retries=skip.retries, allow_mismatch=skip.allow_mismatch,
+                       models=model_identities(model.path, model.tokenizer_path or model.path),
+                       max_entry_bytes=entry_size_bound(cfg, prompts=1))
+
+
 def _column(batch: TensorDict, name: str) -> list | None:
     return non_tensor_column(batch, name) if name in batch.keys() else None
-
-
-def _concatenate(*chunks: TensorDict) -> TensorDict:
-    """The agent workers' shares as one batch, in order (their per-trajectory lists joined alongside)."""
-    names = [name for name in ("tool_errors", "reward_extras") if name in chunks[0].keys()]
-    columns = {name: [row for chunk in chunks for row in non_tensor_column(chunk, name)] for name in names}
-    return with_non_tensor_columns(torch.cat([chunk.exclude(*names) for chunk in chunks], dim=0), columns)
 
 
 class RolloutService:
     """The rollout role of ``rollout.mode=async``: the replicas and the agent-loop workers, called through
     the same ``submit(method, ...)`` as any role (see :mod:`ppoflow.workers.group`)."""
 
-    def __init__(self, replicas: list, agents: list):
+    def __init__(self, replicas: list, agents: list, *, pad_token_id: int):
         import ray
 
-        self.replicas, self.agents = replicas, agents
-        self._concatenate = ray.remote(num_cpus=0)(_concatenate)
+        self.replicas, self.agents, self.pad_token_id = replicas, agents, pad_token_id
+        self._concatenate = ray.remote(num_cpus=0)(concatenate)
         self.weight_version = 0
         self.last_update = None
         """The last weights pushed (a reference: it keeps their buckets alive), for a restarted replica."""
@@ -246,7 +296,7 @@ class RolloutService:
         parts = [agent.generate.remote(prompts[start:start + share], first_position=start, step=step,
                                        sampling=sampling, weight_version=self.weight_version)
                  for agent, start in zip(self.agents, range(0, rows, share))]
-        return self._concatenate.remote(*parts)
+        return self._concatenate.remote(*parts, pad_token_id=self.pad_token_id)
 
     def apply_weights(self, update) -> list:
         """References to every replica taking the update (a :class:`WeightUpdate` or a reference to one;

@@ -101,7 +101,7 @@ def load_baseline(directory: str) -> dict:
 def missing_cache_steps(cfg: PPOConfig, steps: int) -> list[tuple[int, str]]:
     """``(step, reason)`` for each of steps 1..``steps`` without a valid rollout entry in ``cfg``'s cache."""
     from ppoflow.storage.step_cache import StepCache
-    from ppoflow.tasks.stages import run_cache_dir, storage_settings
+    from ppoflow.configs.cache_settings import run_cache_dir, storage_settings
 
     skip = cfg.skip[ROLLOUT_STAGE]
     cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))

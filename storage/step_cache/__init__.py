@@ -13,7 +13,9 @@ One home, in the order a reader meets it:
 * :mod:`.prefect` - what Prefect persists (the marker, through :class:`ManifestSerializer`) and how
   its record of an entry is derived from the marker, never read from the cache;
 * :mod:`.stage_cache` - calling a stage through its cache (:func:`start_stage`): the rules, applied
-  from outside the stage's body.
+  from outside the stage's body;
+* :mod:`.sample_cache` - the same entries one prompt's group at a time, keyed by feed order (verl's
+  ``skip.async_rollout``), read and written by the rollout service's agent-loop workers.
 
 This package exports the storage side only; the Prefect side (:mod:`.prefect`, :mod:`.stage_cache`) is
 imported from its modules, so that the workers, which read the layout's names through the config, never

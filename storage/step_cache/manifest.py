@@ -111,6 +111,19 @@ def manifest_mismatch(manifest: dict, step: int, stage: str) -> str:
     return ""
 
 
+def recorded_differences(required: dict, manifest: dict, prefix: str = "") -> list[str]:
+    """``name: recorded -> required`` for each required value the manifest recorded otherwise (nested
+    mappings are compared key by key): why an entry was made from another input or in another way."""
+    differences = []
+    for name, value in required.items():
+        recorded = manifest.get(name)
+        if isinstance(value, dict) and isinstance(recorded, dict):
+            differences += recorded_differences(value, recorded, f"{prefix}{name}.")
+        elif recorded != value:
+            differences.append(f"{prefix}{name}: {recorded!r} recorded, {value!r} here")
+    return differences
+
+
 def payload_entry(manifest: dict) -> dict:
     """The marker entry (size and sha256) of the manifest's one payload."""
     (entry,) = manifest["files"].values()

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult, tensors_digest
 from ppoflow.storage.bounded import bounded, client_timeouts
 from ppoflow.storage.fs import open_fs, remove_stale_temp_files
-from ppoflow.storage.step_cache.manifest import marker_name
+from ppoflow.storage.step_cache.manifest import marker_name, recorded_differences
 from ppoflow.storage.step_cache.prefect import PrefectStore, StageRecord
 from ppoflow.storage.step_cache.store import CacheCorrupt, StepCache
 
@@ -210,7 +210,8 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
             return StageResult(replayed.fields, {**replayed.metrics, **miss})
         if replayed is not None:
             fields, manifest = replayed
-            wrong_input, other_identity = _differences(requires, manifest), _differences(identity, manifest)
+            wrong_input = recorded_differences(requires, manifest)
+            other_identity = recorded_differences(identity, manifest)
             tolerated = not wrong_input and (not other_identity or cache.allow_mismatch)
             if wrong_input or other_identity:
                 logger.warning("cached %s of step %d does not match this run (%s); %s", cache.key, plan.load_step,
@@ -259,16 +260,3 @@ def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[Ten
     except CacheCorrupt as error:
         logger.warning("cached %s of step %d is damaged (%s); recomputing", cache.key, plan.load_step, error)
         return None
-
-
-def _differences(required: dict, manifest: dict, prefix: str = "") -> list[str]:
-    """``name: recorded -> required`` for each required value the manifest recorded otherwise (nested
-    mappings are compared key by key)."""
-    differences = []
-    for name, value in required.items():
-        recorded = manifest.get(name)
-        if isinstance(value, dict) and isinstance(recorded, dict):
-            differences += _differences(value, recorded, f"{prefix}{name}.")
-        elif recorded != value:
-            differences.append(f"{prefix}{name}: {recorded!r} recorded, {value!r} here")
-    return differences
