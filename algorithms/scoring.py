@@ -8,11 +8,10 @@ policy cannot hide junk tokens from a rule checker.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 from collections.abc import Callable
-from pathlib import Path
+
+from ppoflow.algorithms.user_code import load_object
 
 Scorer = Callable[..., "float | dict"]
 
@@ -60,30 +59,10 @@ def load_custom_scorer(path: str, name: str) -> Scorer:
     Any problem (no such file or module, a module that raises while it is imported, no such callable) is a
     ``ValueError`` whose message says what is wrong with ``path``; the caller names the config key.
     """
-    is_file = path.endswith(".py")
-    if is_file:
-        source = str(Path(path).expanduser())
-        if not Path(source).is_file():
-            raise ValueError(f"no such file {path!r}")
-    else:
-        source, _, attribute = path.partition(":")
-        name = attribute or name
-    try:
-        module = _import_file(Path(source)) if is_file else importlib.import_module(source)
-    except Exception as error:  # noqa: BLE001 - user code may raise anything while it is imported
-        # ImportError (no such module), ValueError (an empty module name, ":function"), or the module's own error
-        raise ValueError(f"cannot import {source!r}: {type(error).__name__}: {error}") from None
-    scorer = getattr(module, name, None)
+    scorer = load_object(path, name, kind="callable")
     if not callable(scorer):
         raise ValueError(f"{path!r} has no callable {name!r}")
     return scorer
-
-
-def _import_file(file: Path):
-    spec = importlib.util.spec_from_file_location(f"ppoflow_custom_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def scorer_for(data_source: str, custom: Scorer | None) -> Scorer:

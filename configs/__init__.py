@@ -73,6 +73,7 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
     _fill_skip_defaults(container, OmegaConf.to_container(defaults.skip.rollout))
+    _unify_trainer_mode(container)
     _drop_recipes_of_replaced_paths(container, given, [word.partition("=")[0] for word in overrides])
     _make_paths_absolute(container)
     try:
@@ -191,6 +192,19 @@ def _parent(container: dict, key: str) -> tuple[dict | None, str]:
     for parent in parents:
         node = node.get(parent) if isinstance(node, dict) else None
     return (node if isinstance(node, dict) else None), leaf
+
+
+def _unify_trainer_mode(container: dict) -> None:
+    """``trainer.mode`` and verl's ``trainer.v1.trainer_mode`` are one setting: whichever is given sets both
+    (neither: ``sync``); both given and different is a :class:`ConfigError` naming both."""
+    trainer = container.get("trainer")
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("v1"), dict):
+        return  # the schema reports the malformed section
+    mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
+    if mode is not None and v1_mode is not None and mode != v1_mode:
+        raise ConfigError([("trainer.v1.trainer_mode", f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are "
+                                                       "one setting; set one of them")])
+    trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or "sync"
 
 
 def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:

@@ -80,8 +80,38 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors += _vllm_errors(cfg)
     if rollout.mode == "async":
         errors += _rollout_service_errors(cfg)
+    if cfg.trainer.mode in ASYNC_MODES:
+        errors += _async_mode_errors(cfg)
     if cfg.actor_rollout_ref.hybrid_engine:
         errors += _colocation_errors(cfg)
+    return errors
+
+
+ASYNC_MODES = ("colocate_async", "separate_async")
+"""verl's V1 async trainer modes: a replay buffer between a continuous rollout and the trainer."""
+
+
+def _async_mode_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """What the V1 async modes need: the rollout service, and for separate_async verl's batch arithmetic
+    (a config error here, an assert in verl)."""
+    errors, mode = [], cfg.trainer.mode
+    if cfg.actor_rollout_ref.rollout.mode != "async":
+        errors.append(("trainer.mode", f"{mode} streams prompts through the rollout service; set "
+                                       "actor_rollout_ref.rollout.mode=async"))
+    if mode == "separate_async":
+        sync_step = cfg.trainer.v1.separate_async.parameter_sync_step
+        mini_batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        if cfg.data.train_batch_size != sync_step * mini_batch:
+            errors.append(("trainer.v1.separate_async.parameter_sync_step",
+                           f"separate_async trains parameter_sync_step ({sync_step}) mini-batches of "
+                           f"ppo_mini_batch_size ({mini_batch}) prompts per step, so data.train_batch_size "
+                           f"({cfg.data.train_batch_size}) must be {sync_step * mini_batch}: set "
+                           f"parameter_sync_step={cfg.data.train_batch_size // mini_batch} or "
+                           f"ppo_mini_batch_size={cfg.data.train_batch_size // sync_step}"))
+    step_cache = cfg.skip.get("rollout")
+    if step_cache is not None and step_cache.enable:
+        errors.append(("skip.rollout.enable", f"{mode} has no generate stage per step to cache; its samples are "
+                                              "cached one prompt at a time with skip.async_rollout"))
     return errors
 
 

@@ -298,12 +298,54 @@ class AlgorithmConfig(Section):
 # ------------------------------------------------------------------------------- trainer, ray, skip
 
 
+class CustomSamplerConfig(Section):
+    path: Optional[str] = Field(description="A Python file holding a ReplayBuffer subclass; null = the built-in buffer.")
+    name: Optional[str] = Field(description="The class's name in that file.")
+
+
+class SamplerConfig(Section):
+    """verl's ``trainer.v1.sampler``: how the async modes' replay buffer bounds staleness."""
+
+    max_off_policy_threshold: int = Field(ge=1, description="Largest span (training step - dispatch step + 1) a "
+                                                             "prompt group may have when it is trained on.")
+    max_off_policy_strategy: Literal["drop", "wait"] = Field(
+        description="drop: evict finished groups whose span exceeds the threshold and feed as many fresh prompts; "
+                    "wait: sample only once no pending or running group has reached it.")
+    custom_sampler: CustomSamplerConfig
+
+
+class ColocateAsyncConfig(Section):
+    num_warmup_batches: int = Field(ge=0, description="Train batches of prompts fed before the first step (prefetch "
+                                                      "depth), besides the one fed at every step.")
+
+
+class SeparateAsyncConfig(Section):
+    num_warmup_batches: int = Field(ge=0, description="As colocate_async.num_warmup_batches.")
+    parameter_sync_step: int = Field(ge=1, description="Mini-batch updates per training step between weight pushes; "
+                                                        "train_batch_size must be this x ppo_mini_batch_size.")
+
+
+class TrainerV1Config(Section):
+    """verl's ``trainer.v1``: the trainer mode and the async modes' settings."""
+
+    trainer_mode: Optional[str] = Field(
+        description="Trainer mode (the same setting as trainer.mode; null = trainer.mode's): sync, one_step_off, "
+                    "colocate_async, separate_async, or one registered with ppoflow.flows.modes.register_trainer.")
+    trainer_module: Optional[str] = Field(description="A Python file imported before trainer_mode is looked up: "
+                                                      "its @register_trainer classes become modes.")
+    colocate_async: ColocateAsyncConfig
+    separate_async: SeparateAsyncConfig
+    sampler: SamplerConfig
+
+
 class TrainerConfig(Section):
     project_name: str = Field(min_length=1, description="Project name (run directory, cache directory).")
     experiment_name: str = Field(min_length=1, description="Experiment name (run directory, cache directory).")
     mode: str = Field(
         description="Trainer mode: sync (generate, then train), one_step_off (generate the next batch while training "
-                    "on this one), or a mode registered with ppoflow.flows.modes.register_trainer.")
+                    "on this one), colocate_async or separate_async (verl's V1: a replay buffer between a continuous "
+                    "rollout and the trainer), or a registered mode. The same setting as trainer.v1.trainer_mode; "
+                    "null = that one's, or sync.")
     nnodes: int = Field(ge=1, description="Nodes of the training pool (actor, ref, critic).")
     n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the training pool; 0 = CPU.")
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
@@ -322,6 +364,7 @@ class TrainerConfig(Section):
                     "Off by default: Prefect asks its server for tag concurrency slots before each tagged task "
                     "run, a database write that stalls the step for seconds on a busy SQLite server "
                     "(docs/ui.md). Task-run names carry the stage and step either way.")
+    v1: TrainerV1Config
 
 
 class RolloutPoolConfig(Section):

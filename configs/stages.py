@@ -27,6 +27,7 @@ class StageNames:
 
 STAGES = (
     StageNames("generate", skip=ROLLOUT_STAGE, timing="gen"),
+    StageNames("sample", skip=None, timing="gen"),
     StageNames("reward", skip="reward", timing="reward"),
     StageNames("old_log_prob", skip="old_log_prob", timing="old_log_prob"),
     StageNames("ref_log_prob", skip="ref", timing="ref"),
@@ -36,7 +37,8 @@ STAGES = (
     StageNames("update_actor", skip=None, timing="update_actor"),
     StageNames("weight_sync", skip=None, timing="update_weights"),
 )
-"""In the order a step runs them."""
+"""In the order a step runs them (``sample`` takes the place of ``generate`` in the async modes: the
+step's batch from the replay buffer)."""
 
 STAGE_NAMES = {stage.name: stage for stage in STAGES}
 SAMPLE_CACHE_KEY = SAMPLE_STAGE

@@ -3,8 +3,9 @@
 The training loop (:func:`ppoflow.flows.train.train_steps`) is the same for every mode; it calls the
 mode's hooks (verl's V1 trainer lifecycle) around the PPO step::
 
-    on_train_begin
-    per step:  on_step_begin -> on_sample_begin -> sample -> on_sample_end -> PPO update -> on_step_end
+    on_init_end, on_train_begin
+    per step:  on_step_begin -> (on_sample_begin -> sample -> on_sample_end -> PPO update) x updates_per_step
+               -> on_step_end
                on_validate_begin -> validation -> on_validate_end      (on validation steps)
     on_train_end
 
@@ -16,7 +17,9 @@ only where generation is started (:meth:`TrainerMode.launch`) and where weights 
     @register_trainer("my_mode")
     class MyMode(TrainerMode): ...
 
-and chosen with ``trainer.mode=my_mode``.
+and chosen with ``trainer.mode=my_mode`` (or verl's ``trainer.v1.trainer_mode``); a file of such classes
+named by ``trainer.v1.trainer_module`` is imported first. The async modes live in
+:mod:`ppoflow.flows.async_modes`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class TrainerMode:
 
     name: ClassVar[str]
 
+    updates_per_step: int = 1
+    """Sample-and-update rounds per step before ``on_step_end`` (separate_async: ``parameter_sync_step``)."""
+
     def __init__(self, run: RunContext, state: TrainerState):
         self.run, self.state = run, state
         self.in_flight: dict[int, PendingStage] = {}
@@ -74,6 +80,9 @@ class TrainerMode:
         """The weight version the rollout worker serves."""
 
     # -- the lifecycle hooks (no-ops unless a mode needs them) -----------------------------------------
+
+    def on_init_end(self) -> None:
+        """The workers are up and a checkpoint, if any, restored (and its weights pushed)."""
 
     def on_train_begin(self, steps: range) -> None: ...
 

@@ -28,13 +28,15 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from ppoflow.algorithms.correction import correct_off_policy
+from ppoflow.algorithms.user_code import import_module
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.logs import logs_to_prefect, note
-from ppoflow.flows.metrics import data_metrics
+from ppoflow.flows.metrics import aggregate_updates, data_metrics
+from ppoflow.flows import async_modes  # noqa: F401 - registers colocate_async and separate_async
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
 from ppoflow.flows.run import RunContext, start_run
 from ppoflow.flows.stages import StepData
@@ -75,7 +77,6 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     if cfg.old_log_probs_from_update:  # the update returned its old log-probs: how far was the rollout from them
         correct_for_the_rollout(step, correction)
         step.metrics["training/old_log_prob_skipped"] = 1.0
-    state.weight_version += 1
     step.metrics.update(data_metrics(batch))
 
 
@@ -101,11 +102,18 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
         step = StepData(number)
         with step.timed("step"):
             mode.on_step_begin(step)
-            mode.on_sample_begin(step)
-            with step.timed(STAGE_NAMES["generate"].timing):
-                mode.sample(step)  # 1. generate
-            mode.on_sample_end(step)
-            ppo_update(run, state, step)  # 2.-5.
+            updates = []
+            for _ in range(mode.updates_per_step):  # one, but separate_async's parameter_sync_step
+                update = StepData(number)
+                mode.on_sample_begin(update)
+                with update.timed(STAGE_NAMES["generate"].timing):
+                    mode.sample(update)  # 1. generate (the async modes: sample the replay buffer)
+                mode.on_sample_end(update)
+                ppo_update(run, state, update)  # 2.-5.
+                updates.append(update.metrics)
+                step.batch = update.batch
+            step.metrics.update(updates[0] if len(updates) == 1 else aggregate_updates(updates))
+            state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
             mode.on_step_end(step)  # (sync: 6. push the new weights)
         step.metrics.update({"training/global_step": number, "training/epoch": state.finish_step(number)})
         yield step
@@ -129,6 +137,7 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
             mode.load_state_dict(restored.parts["mode"])
             first_step = restored.step + 1
             mode.push_weights()  # the rollout worker serves the restored weights
+        mode.on_init_end()
         tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
         artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
         if resume:
@@ -167,7 +176,14 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
 
 
 def check_mode(cfg: PPOConfig) -> None:
-    """``trainer.mode`` names a registered trainer mode, or :class:`ConfigError` (before anything starts)."""
+    """``trainer.mode`` names a registered trainer mode (after importing ``trainer.v1.trainer_module``, whose
+    modes register themselves), or :class:`ConfigError` (before anything starts)."""
+    module = cfg.trainer.v1.trainer_module
+    if module is not None:
+        try:
+            import_module(module)
+        except ValueError as error:
+            raise ConfigError([("trainer.v1.trainer_module", str(error))]) from None
     if cfg.trainer.mode not in TRAINER_MODES:
         raise ConfigError([("trainer.mode", f"{cfg.trainer.mode!r} is not a trainer mode; registered: "
                                             f"{', '.join(TRAINER_MODES)}")])

@@ -27,6 +27,14 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
     """
     sent = prompts.exclude("uid") if workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
     rollout = workers.get(workers.rollout.submit("generate", sent, step=step, sampling=sampling))
+    rollout, metrics = rollout_metrics(rollout)
+    return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
+
+
+def rollout_metrics(rollout: TensorDict) -> tuple[TensorDict, dict[str, float]]:
+    """What the rollout service reported beside the trajectories, as metrics - the agent loops' turns, tool
+    calls and failures, the scorer's extras (scored while generating), the sample cache's outcomes - and
+    the rollout without those columns."""
     metrics = {}
     if "tool_errors" in rollout.keys():  # the rollout service: agent loops, maybe with tools
         metrics = agent_metrics(rollout, non_tensor_column(rollout, "tool_errors"))
@@ -38,8 +46,7 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
         metrics.update(extra_means(extras))
     if "sample_cache" in rollout.keys():  # the rollout service's per-sample cache (skip.async_rollout)
         metrics.update(sample_cache_metrics(non_tensor_column(rollout, "sample_cache")))
-    rollout = rollout.exclude(*AGENT_FIELDS, "tool_errors", "reward_extras", "sample_cache")
-    return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
+    return rollout.exclude(*AGENT_FIELDS, "tool_errors", "reward_extras", "sample_cache"), metrics
 
 
 def sample_cache_metrics(outcomes: list[str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from ppoflow.tasks.advantage import advantage
 from ppoflow.tasks.generate import generate
 from ppoflow.tasks.log_prob import old_log_prob, ref_log_prob
 from ppoflow.tasks.reward import reward
+from ppoflow.tasks.sample import sample
 from ppoflow.tasks.update import update_actor, update_critic
 from ppoflow.tasks.values import values
 from ppoflow.tasks.weight_sync import weight_sync
@@ -37,6 +38,7 @@ class Stage:
 
 STAGES = {stage.name: stage for stage in (
     Stage(STAGE_NAMES["generate"], generate),
+    Stage(STAGE_NAMES["sample"], sample),
     Stage(STAGE_NAMES["reward"], reward),
     Stage(STAGE_NAMES["old_log_prob"], old_log_prob, weights="actor"),
     Stage(STAGE_NAMES["ref_log_prob"], ref_log_prob, weights="ref"),

@@ -299,8 +299,10 @@ def make_loops(names: set[str], **shared) -> dict[str, AgentLoop]:
 def outputs_to_batch(outputs: list[AgentLoopOutput], *, prompt_width: int, response_width: int,
                      pad_token_id: int, weight_version: int) -> TensorDict:
     """The rollout part of the step batch from loop outputs (prompts left-padded to ``prompt_width``,
-    responses right-padded to ``response_width``); ``weight_version`` is each trajectory's oldest (a
-    trajectory without model tokens gets ``weight_version``, the version served when it started)."""
+    responses right-padded to ``response_width``); ``weight_version`` and ``max_weight_version`` are the
+    oldest and newest weights a trajectory's tokens were sampled with (they differ when a partial rollout
+    resumed it with new weights; a trajectory without model tokens gets ``weight_version``, the version
+    served when it started)."""
     rows = len(outputs)
     prompt_width = max([prompt_width] + [len(o.prompt_ids) for o in outputs])
     prompts = torch.full((rows, prompt_width), pad_token_id, dtype=torch.int64)
@@ -319,11 +321,12 @@ def outputs_to_batch(outputs: list[AgentLoopOutput], *, prompt_width: int, respo
         response_mask[row, :width] = torch.tensor(output.response_mask, dtype=torch.bool)
         log_probs[row, :width] = torch.tensor(output.response_log_probs, dtype=torch.float32)
         turn_ids[row, :width] = torch.tensor(output.turn_ids, dtype=torch.int64)
-    versions = [o.weight_versions[0] if o.weight_versions else weight_version for o in outputs]
+    versions = [o.weight_versions or (weight_version, weight_version) for o in outputs]
     return TensorDict({
         "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
         "rollout_log_probs": log_probs, "turn_ids": turn_ids,
-        "weight_version": torch.tensor(versions, dtype=torch.int64),
+        "weight_version": torch.tensor([low for low, _ in versions], dtype=torch.int64),
+        "max_weight_version": torch.tensor([high for _, high in versions], dtype=torch.int64),
         "num_turns": torch.tensor([o.num_turns for o in outputs], dtype=torch.int64),
         "tool_calls": torch.tensor([o.tool_calls for o in outputs], dtype=torch.int64),
     }, batch_size=[rows])

@@ -86,6 +86,17 @@ class Workers:
 
         return ray.get(reference)
 
+    def ready(self, references: list, timeout_s: float) -> list:
+        """Those of ``references`` whose values are ready, waiting up to ``timeout_s`` for the first one."""
+        import ray
+
+        if not references:
+            return []
+        ready, _ = ray.wait(references, num_returns=1, timeout=timeout_s)
+        if ready:  # then every other one that is ready too, without waiting
+            ready, _ = ray.wait(references, num_returns=len(references), timeout=0)
+        return ready
+
     def shutdown(self) -> None:
         """Stop the actors, and Ray itself when this run started it."""
         if not self.uses_ray:

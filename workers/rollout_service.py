@@ -55,10 +55,25 @@ class RolloutReplica:
                                                max_num_seqs=rollout.max_num_seqs)
         self.engine.start()
         self.receiver = WeightReceiver()
+        self.awake = asyncio.Event()
+        self.awake.set()
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
-        """Generate one request's tokens (batched with whatever else is in flight on this replica)."""
+        """Generate one request's tokens (batched with whatever else is in flight on this replica); while the
+        replica sleeps, the request waits for it to wake."""
+        await self.awake.wait()
         return await asyncio.wrap_future(self.engine.submit(request_id, prompt_ids, sampling))
+
+    async def sleep(self) -> int:
+        """verl's abort + sleep of a colocated rollout: every request in flight ends now with the tokens it
+        has (``finish_reason="abort"``; the caller resumes it after :meth:`wake`), its KV cache is freed,
+        and new requests wait. Returns how many requests were aborted."""
+        self.awake.clear()
+        return self.engine.abort_all()
+
+    async def wake(self) -> None:
+        """Serve again (after the new weights are loaded): waiting and resumed requests start."""
+        self.awake.set()
 
     async def apply_weights(self, update: WeightUpdate) -> int:
         """Load the actor's weights between two decoding steps; returns the version now served. The buckets
@@ -102,6 +117,21 @@ class LoadBalancer:
         return index
 
     async def generate(self, session_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
+        """One model turn's tokens. A request that its replica aborted (it was put to sleep for training:
+        colocate_async) is resumed from its partial output once the replica serves again, with the weights
+        it then serves (partial rollout): the turn's tokens may span weight versions, which the output's
+        ``weight_versions`` record."""
+        output = await self._generate_once(session_id, prompt_ids, sampling)
+        while output.finish_reason == "abort" and len(output.token_ids) < sampling.max_new_tokens:
+            rest = await self._generate_once(session_id, prompt_ids + output.token_ids, replace(
+                sampling, max_new_tokens=sampling.max_new_tokens - len(output.token_ids),
+                seed=continuation_seed(sampling.seed, len(output.token_ids))))
+            output = TokenOutput(output.token_ids + rest.token_ids, output.log_probs + rest.log_probs,
+                                 rest.finish_reason, (min(output.weight_versions[0], rest.weight_versions[0]),
+                                                      max(output.weight_versions[1], rest.weight_versions[1])))
+        return replace(output, finish_reason="length") if output.finish_reason == "abort" else output
+
+    async def _generate_once(self, session_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
         import ray
 
         failed: set[int] = set()
@@ -122,6 +152,12 @@ class LoadBalancer:
             finally:
                 self.in_flight[index] -= 1
         raise RuntimeError(f"no rollout replica could serve session {session_id}")
+
+
+def continuation_seed(seed: int, generated: int) -> int:
+    """The sampling seed of a request resumed after ``generated`` tokens: its own random stream, so the
+    resumed tokens do not replay the draws of the first ones."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/resumed@{generated}".encode()).digest()[:8], "little") % (2**63)
 
 
 def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
@@ -275,6 +311,7 @@ class RolloutService:
         import ray
 
         self.replicas, self.agents, self.pad_token_id = replicas, agents, pad_token_id
+        self._next_agent = -1
         self._concatenate = ray.remote(num_cpus=0)(concatenate)
         self.weight_version = 0
         self.last_update = None
@@ -297,6 +334,23 @@ class RolloutService:
                                        sampling=sampling, weight_version=self.weight_version)
                  for agent, start in zip(self.agents, range(0, rows, share))]
         return self._concatenate.remote(*parts, pad_token_id=self.pad_token_id)
+
+    def submit_group(self, prompt: TensorDict, *, position: int, step: int, sampling: SamplingParams):
+        """A reference to one prompt's group (``sampling.n`` trajectories), generated on the next agent worker
+        in turn: the async trainer modes feed prompts one at a time and take each group as it finishes.
+        ``position`` (the prompt's feed index) keeps the trajectories' seeds apart."""
+        self._next_agent = (self._next_agent + 1) % len(self.agents)
+        return self.agents[self._next_agent].generate.remote(prompt, first_position=position, step=step,
+                                                             sampling=sampling, weight_version=self.weight_version)
+
+    def sleep(self) -> list:
+        """References to every replica going to sleep (:meth:`RolloutReplica.sleep`: requests in flight are
+        aborted and resumed after :meth:`wake`; each returns how many it aborted)."""
+        return [replica.sleep.remote() for replica in self.replicas]
+
+    def wake(self) -> list:
+        """References to every replica serving again."""
+        return [replica.wake.remote() for replica in self.replicas]
 
     def apply_weights(self, update) -> list:
         """References to every replica taking the update (a :class:`WeightUpdate` or a reference to one;

@@ -309,8 +309,8 @@ class ContinuousBatchingEngine:
             output = request.output("abort", self.weight_version)
         _settle(request.future, output)
 
-    def abort_all(self) -> None:
-        """:meth:`abort` every request in flight."""
+    def abort_all(self) -> int:
+        """:meth:`abort` every request in flight; returns how many there were."""
         with self._condition:
             requests = list(self._requests.values())
             self._requests.clear()
@@ -318,6 +318,7 @@ class ContinuousBatchingEngine:
             outputs = [request.output("abort", self.weight_version) for request in requests]
         for request, output in zip(requests, outputs):
             _settle(request.future, output)
+        return len(requests)
 
     @contextmanager
     def paused(self):

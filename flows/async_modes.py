@@ -1,0 +1,181 @@
+"""verl's V1 async trainer modes: the rollout generates without waiting for the trainer, and the trainer
+takes its batches from a staleness-bounded replay buffer (:mod:`ppoflow.storage.replay_buffer`).
+
+Prompts are fed one at a time (feed order: verl's sample ids ``sample_{epoch}_{index}``, which are the
+prompts' uids here) to the rollout service, whose agent-loop workers return each prompt's group as it
+finishes; the buffer takes the finished groups in, and each step's ``sample`` stage takes the oldest
+ones, evicting (``drop``) or waiting for (``wait``) groups older than
+``trainer.v1.sampler.max_off_policy_threshold`` steps. ``num_warmup_batches`` batches are fed before
+the first step and one more at every step, so generation runs that far ahead of training.
+
+* ``colocate_async`` - rollout and training share the machine: when the step's batch is sampled, the
+  replicas abort what they are generating and sleep while the actor trains (partial rollout); when the
+  new weights are loaded they wake, and the aborted requests resume from their partial output with the
+  new weights, so one trajectory may span weight versions (``weight_version`` .. ``max_weight_version``).
+* ``separate_async`` - the replicas have resources of their own and never stop; the weights are pushed
+  once per step, after ``parameter_sync_step`` mini-batch updates, each on a batch sampled on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+from ppoflow.configs.stages import STAGE_NAMES
+from ppoflow.flows.modes import TrainerMode, register_trainer
+from ppoflow.flows.run import RunContext
+from ppoflow.flows.stages import StepData
+from ppoflow.flows.state import TrainerState
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
+from ppoflow.storage.replay_buffer import load_sampler
+from ppoflow.storage.step_cache.sample_cache import sample_id
+
+logger = logging.getLogger(__name__)
+
+SAMPLE, WEIGHT_SYNC = STAGE_NAMES["sample"], STAGE_NAMES["weight_sync"]
+
+
+class AsyncTrainer(TrainerMode):
+    """What both async modes share: feeding prompts to the rollout service, taking finished groups into the
+    replay buffer, and sampling each step's batch from it."""
+
+    settings_key: ClassVar[str]
+    """The mode's section under ``trainer.v1`` (``num_warmup_batches``, ...)."""
+
+    def __init__(self, run: RunContext, state: TrainerState):
+        super().__init__(run, state)
+        sampler = run.cfg.trainer.v1.sampler
+        buffer_class = load_sampler(sampler.custom_sampler.path, sampler.custom_sampler.name)
+        self.buffer = buffer_class(pad_token_id=run.tokenizer.pad_token_id,
+                                   max_off_policy_threshold=sampler.max_off_policy_threshold,
+                                   max_off_policy_strategy=sampler.max_off_policy_strategy, refill=self.refill)
+        self.settings = getattr(run.cfg.trainer.v1, self.settings_key)
+        self.generating: dict = {}
+        """Reference to a prompt group being generated -> the prompt's uid."""
+        self.prompt_columns: dict[str, dict] = {}
+        """uid -> the prompt's data source and ground truth, for its trajectories' columns."""
+        self.dispatch_step = 1
+        """The step prompts fed now are dispatched at (the step being trained, or the first)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Prompt groups per sample."""
+        return self.run.cfg.data.train_batch_size
+
+    # -- feeding the rollout --------------------------------------------------------------------------
+
+    def feed(self, count: int) -> None:
+        """Send the next ``count`` prompts of the feed to the rollout service, one group each."""
+        run = self.run
+        fed = self.state.feed(count)
+        uids = [sample_id(epoch, index) for index, epoch, _ in fed]
+        prompts = run.train_set.batch([row for _, _, row in fed], uids, run.tokenizer.pad_token_id)
+        prompts = with_non_tensor_columns(prompts, {"sample_id": uids})
+        self.buffer.add_prompts(uids, self.dispatch_step)
+        sent = prompts.exclude("uid") if run.workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
+        for position, ((index, _, _), uid) in enumerate(zip(fed, uids)):
+            self.prompt_columns[uid] = {name: non_tensor_column(prompts, name)[position]
+                                        for name in NON_TENSOR_FIELDS if name != "uid"}
+            reference = run.workers.rollout.submit_group(sent[position:position + 1], position=index - 1,
+                                                         step=self.dispatch_step, sampling=run.sampling)
+            self.generating[reference] = uid
+            self.buffer.mark_running(uid)
+
+    def refill(self, count: int) -> None:
+        """The buffer evicted ``count`` groups (too stale, or failed): feed as many fresh prompts."""
+        self.feed(count)
+
+    def poll(self, timeout_s: float) -> None:
+        """Take the groups that finished (waiting up to ``timeout_s`` for one) into the buffer; a group whose
+        generation failed is marked failed (the buffer evicts and refills it)."""
+        if not self.generating:
+            raise RuntimeError("the replay buffer is waiting for groups but none is being generated")
+        for reference in self.run.workers.ready(list(self.generating), timeout_s):
+            uid = self.generating.pop(reference)
+            try:
+                self.buffer.finish(uid, self.run.workers.get(reference))
+            except Exception as error:  # the group's generation failed (a worker died, a loop raised)
+                logger.warning("generating prompt %s failed: %r", uid, error)
+                self.buffer.fail(uid, repr(error))
+
+    # -- the lifecycle ---------------------------------------------------------------------------------
+
+    def on_train_begin(self, steps: range) -> None:
+        """Feed the warm-up batches (verl: ``num_warmup_batches``), dispatched at the first step."""
+        self.dispatch_step = steps[0] if steps else 1
+        self.feed(self.batch_size * self.settings.num_warmup_batches)
+
+    def on_step_begin(self, step: StepData) -> None:
+        """Feed this step's batch (verl's ``prepare_step``): the rollout stays that far ahead."""
+        self.dispatch_step = step.step
+        self.feed(self.batch_size)
+
+    def on_sample_begin(self, step: StepData) -> None: ...
+
+    def sample(self, step: StepData) -> None:
+        """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
+        result = self.run.stages.run(SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll,
+                                     label=f"step={step.step}")
+        uids = non_tensor_column(result.fields, "uid")
+        columns = {name: [self.prompt_columns[uid][name] for uid in uids] for name in ("data_source", "ground_truth")}
+        step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
+        for uid in set(uids):
+            del self.prompt_columns[uid]
+
+    def push_weights(self, again: bool = False) -> None:
+        """Every replica takes the actor's weights; a replica Ray restarted gets them too."""
+        super().push_weights(again)
+        self.run.workers.rollout.resync_restarted()
+
+    def state_dict(self) -> dict:
+        return {}  # what an async run keeps across a restart is issue 15's resume item, not built yet
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@register_trainer("colocate_async")
+class ColocateAsyncTrainer(AsyncTrainer):
+    """Rollout and training take turns on shared resources, with partial rollout (see the module docstring)."""
+
+    settings_key = "colocate_async"
+
+    def on_sample_end(self, step: StepData) -> None:
+        """Abort what the replicas generate and let them sleep while the actor trains (verl's
+        ``abort_replicas`` + ``sleep_replicas``)."""
+        aborted = sum(self.run.workers.get(self.run.workers.rollout.sleep()))
+        step.metrics["rollout/aborted_requests"] = float(aborted)
+
+    def on_step_end(self, step: StepData) -> None:
+        """Load the new weights into the replicas, then wake them: the aborted requests resume."""
+        with step.timed(WEIGHT_SYNC.timing):
+            self.push_weights()
+        self.run.workers.get(self.run.workers.rollout.wake())
+
+
+@register_trainer("separate_async")
+class SeparateAsyncTrainer(AsyncTrainer):
+    """The rollout generates without pause on resources of its own; the weights are pushed once per step."""
+
+    settings_key = "separate_async"
+
+    @property
+    def batch_size(self) -> int:
+        """Prompt groups per mini-batch update: ``train_batch_size / parameter_sync_step``."""
+        return self.run.cfg.data.train_batch_size // self.settings.parameter_sync_step
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.settings.parameter_sync_step
+
+    def on_step_begin(self, step: StepData) -> None:
+        """Feed this step's prompts: ``parameter_sync_step`` mini-batches of them."""
+        self.dispatch_step = step.step
+        self.feed(self.run.cfg.data.train_batch_size)
+
+    def on_train_begin(self, steps: range) -> None:
+        self.dispatch_step = steps[0] if steps else 1
+        self.feed(self.run.cfg.data.train_batch_size * self.settings.num_warmup_batches)
+
+    def on_step_end(self, step: StepData) -> None:
+        with step.timed(WEIGHT_SYNC.timing):
+            self.push_weights()

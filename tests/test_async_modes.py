@@ -1,0 +1,168 @@
+"""verl's V1 trainer modes on a real local Ray and Prefect: ``colocate_async`` (partial rollout: requests
+aborted while the actor trains resume with the new weights) and ``separate_async`` (parameter_sync_step
+mini-batch updates per weight push) on the replay buffer; a user's own mode registered from a file; and
+the config errors that keep the modes' settings consistent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from ppoflow.configs import ConfigError, load_config
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.workers.serving import RequestSampling
+
+
+def problems(words: list[str]) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as raised:
+        load_config("grpo_tiny", words)
+    return raised.value.problems
+
+
+def test_trainer_mode_and_verls_key_are_one_setting():
+    assert load_config("grpo_tiny", ["trainer.v1.trainer_mode=one_step_off"]).trainer.mode == "one_step_off"
+    assert load_config("grpo_tiny", ["trainer.mode=one_step_off"]).trainer.v1.trainer_mode == "one_step_off"
+    assert load_config("grpo_tiny").trainer.mode == "sync"
+    assert problems(["trainer.mode=sync", "trainer.v1.trainer_mode=one_step_off"]) == [
+        ("trainer.v1.trainer_mode", "'one_step_off' disagrees with trainer.mode='sync': they are one setting; "
+                                    "set one of them")]
+
+
+@pytest.mark.parametrize("words, key, needle", [
+    (["trainer.mode=colocate_async"], "trainer.mode", "set actor_rollout_ref.rollout.mode=async"),
+    (["trainer.mode=separate_async", "actor_rollout_ref.rollout.mode=async"],
+     "trainer.v1.separate_async.parameter_sync_step", "data.train_batch_size (16) must be 64: set "
+                                                      "parameter_sync_step=1 or ppo_mini_batch_size=4"),
+    (["trainer.mode=colocate_async", "actor_rollout_ref.rollout.mode=async", "skip.rollout.enable=true",
+      "skip.rollout.steps=[1]"], "skip.rollout.enable", "skip.async_rollout"),
+    (["trainer.v1.sampler.max_off_policy_strategy=newest"], "trainer.v1.sampler.max_off_policy_strategy", "drop"),
+    (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer.v1.sampler.max_off_policy_threshold", "1"),
+])
+def test_async_mode_settings_are_checked_before_anything_starts(words, key, needle):
+    found = problems(words)
+    assert any(k == key and needle in message for k, message in found), found
+
+
+def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model):
+    """A replica put to sleep mid-request returns the partial output; the load balancer resumes it once the
+    replica wakes with new weights, so the turn's tokens span versions 0 and 3."""
+    from ppoflow.workers.models import load_causal_lm
+    from ppoflow.workers.rollout_service import LoadBalancer, RolloutReplica
+    from ppoflow.workers.weight_sync import WeightSender
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    replica = ray_local.remote(RolloutReplica).options(num_cpus=0).remote(cfg)
+    update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
+        load_causal_lm(cfg.actor_rollout_ref.model), 3)
+    sampling = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=56, seed=5,
+                               ignore_eos=True)
+
+    async def interrupted() -> tuple:
+        balancer = LoadBalancer([replica])
+        requests = [asyncio.ensure_future(balancer.generate(f"s{i}", [4, 5, 6], sampling)) for i in range(8)]
+        while ray_local.get(replica.stats.remote())["tokens_generated"] < 8:  # mid-generation
+            await asyncio.sleep(0.001)
+        aborted = await replica.sleep.remote()
+        await replica.apply_weights.remote(update)
+        await replica.wake.remote()
+        return aborted, await asyncio.gather(*requests)
+
+    aborted, outputs = asyncio.run(interrupted())
+    ray_local.kill(replica)
+    assert aborted > 0
+    assert all(len(output.token_ids) == len(output.log_probs) == 56 for output in outputs)
+    assert all(output.finish_reason == "length" for output in outputs)
+    spans = {output.weight_versions for output in outputs}
+    assert (0, 3) in spans and spans <= {(0, 3), (3, 3), (0, 0)}
+
+
+def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
+    return [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
+            "data.val_files=null", "data.synthetic.train_rows=64", "actor_rollout_ref.rollout.mode=async",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.num_replicas=2",
+            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.logger=[]",
+            f"trainer.default_local_dir={tmp_path}/run", *words]
+
+
+@pytest.mark.parametrize("words", [
+    ["trainer.v1.trainer_mode=colocate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+    ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+     "trainer.v1.separate_async.parameter_sync_step=2", "trainer.v1.sampler.max_off_policy_threshold=2"],
+])
+def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_model, tmp_path, words):
+    """Three steps through Prefect: each step's batch is sampled from the buffer (the ``sample`` stage), its
+    staleness is within the threshold, and the rollout keeps generating ahead of the trainer."""
+    from ppoflow.flows.train import ppo_train
+
+    state = ppo_train(config="grpo_tiny", overrides=run_overrides(tiny_model, tmp_path, *words), return_state=True)
+    assert state.is_completed(), state
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    threshold = 2 if "separate_async" in words[0] else 8
+    for row in rows:
+        assert row["timing_s/gen"] > 0 and row["response_length/mean"] > 0
+        assert 0 <= row["training/off_policy/trajectory_staleness/min"]
+        assert row["training/off_policy/trajectory_staleness_worst/max"] <= threshold
+        assert row["training/off_policy/trajectory_spans/min"] >= 1
+    if "colocate_async" in words[0]:
+        assert all("rollout/aborted_requests" in row for row in rows)
+
+
+MODE_FILE = '''
+import json
+from ppoflow.flows.modes import SyncTrainer, register_trainer
+
+@register_trainer("recording_sync")
+class RecordingSync(SyncTrainer):
+    """sync, writing down every hook it sees."""
+
+    def note(self, hook, step=None):
+        with open({log!r}, "a") as log:
+            log.write(json.dumps([hook, step]) + "\\n")
+
+    def on_init_end(self): self.note("on_init_end")
+    def on_train_begin(self, steps): self.note("on_train_begin")
+    def on_step_begin(self, step): self.note("on_step_begin", step.step)
+    def on_sample_begin(self, step):
+        self.note("on_sample_begin", step.step)
+        super().on_sample_begin(step)
+    def on_sample_end(self, step): self.note("on_sample_end", step.step)
+    def on_step_end(self, step):
+        self.note("on_step_end", step.step)
+        super().on_step_end(step)
+    def on_validate_begin(self, step): self.note("on_validate_begin", step)
+    def on_validate_end(self, step): self.note("on_validate_end", step)
+    def on_train_end(self): self.note("on_train_end")
+'''
+
+
+def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_model, tmp_path):
+    from ppoflow.flows.train import ppo_train
+
+    log = tmp_path / "hooks.jsonl"
+    (tmp_path / "my_modes.py").write_text(MODE_FILE.format(log=str(log)))
+    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
+                 f"data.val_files={tmp_path}/val.parquet", "data.synthetic.train_rows=32", "data.synthetic.val_rows=4",
+                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=2", "trainer.test_freq=2",
+                 "trainer.val_before_train=false", "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run",
+                 f"trainer.v1.trainer_module={tmp_path}/my_modes.py", "trainer.v1.trainer_mode=recording_sync"]
+    state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    hooks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    per_step = lambda s: [("on_step_begin", s), ("on_sample_begin", s), ("on_sample_end", s), ("on_step_end", s)]  # noqa: E731
+    assert hooks == [("on_init_end", None), ("on_train_begin", None), *per_step(1), *per_step(2),
+                     ("on_validate_begin", 2), ("on_validate_end", 2), ("on_train_end", None)]
+
+
+def test_a_mode_file_that_does_not_import_is_a_config_error(tmp_path):
+    from ppoflow.flows.train import check_mode
+
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no')\n")
+    for path, needle in ((tmp_path / "broken.py", "RuntimeError: no"), (tmp_path / "missing.py", "no such file")):
+        cfg = load_config("grpo_tiny", [f"trainer.v1.trainer_module={path}"])
+        with pytest.raises(ConfigError) as raised:
+            check_mode(cfg)
+        assert raised.value.problems[0][0] == "trainer.v1.trainer_module" and needle in raised.value.problems[0][1]
