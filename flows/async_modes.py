@@ -13,7 +13,8 @@ the first step and one more at every step, so generation runs that far ahead of 
   new weights are loaded they wake, and the aborted requests resume from their partial output with the
   new weights, so one trajectory may span weight versions (``weight_version`` .. ``max_weight_version``).
 * ``separate_async`` - the replicas have resources of their own and never stop; the weights are pushed
-  once per step, after ``parameter_sync_step`` mini-batch updates, each on a batch sampled on its own.
+  once per step, after ``parameter_sync_step`` mini-batch updates, each on a batch sampled on its own,
+  all with the old log-probs of the weights the step started with (decoupled PPO) unless bypass mode.
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ class SeparateAsyncTrainer(AsyncTrainer):
     @property
     def updates_per_step(self) -> int:
         return self.settings.parameter_sync_step
+
+    def on_sample_begin(self, step: StepData) -> None:
+        """Before a step's first update, keep the actor's weights: every round's old log-probs come from
+        them (decoupled PPO, verl's version-aware ``_compute_old_log_prob``)."""
+        if step.round == 0 and self.updates_per_step > 1:
+            self.run.workers.get(self.run.workers.actor.submit("snapshot_weights"))
 
     def on_step_begin(self, step: StepData) -> None:
         """Feed this step's prompts: ``parameter_sync_step`` mini-batches of them."""

@@ -30,6 +30,8 @@ class StepData:
     step: int
     batch: TensorDict | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    round: int = 0
+    """Which of the step's sample-and-update rounds this is (separate_async runs ``parameter_sync_step``)."""
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:

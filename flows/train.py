@@ -60,8 +60,8 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     if correction.bypass_mode:
         batch["old_log_probs"] = batch["rollout_log_probs"]
     shared = run.share(batch) if recompute_old or cfg.use_reference or cfg.use_critic else None
-    if recompute_old:
-        stages.call("old_log_prob", step, run.workers, shared)
+    if recompute_old:  # a step's later rounds (separate_async) keep the step's first π_old: decoupled PPO
+        stages.call("old_log_prob", step, run.workers, shared, step.round > 0)
         correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     if cfg.use_reference:
         stages.call("ref_log_prob", step, run.workers, shared)
@@ -103,8 +103,8 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
         with step.timed("step"):
             mode.on_step_begin(step)
             updates = []
-            for _ in range(mode.updates_per_step):  # one, but separate_async's parameter_sync_step
-                update = StepData(number)
+            for round_ in range(mode.updates_per_step):  # one, but separate_async's parameter_sync_step
+                update = StepData(number, round=round_)
                 mode.on_sample_begin(update)
                 with update.timed(STAGE_NAMES["generate"].timing):
                     mode.sample(update)  # 1. generate (the async modes: sample the replay buffer)

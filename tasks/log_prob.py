@@ -13,9 +13,11 @@ from ppoflow.storage.step_cache.stage_cache import cacheable
 
 @task(name="old_log_prob", cache_policy=NO_CACHE)
 @cacheable
-def old_log_prob(workers, batch_ref) -> StageResult:
-    """``old_log_probs`` [N, R] of the responses under the current (pre-update) actor weights."""
-    out = workers.get(workers.actor.submit("compute_log_prob", batch_ref))
+def old_log_prob(workers, batch_ref, at_step_start: bool = False) -> StageResult:
+    """``old_log_probs`` [N, R] of the responses under the current (pre-update) actor weights; with
+    ``at_step_start``, under the weights the step started with (separate_async's later mini-batches:
+    decoupled PPO, one π_old per step)."""
+    out = workers.get(workers.actor.submit("compute_log_prob", batch_ref, at_step_start=at_step_start))
     return StageResult(TensorDict({"old_log_probs": out["log_probs"]}, batch_size=out.batch_size))
 
 

@@ -108,6 +108,8 @@ def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_m
         assert row["training/off_policy/trajectory_spans/min"] >= 1
     if "colocate_async" in words[0]:
         assert all("rollout/aborted_requests" in row for row in rows)
+    else:  # two rounds a step, both with the step's first weights as π_old: a forward pass, not the shortcut
+        assert all("training/old_log_prob_skipped" not in row and row["timing_s/old_log_prob"] > 0 for row in rows)
 
 
 MODE_FILE = '''

@@ -168,3 +168,19 @@ def test_response_padding_is_trimmed_without_changing_results(cfg, prompts):
     assert full.shape[1] == batch["responses"].shape[1] + extra
     torch.testing.assert_close(full[:, :-extra], trimmed)
     assert (full[:, -extra:] == 0).all()
+
+
+def test_old_log_probs_at_step_start_come_from_the_kept_weights(cfg, prompts):
+    """separate_async's decoupled PPO: after updates, the step's first weights still give the old log-probs,
+    and the pass leaves the updated weights (and the optimizer's parameters) in place."""
+    actor = ActorWorker(cfg)
+    batch = _trainable_batch(cfg, prompts, actor)
+    actor.snapshot_weights()
+    before = actor.compute_log_prob(batch)["log_probs"]
+    actor.update(batch, step=1)
+    parameters = [id(parameter) for parameter in actor.model.parameters()]
+    after = actor.compute_log_prob(batch)["log_probs"]
+    assert not torch.equal(before, after)
+    assert torch.equal(actor.compute_log_prob(batch, at_step_start=True)["log_probs"], before)
+    assert torch.equal(actor.compute_log_prob(batch)["log_probs"], after)
+    assert [id(parameter) for parameter in actor.model.parameters()] == parameters

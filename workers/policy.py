@@ -73,6 +73,24 @@ class ActorWorker(PolicyModel):
         self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
 
+    def snapshot_weights(self) -> None:
+        """Keep a copy of the current weights: the step's first π_old, for the later mini-batch updates of a
+        separate_async step (verl's CPU weight slot 0 for decoupled PPO)."""
+        self._step_start = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def compute_log_prob(self, batch: TensorDict, *, at_step_start: bool = False) -> TensorDict:
+        """Per-token ``log_probs`` of the responses, [N, R], no gradient; ``at_step_start``: under the weights
+        :meth:`snapshot_weights` kept, loaded in place for the pass and the current ones put back after it
+        (the optimizer's parameters stay the same tensors)."""
+        if not at_step_start:
+            return super().compute_log_prob(batch)
+        current = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        self.model.load_state_dict(self._step_start)
+        try:
+            return super().compute_log_prob(batch)
+        finally:
+            self.model.load_state_dict(current)
+
     def update(self, batch: TensorDict, *, step: int) -> StageResult:
         """PPO epochs over ``batch`` (needs ``advantages``; ``ref_log_probs`` for a KL loss); metrics ``actor/*``.
 
