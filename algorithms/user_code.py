@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +23,12 @@ def import_module(path: str) -> ModuleType:
             raise ValueError(f"no such file {path!r}")
         spec = importlib.util.spec_from_file_location(f"ppoflow_user_{file.stem}_{uuid.uuid4().hex[:8]}", file)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.modules[spec.name] = module  # as an import does: dataclasses and pickling look their module up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
         return module
     except ValueError as error:
         if str(error).startswith("no such file"):

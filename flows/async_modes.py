@@ -29,7 +29,7 @@ from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
 from ppoflow.storage.replay_buffer import load_sampler
-from ppoflow.storage.step_cache.sample_cache import sample_id
+from ppoflow.storage.step_cache.sample_cache import feed_index, sample_id
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ class AsyncTrainer(TrainerMode):
         self.settings = getattr(run.cfg.trainer.v1, self.settings_key)
         self.generating: dict = {}
         """Reference to a prompt group being generated -> the prompt's uid."""
-        self.prompt_columns: dict[str, dict] = {}
-        """uid -> the prompt's data source and ground truth, for its trajectories' columns."""
+        self.prompts: dict[str, int] = {}
+        """uid -> train-set row of every prompt fed and not trained yet."""
         self.dispatch_step = 1
         """The step prompts fed now are dispatched at (the step being trained, or the first)."""
 
@@ -66,18 +66,21 @@ class AsyncTrainer(TrainerMode):
     # -- feeding the rollout --------------------------------------------------------------------------
 
     def feed(self, count: int) -> None:
-        """Send the next ``count`` prompts of the feed to the rollout service, one group each."""
-        run = self.run
+        """Send the next ``count`` prompts of the feed to the rollout service, dispatched now."""
         fed = self.state.feed(count)
         uids = [sample_id(epoch, index) for index, epoch, _ in fed]
-        prompts = run.train_set.batch([row for _, _, row in fed], uids, run.tokenizer.pad_token_id)
-        prompts = with_non_tensor_columns(prompts, {"sample_id": uids})
+        self.prompts.update({uid: row for uid, (_, _, row) in zip(uids, fed)})
         self.buffer.add_prompts(uids, self.dispatch_step)
+        self.submit(uids)
+
+    def submit(self, uids: list[str]) -> None:
+        """Start generating the groups of prompts already in the buffer (as pending), one reference each."""
+        run = self.run
+        prompts = run.train_set.batch([self.prompts[uid] for uid in uids], uids, run.tokenizer.pad_token_id)
+        prompts = with_non_tensor_columns(prompts, {"sample_id": uids})
         sent = prompts.exclude("uid") if run.workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
-        for position, ((index, _, _), uid) in enumerate(zip(fed, uids)):
-            self.prompt_columns[uid] = {name: non_tensor_column(prompts, name)[position]
-                                        for name in NON_TENSOR_FIELDS if name != "uid"}
-            reference = run.workers.rollout.submit_group(sent[position:position + 1], position=index - 1,
+        for position, uid in enumerate(uids):
+            reference = run.workers.rollout.submit_group(sent[position:position + 1], position=feed_index(uid) - 1,
                                                          step=self.dispatch_step, sampling=run.sampling)
             self.generating[reference] = uid
             self.buffer.mark_running(uid)
@@ -102,9 +105,21 @@ class AsyncTrainer(TrainerMode):
     # -- the lifecycle ---------------------------------------------------------------------------------
 
     def on_train_begin(self, steps: range) -> None:
-        """Feed the warm-up batches (verl: ``num_warmup_batches``), dispatched at the first step."""
+        """Feed the warm-up batches (verl: ``num_warmup_batches``), dispatched at the first step; a resumed
+        run dispatches again the prompts that were in flight when its checkpoint was written instead (verl's
+        ``_reissue_inflight_prompts``: their rollout died with the old process)."""
         self.dispatch_step = steps[0] if steps else 1
-        self.feed(self.batch_size * self.settings.num_warmup_batches)
+        in_flight = list(self.buffer.in_flight())
+        if not in_flight:
+            self.feed(self.warmup_prompts)
+            return
+        for uid in in_flight:
+            self.buffer.reissue(uid, self.dispatch_step)
+        self.submit(in_flight)
+
+    @property
+    def warmup_prompts(self) -> int:
+        return self.batch_size * self.settings.num_warmup_batches
 
     def on_step_begin(self, step: StepData) -> None:
         """Feed this step's batch (verl's ``prepare_step``): the rollout stays that far ahead."""
@@ -118,10 +133,12 @@ class AsyncTrainer(TrainerMode):
         result = self.run.stages.run(SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll,
                                      label=f"step={step.step}")
         uids = non_tensor_column(result.fields, "uid")
-        columns = {name: [self.prompt_columns[uid][name] for uid in uids] for name in ("data_source", "ground_truth")}
+        rows = [self.prompts[uid] for uid in uids]
+        columns = {"data_source": [self.run.train_set.data_sources[row] for row in rows],
+                   "ground_truth": [self.run.train_set.ground_truths[row] for row in rows]}
         step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
         for uid in set(uids):
-            del self.prompt_columns[uid]
+            del self.prompts[uid]
 
     def push_weights(self, again: bool = False) -> None:
         """Every replica takes the actor's weights; a replica Ray restarted gets them too."""
@@ -129,9 +146,13 @@ class AsyncTrainer(TrainerMode):
         self.run.workers.rollout.resync_restarted()
 
     def state_dict(self) -> dict:
-        return {}  # what an async run keeps across a restart is issue 15's resume item, not built yet
+        """The buffer (finished groups; prompts in flight, re-issued on resume) and the train-set rows of
+        the prompts not trained yet. Taken between steps, so no trained prompt is in it."""
+        return {"buffer": self.buffer.state_dict(), "prompts": {uid: row for uid, row in self.prompts.items()}}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.prompts = {uid: int(row) for uid, row in state["prompts"].items()}
 
 
 @register_trainer("colocate_async")
@@ -179,9 +200,9 @@ class SeparateAsyncTrainer(AsyncTrainer):
         self.dispatch_step = step.step
         self.feed(self.run.cfg.data.train_batch_size)
 
-    def on_train_begin(self, steps: range) -> None:
-        self.dispatch_step = steps[0] if steps else 1
-        self.feed(self.run.cfg.data.train_batch_size * self.settings.num_warmup_batches)
+    @property
+    def warmup_prompts(self) -> int:
+        return self.run.cfg.data.train_batch_size * self.settings.num_warmup_batches
 
     def on_step_end(self, step: StepData) -> None:
         with step.timed(WEIGHT_SYNC.timing):

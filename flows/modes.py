@@ -25,6 +25,7 @@ named by ``trainer.v1.trainer_module`` is imported first. The async modes live i
 from __future__ import annotations
 
 import logging
+import sys
 from typing import ClassVar
 
 from ppoflow.configs.stages import STAGE_NAMES
@@ -45,12 +46,19 @@ GENERATE, WEIGHT_SYNC = STAGE_NAMES["generate"], STAGE_NAMES["weight_sync"]
 def register_trainer(name: str):
     """Class decorator: make a :class:`TrainerMode` subclass available as ``trainer.mode=<name>``."""
     def register(cls: type[TrainerMode]) -> type[TrainerMode]:
-        if name in TRAINER_MODES:
+        if name in TRAINER_MODES and not _same_definition(TRAINER_MODES[name], cls):
             raise ValueError(f"trainer mode {name!r} is already registered ({TRAINER_MODES[name].__qualname__})")
         cls.name = name
         TRAINER_MODES[name] = cls
         return cls
     return register
+
+
+def _same_definition(registered: type, new: type) -> bool:
+    """Whether ``new`` is ``registered`` defined again: the same class in the same source file (a
+    ``trainer.v1.trainer_module`` imported by a second run in one process), which replaces it."""
+    source = [getattr(sys.modules.get(cls.__module__), "__file__", None) for cls in (registered, new)]
+    return registered.__qualname__ == new.__qualname__ and source[0] is not None and source[0] == source[1]
 
 
 def make_trainer(run: RunContext, state: TrainerState) -> TrainerMode:

@@ -127,6 +127,11 @@ class ReplayBuffer:
             self._trajectories[trajectory_key(uid, session)] = group[session:session + 1]
         tags.update(status="finished", num_trajectories=group.batch_size[0])
 
+    def reissue(self, uid: str, step: int) -> None:
+        """Dispatch an in-flight prompt again at ``step`` (verl's ``_reissue_inflight_prompts`` on resume: its
+        rollout died with the old process, so its span counts from now)."""
+        self._in_flight_tags(uid, "reissue").update(status="pending", dispatch_step=step)
+
     def fail(self, uid: str, reason: str) -> None:
         """Record that the rollout of ``uid`` failed (``reason`` is kept in its tags); the next
         :meth:`sample` of its partition evicts it."""
@@ -230,6 +235,14 @@ class ReplayBuffer:
                 "groups": {uid: concatenate(*(self._trajectories[key] for key in self.trajectory_keys(uid)),
                                             pad_token_id=self.pad_token_id)
                            for uid in self._prompts if self._prompts[uid]["status"] == "finished"}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what :meth:`state_dict` gave (into an empty buffer): finished and failed prompts as they
+        were, pending and running ones ``pending`` (their rollout died with the old process), listed by
+        :meth:`in_flight` for the trainer to :meth:`reissue`. ``ValueError`` when the state does not fit."""
+        if self._prompts:
+            raise ValueError("load_state_dict needs an empty replay buffer")
+        self._restore(state["prompts"], state["groups"])
 
     def save(self, url: str, storage_options: dict | None = None) -> None:
         """Write the buffer under the folder ``url`` (any fsspec URL): one safetensors payload per finished

@@ -168,3 +168,55 @@ def test_a_mode_file_that_does_not_import_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError) as raised:
             check_mode(cfg)
         assert raised.value.problems[0][0] == "trainer.v1.trainer_module" and needle in raised.value.problems[0][1]
+
+
+LEDGER_MODE = '''
+import json
+from ppoflow.flows.async_modes import ColocateAsyncTrainer
+from ppoflow.flows.modes import register_trainer
+from ppoflow.storage.batch import non_tensor_column
+
+@register_trainer("ledger_async")
+class LedgerAsync(ColocateAsyncTrainer):
+    """colocate_async, writing down the prompts each step trains on and what the buffer holds at the end."""
+
+    def note(self, entry):
+        with open({log!r}, "a") as log:
+            log.write(json.dumps(entry) + "\\n")
+
+    def sample(self, step):
+        super().sample(step)
+        self.note({{"step": step.step, "trained": sorted(set(non_tensor_column(step.batch, "uid")))}})
+
+    def on_train_end(self):
+        self.note({{"left": sorted(self.prompts), "fed": self.state.fed}})
+'''
+
+
+def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, tiny_model, tmp_path):
+    """Two steps with a checkpoint, then a resumed run to step four: the prompts in flight at the checkpoint
+    are dispatched again, none is trained twice, and every prompt fed is trained or still in the buffer."""
+    from ppoflow.flows.train import ppo_train
+
+    log = tmp_path / "ledger.jsonl"
+    (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log)))
+    words = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=2",
+             f"trainer.v1.trainer_module={tmp_path}/ledger.py", "trainer.v1.trainer_mode=ledger_async"]
+    for steps in (2, 4):
+        overrides = run_overrides(tiny_model, tmp_path, *words)
+        overrides[overrides.index("trainer.total_training_steps=3")] = f"trainer.total_training_steps={steps}"
+        state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+        assert state.is_completed(), state
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    trained = [entry for entry in entries if "trained" in entry]
+    assert [entry["step"] for entry in trained] == [1, 2, 3, 4]
+    uids = [uid for entry in trained for uid in entry["trained"]]
+    assert len(uids) == len(set(uids)) == 16
+    first_end, end = [entry for entry in entries if "left" in entry]
+    assert set(first_end["left"]).isdisjoint(uids[:8]) and set(end["left"]).isdisjoint(uids)
+    fed = {f"sample_0_{index}" for index in range(1, end["fed"] + 1)}
+    assert set(uids) | set(end["left"]) == fed
+    assert set(first_end["left"]) <= set(uids[8:]) | set(end["left"])  # in flight at the checkpoint: not lost
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["training/off_policy/evicted_samples"] == 0 for row in rows)
