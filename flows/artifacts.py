@@ -7,7 +7,9 @@ Keys are unique per run - ``<slug>-<flow run name>-<what>``, the slug from ``tra
 * ``...-metrics``: a table with one row per step and a readable subset of the metrics;
 * ``...-summary``: a compact page: headline metrics, the reward curve (training score, and validation
   from step 0 on), where the run directory, checkpoint, final model and caches are;
-* ``...-config``: the run's whole config, as YAML, apart from the summary it would drown.
+* ``...-config``: the run's whole config, as YAML, apart from the summary it would drown;
+* ``...-staleness``: the trained samples by staleness (weight updates behind the weights they trained),
+  as a table with bars: what one_step_off and the async modes trade for speed.
 
 ``<slug>-latest`` gets a new version for every run, naming that run and its artifact keys: the latest
 run of an experiment is one click from the Artifacts page.
@@ -23,12 +25,14 @@ import io
 import math
 import re
 
+import torch
 import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 from prefect.context import FlowRunContext
+from tensordict import TensorDict
 
 from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
@@ -64,14 +68,22 @@ class RunArtifacts:
         self.run_name = context.flow_run.name if self.active else ""
         self.prefix = f"{self.slug}-{_key_part(self.run_name)}"
         self.validation_before_training: dict[str, float] = {}
+        self.staleness: dict[int, int] = {}
+        """Trained samples by staleness: how many weight updates older than the newest their newest token is."""
         self.progress_id = None
         if self.active:
             self.progress_id = create_progress_artifact(
                 progress=100.0 * (first_step - 1) / total_steps, key=f"{self.prefix}-progress",
                 description=f"{cfg.trainer.experiment_name} ({self.run_name}): training steps done")
 
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        """Record that ``step`` is done (``metrics`` are that step's; only the progress is published)."""
+    def step(self, step: int, metrics: dict[str, float], batch: TensorDict | None = None) -> None:
+        """Record that ``step`` is done (``metrics`` are that step's; only the progress is published now) and
+        count the staleness of the samples it trained on (``batch``; a replayed batch's is history)."""
+        if batch is not None and "weight_version" in batch.keys() and metrics.get("skip/rollout/hit") != 1.0:
+            newest = batch["max_weight_version"] if "max_weight_version" in batch.keys() else batch["weight_version"]
+            values, counts = torch.unique(step - 1 - newest, return_counts=True)
+            for value, count in zip(values.tolist(), counts.tolist()):
+                self.staleness[value] = self.staleness.get(value, 0) + count
         if self.active:
             update_progress_artifact(artifact_id=self.progress_id, progress=100.0 * step / self.total_steps)
 
@@ -97,6 +109,9 @@ class RunArtifacts:
             config = yaml.safe_dump(config_as_dict(self.cfg), sort_keys=False)
             create_markdown_artifact(markdown=f"```yaml\n{config.rstrip()}\n```", key=f"{self.prefix}-config",
                                      description=f"{name}: config")
+            if self.staleness:
+                create_markdown_artifact(markdown=staleness_histogram(self.staleness), key=f"{self.prefix}-staleness",
+                                         description=f"{name}: staleness of the trained samples")
             create_markdown_artifact(markdown=self.pointer(), key=f"{self.slug}-latest",
                                      description=f"{self.cfg.trainer.experiment_name}: the latest run")
         return png_url
@@ -129,6 +144,21 @@ class RunArtifacts:
         """The ``<slug>-latest`` markdown: which run is the experiment's latest, and its artifact keys."""
         return "\n".join([f"# {self.cfg.trainer.experiment_name}: latest run `{self.run_name}`", "",
                            *(f"* {what}: `{self.prefix}-{what}`" for what in ("summary", "metrics", "config"))])
+
+
+def staleness_histogram(counts: dict[int, int], width: int = 40) -> str:
+    """Markdown: the trained samples by staleness (0: sampled with the newest weights), as a table with a
+    bar per row; what the off-policy modes trade for their speed, at a glance."""
+    total = sum(counts.values())
+    widest = max(counts.values())
+    lines = ["# Staleness of the trained samples", "",
+             "Weight updates between the weights a sample's newest token was drawn with and the weights it "
+             f"trained (verl's `trajectory_staleness`); {total} samples.", "",
+             "| staleness | samples | share | |", "|---|---|---|---|"]
+    for value in range(min(counts), max(counts) + 1):
+        count = counts.get(value, 0)
+        lines.append(f"| {value} | {count} | {count / total:.1%} | {'█' * round(width * count / widest)} |")
+    return "\n".join(lines)
 
 
 def metrics_table(rows: list[dict]) -> list[dict]:

@@ -157,7 +157,7 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                 step.metrics.update(val_metrics)
                 note(validation_line(step.step, val_metrics, samples))
             tracker.log(step.step, step.metrics)
-            artifacts.step(step.step, step.metrics)
+            artifacts.step(step.step, step.metrics, step.batch)
             if save_freq > 0 and (step.step % save_freq == 0 or last):
                 directory = save_checkpoint(cfg, run.workers, step.step,
                                             {"trainer": state.state_dict(), "mode": mode.state_dict()})

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import time
 
+import torch
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.runtime import flow_run
+from tensordict import TensorDict
 
 from ppoflow.configs import load_config
 from ppoflow.flows.artifacts import RunArtifacts, reward_figure
@@ -27,6 +29,10 @@ ROWS = [
 ]
 
 
+VERSIONS = [([0, 0, 0], [0, 0, 0]), ([0, 0, 1], [0, 1, 1]), ([0, 1, 2], [0, 1, 2])]
+"""Per step, the oldest and newest weight versions of three samples: staleness 0,0,0 | 1,0,0 | 2,1,0."""
+
+
 def config(tmp_path):
     return load_config("grpo_tiny", ["trainer.experiment_name=Art Test_1", f"trainer.default_local_dir={tmp_path}/run"])
 
@@ -35,8 +41,9 @@ def config(tmp_path):
 def publish(cfg) -> tuple[str, str]:
     artifacts = RunArtifacts(cfg, total_steps=3)
     artifacts.validated_before_training({"val-core/copy/reward/mean@1": 0.125})
-    for row in ROWS:
-        artifacts.step(row["step"], row)
+    for row, (oldest, newest) in zip(ROWS, VERSIONS):
+        artifacts.step(row["step"], row, TensorDict({"weight_version": torch.tensor(oldest),
+                                                     "max_weight_version": torch.tensor(newest)}, batch_size=[3]))
     png = artifacts.finish(ROWS, checkpoint=f"{cfg.trainer.default_local_dir}/global_step_2",
                            final_model=f"{cfg.trainer.default_local_dir}/global_step_3/actor/huggingface",
                            caches=["/caches/rollout", "/caches/reward"])
@@ -45,7 +52,7 @@ def publish(cfg) -> tuple[str, str]:
 
 def read_back(flow_run_id: str) -> dict:
     """The flow run's artifacts by key (polled briefly: they reach the API asynchronously)."""
-    wanted = {f"{SLUG}-progress", f"{SLUG}-metrics", f"{SLUG}-summary", f"{SLUG}-config", LATEST}
+    wanted = {f"{SLUG}-progress", f"{SLUG}-metrics", f"{SLUG}-summary", f"{SLUG}-config", f"{SLUG}-staleness", LATEST}
     with get_client(sync_client=True) as client:
         for _ in range(50):
             found = {artifact.key: artifact for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -76,6 +83,8 @@ def test_a_run_publishes_progress_table_summary_and_reward_curve(prefect_api, tm
     assert "```yaml" not in summary and "<details>" not in summary
     assert "```yaml" in found[f"{SLUG}-config"].data
     assert "latest run `art-run`" in found[LATEST].data
+    staleness = found[f"{SLUG}-staleness"].data
+    assert "| 0 | 6 | 66.7% |" in staleness and "| 1 | 2 | 22.2% |" in staleness and "| 2 | 1 | 11.1% |" in staleness
 
     assert png == f"{tmp_path}/run/reward_curve.png"
     assert (tmp_path / "run" / "reward_curve.png").read_bytes().startswith(PNG_SIGNATURE)

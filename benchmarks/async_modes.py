@@ -1,0 +1,88 @@
+"""Trained samples per second of the four trainer modes on one long-tailed workload, in one run.
+
+The workload: the 10.5M-parameter Llama of ``workloads.py``'s ``larger`` workload, randomly initialised
+and trained with a learning rate too small to change it, so that its responses keep the spread of a
+random model's (it ends a response with probability about 1/32 per token: lengths from 1 to the 64-token
+budget, a few times longer than the median) and every mode sees the same workload. The rollout service
+(one replica) generates, with one CPU of its own; the actor has one. Each mode trains ``--steps`` steps
+of 8 prompts x 4 samples through Prefect and Ray as ``ppoflow train`` runs it (separate_async with
+``parameter_sync_step=2``: two 4-prompt updates per step).
+
+Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
+all steps but the first two), its ratio to ``sync`` measured in the same run, the mean and maximum
+response length, and the staleness of the trained samples (``training/off_policy/trajectory_staleness``:
+how many weight updates behind the newest weights they were sampled with).
+
+    python benchmarks/async_modes.py [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from workloads import WORKLOADS, built_in  # noqa: E402 (benchmarks/ is the script's folder)
+
+WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=64", "actor_rollout_ref.model.build.max_position_embeddings=128",
+            "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1.0e-9",
+            "actor_rollout_ref.rollout.mode=async", "trainer.test_freq=-1", "trainer.logger=[]", "trainer.save_freq=-1"]
+MODES = {
+    "sync": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    "one_step_off": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    "colocate_async": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    "separate_async": ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.separate_async.parameter_sync_step=2"],
+}
+SKIPPED = 2
+"""Leading steps left out of the rates (start-up, the first batch that nothing could overlap)."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+
+    import ray
+
+    from ppoflow.flows.tracking import read_metrics
+    from ppoflow.flows.train import ppo_train
+
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for mode, words in MODES.items():
+            run_dir = f"{scratch}/{mode}"
+            ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + words + [
+                f"trainer.mode={mode}", f"trainer.total_training_steps={args.steps}",
+                f"trainer.default_local_dir={run_dir}"])
+            rows = read_metrics(run_dir)[SKIPPED:]
+            seconds = sum(row["timing_s/step"] for row in rows)
+            samples = len(rows) * 8 * 4
+            staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
+            results[mode] = {"samples_per_s": samples / seconds,
+                             "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
+                             "response_length_max": max(row["response_length/max"] for row in rows),
+                             "staleness_mean": sum(staleness) / len(staleness),
+                             "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0)
+                                                  for row in rows)}
+    ray.shutdown()
+    baseline = results["sync"]["samples_per_s"]
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} steps per mode, "
+          f"the first {SKIPPED} left out")
+    print("| mode | trained samples/s | vs sync | response length mean / max | staleness mean / max |\n"
+          "|---|---|---|---|---|")
+    for mode, row in results.items():
+        print(f"| {mode} | {row['samples_per_s']:.2f} | {row['samples_per_s'] / baseline:.2f}x | "
+              f"{row['response_length_mean']:.1f} / {row['response_length_max']:.0f} | "
+              f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} |")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
