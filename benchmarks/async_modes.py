@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import tempfile
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workloads import WORKLOADS, built_in  # noqa: E402 (benchmarks/ is the script's folder)
+from workloads import WORKLOADS, built_in, start_local_ray  # noqa: E402 (benchmarks/ is the script's folder)
 
 WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=64", "actor_rollout_ref.model.build.max_position_embeddings=128",
             "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1.0e-9",
@@ -42,38 +41,32 @@ SKIPPED = 2
 """Leading steps left out of the rates (start-up, the first batch that nothing could overlap)."""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
-
-    import ray
-
+def trained(mode: str, scratch: str, steps: int) -> dict[str, float]:
+    """Run ``mode`` on the workload; its rate and the lengths and staleness of what it trained on."""
     from ppoflow.flows.tracking import read_metrics
     from ppoflow.flows.train import ppo_train
 
-    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    results = {}
+    run_dir = f"{scratch}/{mode}"
+    ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + MODES[mode] + [
+        f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"])
+    rows = read_metrics(run_dir)[SKIPPED:]
+    staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
+    return {"samples_per_s": len(rows) * 8 * 4 / sum(row["timing_s/step"] for row in rows),
+            "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
+            "response_length_max": max(row["response_length/max"] for row in rows),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0) for row in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    steps = parser.parse_args().steps
+    start_local_ray()
     with tempfile.TemporaryDirectory() as scratch:
-        for mode, words in MODES.items():
-            run_dir = f"{scratch}/{mode}"
-            ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + words + [
-                f"trainer.mode={mode}", f"trainer.total_training_steps={args.steps}",
-                f"trainer.default_local_dir={run_dir}"])
-            rows = read_metrics(run_dir)[SKIPPED:]
-            seconds = sum(row["timing_s/step"] for row in rows)
-            samples = len(rows) * 8 * 4
-            staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
-            results[mode] = {"samples_per_s": samples / seconds,
-                             "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
-                             "response_length_max": max(row["response_length/max"] for row in rows),
-                             "staleness_mean": sum(staleness) / len(staleness),
-                             "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0)
-                                                  for row in rows)}
-    ray.shutdown()
+        results = {mode: trained(mode, scratch, steps) for mode in MODES}
     baseline = results["sync"]["samples_per_s"]
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} steps per mode, "
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {steps} steps per mode, "
           f"the first {SKIPPED} left out")
     print("| mode | trained samples/s | vs sync | response length mean / max | staleness mean / max |\n"
           "|---|---|---|---|---|")

@@ -4,6 +4,7 @@ training loop on one of them with or without Ray and Prefect."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 
 WORKLOADS = {
@@ -12,6 +13,15 @@ WORKLOADS = {
                "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
                "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
 }
+
+
+def start_local_ray() -> None:
+    """A local Ray for a benchmark's runs (4 logical CPUs on any machine, no dashboard, the workers' logs
+    off the console), with Prefect's per-task-run lines quieted."""
+    import ray
+
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 def built_in(scratch: str, name: str, *, validation: bool = False) -> list[str]:
