@@ -176,7 +176,7 @@ from ppoflow.flows.async_modes import ColocateAsyncTrainer
 from ppoflow.flows.modes import register_trainer
 from ppoflow.storage.batch import non_tensor_column
 
-@register_trainer("ledger_async")
+@register_trainer({name!r})
 class LedgerAsync(ColocateAsyncTrainer):
     """colocate_async, writing down the prompts each step trains on and what the buffer holds at the end."""
 
@@ -199,7 +199,7 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
     from ppoflow.flows.train import ppo_train
 
     log = tmp_path / "ledger.jsonl"
-    (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log)))
+    (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log), name="ledger_async"))
     words = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=2",
              f"trainer.v1.trainer_module={tmp_path}/ledger.py", "trainer.v1.trainer_mode=ledger_async"]
     for steps in (2, 4):

@@ -1,13 +1,15 @@
 """The kill/resume sweep: ``ppoflow train`` SIGKILLed at many moments (between steps, in the middle of a
 generation, of an update, of a checkpoint, of one_step_off's in-flight batch, twice in a row), in both
 modes, then started again: every run resumes from its newest complete checkpoint and ends with every
-step's metrics identical to an uninterrupted run's.
+step's metrics identical to an uninterrupted run's; and colocate_async killed at three of those moments,
+which must train every prompt it fed once (its batches depend on timing, so its metrics cannot match).
 
 Slow (a few minutes): left out of the default run, run by ``scripts/reliability.sh``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -119,3 +121,37 @@ def test_killed_at_any_moment_resumes_to_the_same_run(prefect_api, ray_local, st
     resumed = rows_by_step(run)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert_same_steps(reference[mode], resumed, range(1, STEPS + 1))
+
+
+ASYNC_MOMENTS = ("between steps", "mid update", "mid checkpoint state")
+
+
+@pytest.mark.parametrize("moment", ASYNC_MOMENTS)
+def test_a_killed_async_run_trains_every_prompt_once(prefect_api, ray_local, tiny_model, tmp_path, moment):
+    """colocate_async killed at ``moment`` and resumed: of the steps that count (a step trained again after
+    the kill replaces the killed run's), no prompt is trained twice, and every prompt fed is trained or
+    still in the buffer at the end. The ledger mode writes down what each step trains."""
+    from tests.conftest import small_run
+    from tests.test_async_modes import LEDGER_MODE
+
+    log = tmp_path / "ledger.jsonl"
+    name = f"ledger_async_{ASYNC_MOMENTS.index(moment)}"  # a mode name per file: one process runs every case
+    (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log), name=name))
+    words = [w for w in small_run(tiny_model, tmp_path) if not w.startswith(("trainer.", "data.val_files"))] + [
+        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1", "actor_rollout_ref.rollout.mode=async", f"trainer.v1.trainer_module={tmp_path}/ledger.py",
+        f"trainer.v1.trainer_mode={name}"]
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    run = tmp_path / "run"
+    assert kill_at(MOMENTS[moment], words, run, env), f"the run ended before the moment {moment!r}"
+    state = ppo_train(config="grpo_tiny", overrides=words + [f"trainer.default_local_dir={run}"], return_state=True)
+    assert state.is_completed(), state
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    counted = {entry["step"]: entry["trained"] for entry in entries if "trained" in entry}  # the last one per step
+    assert sorted(counted) == list(range(1, STEPS + 1))
+    uids = [uid for step in sorted(counted) for uid in counted[step]]
+    assert len(uids) == len(set(uids)) == STEPS * 4
+    (end,) = [entry for entry in entries if "left" in entry]
+    assert set(uids).isdisjoint(end["left"])
+    assert set(uids) | set(end["left"]) == {f"sample_0_{index}" for index in range(1, end["fed"] + 1)}
+    assert sorted(rows_by_step(run)) == list(range(1, STEPS + 1))
