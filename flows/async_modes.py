@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from ppoflow.configs.stages import STAGE_NAMES
+from ppoflow.configs.stages import SAMPLE_CACHE_KEY, STAGE_NAMES
 from ppoflow.flows.modes import TrainerMode, register_trainer
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
@@ -67,6 +67,8 @@ class AsyncTrainer(TrainerMode):
 
     def feed(self, count: int) -> None:
         """Send the next ``count`` prompts of the feed to the rollout service, dispatched now."""
+        if count == 0:
+            return
         fed = self.state.feed(count)
         uids = [sample_id(epoch, index) for index, epoch, _ in fed]
         self.prompts.update({uid: row for uid, (_, _, row) in zip(uids, fed)})
@@ -119,7 +121,19 @@ class AsyncTrainer(TrainerMode):
 
     @property
     def warmup_prompts(self) -> int:
-        return self.batch_size * self.settings.num_warmup_batches
+        """Prompts fed before the first step: ``num_warmup_batches`` batches, or none when the samples are
+        cached (``skip.async_rollout``): then every step feeds and trains exactly its own batch, so which
+        groups a step trains does not depend on which finished first, and a run that replays its samples
+        trains exactly as the run that recorded them (verl skips the warm-up under its V1 skip too)."""
+        if self.replayable:
+            return 0
+        return self.run.cfg.data.train_batch_size * self.settings.num_warmup_batches
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the run caches its samples (``skip.async_rollout``), and so must train deterministically."""
+        cache = self.run.cfg.skip.get(SAMPLE_CACHE_KEY)
+        return cache is not None and cache.enable
 
     def on_step_begin(self, step: StepData) -> None:
         """Feed this step's batch (verl's ``prepare_step``): the rollout stays that far ahead."""
@@ -131,7 +145,7 @@ class AsyncTrainer(TrainerMode):
     def sample(self, step: StepData) -> None:
         """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
         result = self.run.stages.run(SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll,
-                                     label=f"step={step.step}")
+                                     self.replayable, label=f"step={step.step}")
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
         columns = {"data_source": [self.run.train_set.data_sources[row] for row in rows],
@@ -199,10 +213,6 @@ class SeparateAsyncTrainer(AsyncTrainer):
         """Feed this step's prompts: ``parameter_sync_step`` mini-batches of them."""
         self.dispatch_step = step.step
         self.feed(self.run.cfg.data.train_batch_size)
-
-    @property
-    def warmup_prompts(self) -> int:
-        return self.run.cfg.data.train_batch_size * self.settings.num_warmup_batches
 
     def on_step_end(self, step: StepData) -> None:
         with step.timed(WEIGHT_SYNC.timing):

@@ -173,7 +173,7 @@ class TrainerMode:
             return
         collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
         version = self.synced_version if again else self.state.weight_version
-        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again, label=f"version={version}")
+        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again, version, label=f"version={version}")
         if not again:
             self.synced_version = self.state.weight_version
 

@@ -165,7 +165,8 @@ class ReplayBuffer:
     # -- the trainer's side -----------------------------------------------------------------
 
     def sample(self, step: int, batch_size: int, *, partition: str = "train", poll: Callable[[float], None],
-               poll_interval_s: float = 0.05, timeout_s: float | None = None) -> tuple[TensorDict, dict[str, float]]:
+               poll_interval_s: float = 0.05, timeout_s: float | None = None,
+               in_order: bool = False) -> tuple[TensorDict, dict[str, float]]:
         """The ``batch_size`` oldest finished groups of ``partition`` for training step ``step``, and the metrics.
 
         Loops as verl's ``ReplayBufferAsync.sample``: evict (failed groups; under ``drop`` also train groups
@@ -182,6 +183,10 @@ class ReplayBuffer:
         come back even if fewer than ``batch_size`` (``RuntimeError`` if none), since nothing more can arrive.
 
         ``timeout_s`` (None: wait forever) raises ``TimeoutError`` saying how many groups were found.
+
+        ``in_order`` takes the ``batch_size`` oldest prompts whatever their status, waiting until all of them
+        are finished: which groups a step trains then never depends on which finished first (a run that
+        replays cached samples must train exactly as the run that recorded them).
         """
         check_partition(partition)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -197,6 +202,10 @@ class ReplayBuffer:
             if partition == "train" and evicted and self.refill is not None:
                 self.refill(evicted)
             ready = self._finished_uids(partition)
+            if in_order:
+                queue = sorted((uid for uid, tags in self._prompts.items() if tags["partition"] == partition),
+                               key=lambda uid: self._prompts[uid]["dispatch_step"])[:batch_size]
+                ready = queue if all(self._prompts[uid]["status"] == "finished" for uid in queue) else []
             blocking = self._blocking_uids(step) if partition == "train" else []
             if len(ready) >= batch_size and not blocking:
                 break

@@ -14,10 +14,11 @@ from ppoflow.storage.batch import StageResult
 
 
 @task(name="weight_sync", cache_policy=NO_CACHE)
-def weight_sync(workers, collective: bool, again: bool = False) -> StageResult:
-    """Move the actor's current weights into the rollout worker (which then stamps their version on what
-    it samples); ``again``: the weights pushed last time (a restarted rollout worker lost them)."""
-    update = workers.actor.submit("prepare_weights", again=again)
+def weight_sync(workers, collective: bool, again: bool = False, version: int | None = None) -> StageResult:
+    """Move the actor's current weights into the rollout worker (which then stamps ``version`` - the
+    trainer's weight version - on what it samples); ``again``: the weights pushed last time (a restarted
+    rollout worker lost them)."""
+    update = workers.actor.submit("prepare_weights", again=again, version=version)
     applied = workers.rollout.submit("apply_weights", update)
     if collective:
         workers.get([workers.actor.submit("broadcast_weights", update), applied])

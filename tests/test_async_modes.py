@@ -220,3 +220,26 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
     rows = read_metrics(str(tmp_path / "run"))
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(row["training/off_policy/evicted_samples"] == 0 for row in rows)
+
+
+def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_local, tiny_model, tmp_path):
+    """separate_async (two rounds a step) with every sample cached (``skip.async_rollout``): a second run
+    replays them all and trains exactly as the first did - each step takes its own prompts in feed order,
+    never the first to finish."""
+    from ppoflow.flows.train import ppo_train
+
+    words = ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
+             "skip.async_rollout.enable=true", f"skip.async_rollout.dump_dir={tmp_path}/samples",
+             "skip.async_rollout.steps=[1,2,3,4,5,6,7,8,9,10,11,12]"]
+    runs = []
+    for name in ("recorded", "replayed"):
+        overrides = [*run_overrides(tiny_model, tmp_path, *words), f"trainer.default_local_dir={tmp_path}/{name}"]
+        state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+        assert state.is_completed(), state
+        runs.append(read_metrics(str(tmp_path / name)))
+    recorded, replayed = runs
+    assert [row["skip/async_rollout/hit"] for row in recorded] == [0.0] * 3
+    assert [row["skip/async_rollout/hit"] for row in replayed] == [1.0] * 3
+    for name in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert [row[name] for row in replayed] == [row[name] for row in recorded], name

@@ -115,6 +115,25 @@ def test_sample_takes_the_oldest_groups_first_with_group_index_and_uid():
         buffer.status("old")
 
 
+def test_in_order_waits_for_the_oldest_prompts_not_the_first_finished():
+    """Replay needs the same groups whatever finishes first: ``in_order`` takes the oldest prompts in feed
+    order once they are all finished, where the default takes the oldest of those already finished."""
+    buffer = ReplayBuffer(pad_token_id=0)
+    buffer.add_prompts(["a", "b", "c", "d"], 1)
+    buffer.finish("c", make_group(3))
+    buffer.finish("d", make_group(4))
+    polls = []
+
+    def poll(interval_s: float) -> None:  # "a" and "b" land later
+        polls.append(interval_s)
+        buffer.finish(["a", "b"][len(polls) - 1], make_group(len(polls)))
+
+    batch, _ = buffer.sample(1, 2, poll=poll, in_order=True)
+    assert non_tensor_column(batch, "uid") == ["a", "a", "b", "b"] and len(polls) == 2
+    batch, _ = buffer.sample(1, 2, poll=no_poll)
+    assert non_tensor_column(batch, "uid") == ["c", "c", "d", "d"]
+
+
 def test_groups_of_different_sizes_and_prompt_widths_concatenate():
     buffer = ReplayBuffer(pad_token_id=PAD)
     buffer.add_prompts(["narrow", "wide"], 1)

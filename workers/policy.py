@@ -156,11 +156,13 @@ class ActorWorker(PolicyModel):
         """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
         save_pretrained(self.model, load_tokenizer(self.model_config), url)
 
-    def prepare_weights(self, again: bool = False) -> WeightUpdate:
-        """Lay out (and, through the object store, publish) the current weights for the rollout worker;
-        ``again``: the weights pushed last time instead, whole (for a restarted rollout worker)."""
-        update, self._outgoing = self.sender.prepare_again() if again else self.sender.prepare(self.model,
-                                                                                               self.weight_version)
+    def prepare_weights(self, again: bool = False, version: int | None = None) -> WeightUpdate:
+        """Lay out (and, through the object store, publish) the current weights for the rollout worker,
+        stamped ``version`` (the trainer's count of steps; default: this worker's count of updates, the same
+        unless a step makes several, as separate_async does); ``again``: the weights pushed last time
+        instead, whole (for a restarted rollout worker)."""
+        version = self.weight_version if version is None else version
+        update, self._outgoing = self.sender.prepare_again() if again else self.sender.prepare(self.model, version)
         return update
 
     def broadcast_weights(self, update: WeightUpdate) -> None:
