@@ -2,11 +2,11 @@
 
 The workload: the 10.5M-parameter Llama of ``workloads.py``'s ``larger`` workload, randomly initialised
 and trained with a learning rate too small to change it, so that its responses keep the spread of a
-random model's (it ends a response with probability about 1/32 per token: lengths from 1 to the 64-token
-budget, a few times longer than the median) and every mode sees the same workload. The rollout service
+random model's (it ends a response with probability about 1/32 per token: lengths from 1 to the
+112-token budget, the longest of a batch several times the median) and every mode sees the same workload. The rollout service
 (one replica) generates, with one CPU of its own; the actor has one. Each mode trains ``--steps`` steps
-of 8 prompts x 4 samples through Prefect and Ray as ``ppoflow train`` runs it (separate_async with
-``parameter_sync_step=2``: two 4-prompt updates per step).
+of 8 prompts x 4 samples through Prefect and Ray as ``ppoflow train`` runs it; separate_async runs twice,
+with one update per weight push and with ``parameter_sync_step=2`` (two 4-prompt updates per step).
 
 Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
 all steps but the first two), its ratio to ``sync`` measured in the same run, the mean and maximum
@@ -28,26 +28,33 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from workloads import WORKLOADS, built_in, start_local_ray  # noqa: E402 (benchmarks/ is the script's folder)
 
-WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=64", "actor_rollout_ref.model.build.max_position_embeddings=128",
+WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=112", "actor_rollout_ref.model.build.max_position_embeddings=128",
             "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1.0e-9",
             "actor_rollout_ref.rollout.mode=async", "trainer.test_freq=-1", "trainer.logger=[]", "trainer.save_freq=-1"]
+WHOLE_BATCH = ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
 MODES = {
-    "sync": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
-    "one_step_off": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
-    "colocate_async": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
-    "separate_async": ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.separate_async.parameter_sync_step=2"],
+    "sync": ("sync", WHOLE_BATCH),
+    "one_step_off": ("one_step_off", WHOLE_BATCH),
+    "colocate_async": ("colocate_async", WHOLE_BATCH),
+    "separate_async": ("separate_async", [*WHOLE_BATCH, "trainer.v1.separate_async.parameter_sync_step=1"]),
+    "separate_async P=2": ("separate_async", ["actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                             "trainer.v1.separate_async.parameter_sync_step=2"]),
 }
+"""Label -> (trainer mode, its overrides). separate_async with one update per weight push, and with two
+(``parameter_sync_step=2``: the second update's old log-probs need a forward pass of their own)."""
 SKIPPED = 2
 """Leading steps left out of the rates (start-up, the first batch that nothing could overlap)."""
 
 
-def trained(mode: str, scratch: str, steps: int) -> dict[str, float]:
-    """Run ``mode`` on the workload; its rate and the lengths and staleness of what it trained on."""
+def trained(label: str, scratch: str, steps: int) -> dict[str, float]:
+    """Run the mode ``label`` names on the workload; its rate and the lengths and staleness of what it
+    trained on."""
     from ppoflow.flows.tracking import read_metrics
     from ppoflow.flows.train import ppo_train
 
-    run_dir = f"{scratch}/{mode}"
-    ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + MODES[mode] + [
+    mode, words = MODES[label]
+    run_dir = f"{scratch}/{label.replace(' ', '_')}"
+    ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + words + [
         f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"])
     rows = read_metrics(run_dir)[SKIPPED:]
     staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
@@ -64,7 +71,7 @@ def main() -> None:
     steps = parser.parse_args().steps
     start_local_ray()
     with tempfile.TemporaryDirectory() as scratch:
-        results = {mode: trained(mode, scratch, steps) for mode in MODES}
+        results = {label: trained(label, scratch, steps) for label in MODES}
     baseline = results["sync"]["samples_per_s"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {steps} steps per mode, "
           f"the first {SKIPPED} left out")
