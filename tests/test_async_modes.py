@@ -86,6 +86,7 @@ def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
             f"trainer.default_local_dir={tmp_path}/run", *words]
 
 
+@pytest.mark.slow  # the default run covers both modes in the resume and replay tests below
 @pytest.mark.parametrize("words", [
     ["trainer.v1.trainer_mode=colocate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
     ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -219,7 +220,10 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
     assert set(first_end["left"]) <= set(uids[8:]) | set(end["left"])  # in flight at the checkpoint: not lost
     rows = read_metrics(str(tmp_path / "run"))
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert all(row["training/off_policy/evicted_samples"] == 0 for row in rows)
+    for row in rows:  # within the default threshold (8), and the replicas slept while the actor trained
+        assert row["training/off_policy/evicted_samples"] == 0 and "rollout/aborted_requests" in row
+        assert 0 <= row["training/off_policy/trajectory_staleness/min"]
+        assert row["training/off_policy/trajectory_staleness_worst/max"] <= 8
 
 
 def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_local, tiny_model, tmp_path):
@@ -243,3 +247,6 @@ def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_lo
     assert [row["skip/async_rollout/hit"] for row in replayed] == [1.0] * 3
     for name in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert [row[name] for row in replayed] == [row[name] for row in recorded], name
+    for row in recorded:  # two rounds a step, both with the step's first weights as π_old: a forward pass
+        assert "training/old_log_prob_skipped" not in row and row["timing_s/old_log_prob"] > 0
+        assert row["training/off_policy/trajectory_staleness/max"] == 0  # no warm-up: each step its own prompts
