@@ -60,7 +60,7 @@ class AsyncTrainer(TrainerMode):
 
     @property
     def batch_size(self) -> int:
-        """Prompt groups per sample."""
+        """Prompt groups per sample (per update)."""
         return self.run.cfg.data.train_batch_size
 
     # -- feeding the rollout --------------------------------------------------------------------------
@@ -136,11 +136,13 @@ class AsyncTrainer(TrainerMode):
         return cache is not None and cache.enable
 
     def on_step_begin(self, step: StepData) -> None:
-        """Feed this step's batch (verl's ``prepare_step``): the rollout stays that far ahead."""
+        """Feed this step's prompts, ``train_batch_size`` of them (verl's ``prepare_step``): the rollout
+        stays that far ahead."""
         self.dispatch_step = step.step
-        self.feed(self.batch_size)
+        self.feed(self.run.cfg.data.train_batch_size)
 
-    def on_sample_begin(self, step: StepData) -> None: ...
+    def on_sample_begin(self, step: StepData) -> None:
+        """Nothing to start: the rollout was fed in ``on_step_begin`` and generates on its own."""
 
     def sample(self, step: StepData) -> None:
         """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
@@ -165,6 +167,7 @@ class AsyncTrainer(TrainerMode):
         return {"buffer": self.buffer.state_dict(), "prompts": {uid: row for uid, row in self.prompts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back a checkpoint's buffer and prompts; ``on_train_begin`` dispatches those in flight again."""
         self.buffer.load_state_dict(state["buffer"])
         self.prompts = {uid: int(row) for uid, row in state["prompts"].items()}
 
@@ -201,6 +204,7 @@ class SeparateAsyncTrainer(AsyncTrainer):
 
     @property
     def updates_per_step(self) -> int:
+        """``parameter_sync_step``: sample-and-update rounds between two weight pushes."""
         return self.settings.parameter_sync_step
 
     def on_sample_begin(self, step: StepData) -> None:
@@ -209,11 +213,7 @@ class SeparateAsyncTrainer(AsyncTrainer):
         if step.round == 0 and self.updates_per_step > 1:
             self.run.workers.get(self.run.workers.actor.submit("snapshot_weights"))
 
-    def on_step_begin(self, step: StepData) -> None:
-        """Feed this step's prompts: ``parameter_sync_step`` mini-batches of them."""
-        self.dispatch_step = step.step
-        self.feed(self.run.cfg.data.train_batch_size)
-
     def on_step_end(self, step: StepData) -> None:
+        """Push the step's weights; the replicas load them between two decoding steps and go on."""
         with step.timed(WEIGHT_SYNC.timing):
             self.push_weights()
