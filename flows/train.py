@@ -195,7 +195,7 @@ def ppo_train(
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
     experiment_name: Optional[str] = None,
     total_training_steps: Annotated[Optional[int], Field(ge=1)] = None,
-    mode: Optional[Literal["sync", "one_step_off"]] = None,
+    mode: Optional[Literal["sync", "one_step_off", "colocate_async", "separate_async"]] = None,
 ) -> dict[str, float]:
     """Train a policy with PPO/GRPO.
 
@@ -207,7 +207,8 @@ def ppo_train(
         overrides: key=value overrides, one per row, e.g. actor_rollout_ref.rollout.n=4 or skip.rollout.steps=[1,2].
         experiment_name: trainer.experiment_name (names the run and cache directories); blank: the config's.
         total_training_steps: trainer.total_training_steps; blank: the config's.
-        mode: trainer.mode: sync, or one_step_off (generation overlaps the update); blank: the config's.
+        mode: trainer.mode: sync, one_step_off (generation overlaps the update), or verl's V1 colocate_async or
+            separate_async (a replay buffer; they need actor_rollout_ref.rollout.mode=async); blank: the config's.
     """
     typed = {"trainer.experiment_name": experiment_name, "trainer.total_training_steps": total_training_steps,
              "trainer.mode": mode}

@@ -63,14 +63,17 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
         replay = deployments["regression-replay/regression-replay"]
         assert [schedule.schedule.cron for schedule in replay.schedules] == ["0 3 * * *"]
         form = deployments["ppo-train/ppo-train"].parameter_openapi_schema["properties"]
-        assert form["mode"]["anyOf"][0]["enum"] == ["sync", "one_step_off"] and form["overrides"]["description"]
+        assert form["mode"]["anyOf"][0]["enum"] == ["sync", "one_step_off", "colocate_async", "separate_async"]
+        assert form["overrides"]["description"]
 
         run = run_deployment("ppo-train/ppo-train", timeout=600, poll_interval=1, parameters={
             "overrides": small + [f"trainer.default_local_dir={tmp_path}/ui-run"], "total_training_steps": 2,
             "experiment_name": "from-the-ui", "mode": "one_step_off"})
         assert run.state.is_completed(), run.state
-        assert {"ppoflow-from-the-ui-progress", "ppoflow-from-the-ui-metrics", "ppoflow-from-the-ui-summary"} \
-            <= artifact_keys(run.id)
+        keys = artifact_keys(run.id)  # <project>-<experiment>-<flow run name>-<what>, and the experiment's -latest
+        assert "ppoflow-from-the-ui-latest" in keys
+        for what in ("progress", "metrics", "summary", "config"):
+            assert any(key.startswith("ppoflow-from-the-ui-") and key.endswith(f"-{what}") for key in keys), (what, keys)
         assert (tmp_path / "ui-run" / "reward_curve.png").exists()
 
         with pytest.raises(Exception, match="total_training_steps"):  # the server validates the form's constraints
