@@ -3,6 +3,7 @@ S3 storage, what a lookup refuses, and a run that replays part of its samples an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 import uuid
@@ -175,3 +176,25 @@ def test_the_sample_cache_needs_the_rollout_service():
             "actor_rollout_ref.rollout.mode=async") in raised.value.problems
     load_config("grpo_tiny", ["skip.async_rollout.enable=true", "skip.async_rollout.steps=[1]",
                               "actor_rollout_ref.rollout.mode=async"])
+
+
+def test_a_replayed_group_stands_in_for_a_fresh_one(tiny_model, tmp_path):
+    """A group recorded under weight version 4 and replayed while the replicas serve version 9 carries 9 as
+    both its oldest and its newest version (its marker keeps 4), so spans and staleness count it as fresh."""
+    from ppoflow.configs import load_config
+    from ppoflow.workers.rollout import SamplingParams
+    from ppoflow.workers.rollout_service import AgentLoopWorker
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async",
+                                    "actor_rollout_ref.rollout.n=2", "data.max_response_length=6",
+                                    "skip.async_rollout.enable=true", f"skip.async_rollout.dump_dir={tmp_path}",
+                                    "skip.async_rollout.steps=[1]"])
+    worker = AgentLoopWorker(cfg, replicas=[])  # a hit never reaches a replica
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=6, seed=3)
+    worker.sample_cache.dump("sample_0_1", [3, 4], sampling.as_dict(), multi_turn_group([3, 4]), meta={})
+    group, outcome = asyncio.run(worker.group([3, 4], "single_turn_agent", sampling, step=1, position=0, session="s",
+                                              weight_version=9, tools_kwargs=None, sample="sample_0_1", source=None,
+                                              truth=None))
+    assert outcome == "hit"
+    assert group["weight_version"].tolist() == group["max_weight_version"].tolist() == [9, 9]
+    assert multi_turn_group([3, 4])["max_weight_version"].tolist() == [4, 4]  # what was recorded

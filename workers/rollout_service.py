@@ -247,7 +247,8 @@ class AgentLoopWorker:
             found = await asyncio.to_thread(cache.lookup, sample, prompt_ids, sampling.as_dict())
             outcome = found.outcome
             if found.group is not None and ("token_level_scores" in found.group.keys()) == (source is not None):
-                found.group["weight_version"] = torch.full_like(found.group["weight_version"], weight_version)
+                now = torch.full_like(found.group["weight_version"], weight_version)
+                found.group.update({"weight_version": now, "max_weight_version": now.clone()})
                 return found.group, outcome
             if found.group is not None:
                 logger.warning("cached %s was recorded %s scores; generating it", sample,
