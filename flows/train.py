@@ -44,6 +44,7 @@ from ppoflow.flows.state import TrainerState
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
 from ppoflow.storage.checkpoint import latest
+from ppoflow.storage.replay_buffer import load_sampler
 
 
 def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
@@ -177,13 +178,18 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
 
 def check_mode(cfg: PPOConfig) -> None:
     """``trainer.mode`` names a registered trainer mode (after importing ``trainer.v1.trainer_module``, whose
-    modes register themselves), or :class:`ConfigError` (before anything starts)."""
-    module = cfg.trainer.v1.trainer_module
-    if module is not None:
+    modes register themselves) and ``trainer.v1.sampler.custom_sampler`` a replay buffer, or
+    :class:`ConfigError` (before anything starts)."""
+    v1 = cfg.trainer.v1
+    if v1.trainer_module is not None:
         try:
-            import_module(module)
+            import_module(v1.trainer_module)
         except ValueError as error:
             raise ConfigError([("trainer.v1.trainer_module", str(error))]) from None
+    try:
+        load_sampler(v1.sampler.custom_sampler.path, v1.sampler.custom_sampler.name)
+    except ValueError as error:
+        raise ConfigError([("trainer.v1.sampler.custom_sampler", str(error))]) from None
     if cfg.trainer.mode not in TRAINER_MODES:
         raise ConfigError([("trainer.mode", f"{cfg.trainer.mode!r} is not a trainer mode; registered: "
                                             f"{', '.join(TRAINER_MODES)}")])

@@ -160,7 +160,7 @@ def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_mo
                      ("on_validate_begin", 2), ("on_validate_end", 2), ("on_train_end", None)]
 
 
-def test_a_mode_file_that_does_not_import_is_a_config_error(tmp_path):
+def test_a_mode_or_sampler_file_that_does_not_import_is_a_config_error(tmp_path):
     from ppoflow.flows.train import check_mode
 
     (tmp_path / "broken.py").write_text("raise RuntimeError('no')\n")
@@ -169,6 +169,12 @@ def test_a_mode_file_that_does_not_import_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError) as raised:
             check_mode(cfg)
         assert raised.value.problems[0][0] == "trainer.v1.trainer_module" and needle in raised.value.problems[0][1]
+    cfg = load_config("grpo_tiny", [f"trainer.v1.sampler.custom_sampler.path={tmp_path}/missing.py",
+                                    "trainer.v1.sampler.custom_sampler.name=Sampler"])
+    with pytest.raises(ConfigError) as raised:
+        check_mode(cfg)
+    assert raised.value.problems[0][0] == "trainer.v1.sampler.custom_sampler"
+    assert "no such file" in raised.value.problems[0][1]
 
 
 LEDGER_MODE = '''
