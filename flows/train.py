@@ -43,6 +43,7 @@ from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
+from ppoflow.storage.batch import concatenate
 from ppoflow.storage.checkpoint import latest
 from ppoflow.storage.replay_buffer import load_sampler
 
@@ -111,9 +112,13 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
                     mode.sample(update)  # 1. generate (the async modes: sample the replay buffer)
                 mode.on_sample_end(update)
                 ppo_update(run, state, update)  # 2.-5.
-                updates.append(update.metrics)
-                step.batch = update.batch
-            step.metrics.update(updates[0] if len(updates) == 1 else aggregate_updates(updates))
+                updates.append(update)
+            if len(updates) == 1:
+                step.batch = updates[0].batch
+                step.metrics.update(updates[0].metrics)
+            else:  # the step trained on every round's samples
+                step.batch = concatenate(*(update.batch for update in updates), pad_token_id=run.tokenizer.pad_token_id)
+                step.metrics.update(aggregate_updates([update.metrics for update in updates]))
             state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
             mode.on_step_end(step)  # (sync: 6. push the new weights)
         step.metrics.update({"training/global_step": number, "training/epoch": state.finish_step(number)})

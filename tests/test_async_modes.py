@@ -155,7 +155,9 @@ def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_mo
     state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
     assert state.is_completed(), state
     hooks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
-    per_step = lambda s: [("on_step_begin", s), ("on_sample_begin", s), ("on_sample_end", s), ("on_step_end", s)]  # noqa: E731
+    def per_step(number: int) -> list[tuple]:
+        return [(hook, number) for hook in ("on_step_begin", "on_sample_begin", "on_sample_end", "on_step_end")]
+
     assert hooks == [("on_init_end", None), ("on_train_begin", None), *per_step(1), *per_step(2),
                      ("on_validate_begin", 2), ("on_validate_end", 2), ("on_train_end", None)]
 
