@@ -9,8 +9,9 @@ of 8 prompts x 4 samples through Prefect and Ray as ``ppoflow train`` runs it; s
 with one update per weight push and with ``parameter_sync_step=2`` (two 4-prompt updates per step).
 
 Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
-all steps but the first two), its ratio to ``sync`` measured in the same run, the mean and maximum
-response length, and the staleness of the trained samples (``training/off_policy/trajectory_staleness``:
+all steps but the first two), its ratio to ``sync`` measured in the same run, the median time a step
+waited for generation (``timing_s/gen``) and spent updating the actor (``timing_s/update_actor`` plus
+``timing_s/old_log_prob``), the mean and maximum response length, and the staleness of the trained samples (``training/off_policy/trajectory_staleness``:
 how many weight updates behind the newest weights they were sampled with).
 
     python benchmarks/async_modes.py [--steps 12]
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -59,6 +61,9 @@ def trained(label: str, scratch: str, steps: int) -> dict[str, float]:
     rows = read_metrics(run_dir)[SKIPPED:]
     staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
     return {"samples_per_s": len(rows) * 8 * 4 / sum(row["timing_s/step"] for row in rows),
+            "waited_s": statistics.median(row["timing_s/gen"] for row in rows),
+            "update_s": statistics.median(row["timing_s/update_actor"] + row.get("timing_s/old_log_prob", 0.0)
+                                          for row in rows),
             "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
             "response_length_max": max(row["response_length/max"] for row in rows),
             "staleness_mean": sum(staleness) / len(staleness),
@@ -75,10 +80,11 @@ def main() -> None:
     baseline = results["sync"]["samples_per_s"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {steps} steps per mode, "
           f"the first {SKIPPED} left out")
-    print("| mode | trained samples/s | vs sync | response length mean / max | staleness mean / max |\n"
-          "|---|---|---|---|---|")
+    print("| mode | trained samples/s | vs sync | waited for generation s | update s | response length mean / max "
+          "| staleness mean / max |\n|---|---|---|---|---|---|---|")
     for mode, row in results.items():
         print(f"| {mode} | {row['samples_per_s']:.2f} | {row['samples_per_s'] / baseline:.2f}x | "
+              f"{row['waited_s']:.2f} | {row['update_s']:.2f} | "
               f"{row['response_length_mean']:.1f} / {row['response_length_max']:.0f} | "
               f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} |")
     print(json.dumps(results))
