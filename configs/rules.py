@@ -71,7 +71,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
                            "Prefect run parameters, so pass credentials through the environment (e.g. "
                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
-    errors += _resource_errors(cfg) + _correction_errors(cfg) + _optimizer_errors(cfg)
+    errors += _resource_errors(cfg) + _data_parallel_errors(cfg) + _correction_errors(cfg) + _optimizer_errors(cfg)
     if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
             and cfg.algorithm.kl_ctrl.type == "adaptive"):
         errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
@@ -211,6 +211,44 @@ def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     return errors
 
 
+def _ranks_text(cfg: PPOConfig) -> str:
+    """How ``PPOConfig.data_parallel_size`` came about, e.g. ``W = 2 from trainer.nnodes=1 x trainer.n_gpus_per_node=2``."""
+    trainer = cfg.trainer
+    per_node = (f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}" if trainer.n_gpus_per_node > 0
+                else f"trainer.n_cpu_ranks_per_node={trainer.n_cpu_ranks_per_node}")
+    return f"W = {cfg.data_parallel_size} from trainer.nnodes={trainer.nnodes} x {per_node}"
+
+
+def _data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """What running each training role as W = ``data_parallel_size`` ranks needs: a rollout of its own, mini-batches
+    that split evenly over the ranks, and offloading only from GPUs."""
+    errors: list[tuple[str, str]] = []
+    arr, ranks = cfg.actor_rollout_ref, cfg.data_parallel_size
+    if ranks > 1 and arr.hybrid_engine:
+        errors.append(("actor_rollout_ref.hybrid_engine", f"a colocated rollout needs one training rank, but the "
+                       f"training roles run as {ranks} ranks ({_ranks_text(cfg)}); use hybrid_engine=false (a "
+                       "separate rollout) or null"))
+    minis = {"actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size}
+    if cfg.use_critic:
+        minis["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size
+    for key, prompts in minis.items():
+        trajectories = prompts * arr.rollout.n
+        if trajectories % ranks:
+            errors.append((key, f"mini-batches of {prompts} x rollout.n={arr.rollout.n} = {trajectories} trajectories "
+                                f"cannot be split evenly over {ranks} training ranks ({_ranks_text(cfg)})"))
+    if cfg.trainer.n_gpus_per_node == 0:
+        roles = {"actor_rollout_ref.actor": arr.actor}
+        if cfg.use_reference:
+            roles["actor_rollout_ref.ref"] = arr.ref
+        if cfg.use_critic:
+            roles["critic"] = cfg.critic
+        for key, role in roles.items():
+            if role.fsdp_config.offload_policy:
+                errors.append((f"{key}.fsdp_config.offload_policy", "offloading moves GPU memory to the CPU, but the "
+                               "training pool is on CPUs (trainer.n_gpus_per_node=0); set offload_policy=false"))
+    return errors
+
+
 def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     """verl's pool rules: training roles fit the trainer pool, the rollout fits its own pool."""
     errors: list[tuple[str, str]] = []
@@ -222,10 +260,12 @@ def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         training_roles["actor_rollout_ref.ref"] = arr.ref.resources
     if cfg.use_critic:
         training_roles["critic"] = cfg.critic.resources
-    wanted = sum(resources.num_gpus for resources in training_roles.values())
+    ranks = cfg.data_parallel_size  # every training role runs as this many ranks, each reserving its resources
+    wanted = ranks * sum(resources.num_gpus for resources in training_roles.values())
     if wanted > trainer_gpus:
-        errors.append(("trainer.n_gpus_per_node", f"the training roles reserve {wanted:g} GPUs "
-                       f"({', '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())}) "
+        errors.append(("trainer.n_gpus_per_node", f"the training roles reserve {wanted:g} GPUs ({ranks} rank"
+                       f"{'s' if ranks > 1 else ''} x "
+                       f"({' + '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())})) "
                        f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}"))
     if arr.rollout.resources.num_gpus > rollout_gpus:
         errors.append(("rollout.n_gpus_per_node", f"actor_rollout_ref.rollout.resources.num_gpus="

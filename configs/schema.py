@@ -114,6 +114,17 @@ class ResourcesConfig(Section):
     num_cpus: float = Field(ge=0, description="Ray CPUs reserved by the role's actor.")
     num_gpus: float = Field(ge=0, description="Ray GPUs reserved by the role's actor.")
     num_threads: int = Field(ge=1, description="torch.set_num_threads inside the actor.")
+    custom: dict[str, float] = Field(
+        description="Ray custom resources each actor of the role reserves (e.g. {trainer_node: 1} to pin the role to "
+                    "nodes started with `ray start --resources`); each amount >= 0.")
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_amounts_not_negative(cls, custom: dict[str, float]) -> dict[str, float]:
+        """Ray refuses a negative amount only when the actor is created; refuse it with the config."""
+        if any(amount < 0 for amount in custom.values()):
+            raise PydanticCustomError("custom_resource_negative", "each amount must be >= 0")
+        return custom
 
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1)]
@@ -127,7 +138,35 @@ class OptimConfig(Section):
     lr_warmup_steps: int = Field(ge=0, description="Linear warm-up of the learning rate over this many updates.")
 
 
-class PPOUpdateConfig(Section):
+class MixedPrecisionConfig(Section):
+    """FSDP2's ``MixedPrecisionPolicy``: the dtype the sharded model computes in and reduces gradients in."""
+
+    param_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
+        description="Dtype the gathered parameters compute in (the sharded master copy keeps model.dtype); null = "
+                    "compute in the model's dtype, no mixed precision.")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(description="Dtype of the gradient reduction over the ranks.")
+
+
+class FSDPConfig(Section):
+    """How FSDP2 (``fully_shard``) shards a role's model over its ranks (verl's ``fsdp_config`` keys)."""
+
+    offload_policy: bool = Field(description="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in CPU "
+                                             "memory between uses (GPUs only).")
+    reshard_after_forward: bool = Field(description="Free the gathered parameters after forward (gathered again for "
+                                                    "backward): less memory, one more all-gather.")
+    mixed_precision: MixedPrecisionConfig
+
+
+class TrainingEngineConfig(Section):
+    """What every training role (actor, ref, critic) shares: the engine that runs its model over its ranks
+    (``PPOConfig.data_parallel_size`` of them)."""
+
+    strategy: Literal["fsdp2"] = Field(description="Training engine (verl's key): FSDP2 `fully_shard` over the role's "
+                                                   "ranks; with one rank the model trains unsharded.")
+    fsdp_config: FSDPConfig
+
+
+class PPOUpdateConfig(TrainingEngineConfig):
     """What the actor and the critic share: how one step's batch is cut up and trained on."""
 
     ppo_mini_batch_size: int = Field(ge=1, description="Prompts per optimizer step (times rollout.n trajectories).")
@@ -151,7 +190,7 @@ class ActorConfig(PPOUpdateConfig):
         description="KL estimator of the KL loss (k1/k2/k3 by verl's names; a `+` suffix = k2 gradient).")
 
 
-class RefConfig(Section):
+class RefConfig(TrainingEngineConfig):
     log_prob_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per reference forward; null = all.")
     resources: ResourcesConfig
 
@@ -230,8 +269,9 @@ class ActorRolloutRefConfig(Section):
     hybrid_engine: Optional[bool] = Field(
         description="Colocate: the actor's worker also generates, with its own model, so there are no weights to "
                     "sync. null = wherever that works (trainer.mode=sync, rollout.name=hf, "
-                    "weight_sync.backend=object_store, actor and rollout on the same kind of device). Colocated, "
-                    "the rollout runs on the actor's resources; rollout.resources is unused.")
+                    "weight_sync.backend=object_store, actor and rollout on the same kind of device, one training rank: "
+                    "PPOConfig.data_parallel_size = 1, as a sharded actor cannot generate on each rank independently). "
+                    "Colocated, the rollout runs on the actor's resources; rollout.resources is unused.")
     model: ModelConfig
     actor: ActorConfig
     ref: RefConfig
@@ -348,6 +388,8 @@ class TrainerConfig(Section):
                     "null = that one's, or sync.")
     nnodes: int = Field(ge=1, description="Nodes of the training pool (actor, ref, critic).")
     n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the training pool; 0 = CPU.")
+    n_cpu_ranks_per_node: int = Field(ge=1, description="Training ranks per node when the training pool is on CPUs "
+                                                        "(trainer.n_gpus_per_node=0).")
     total_epochs: int = Field(ge=1, description="Passes over the train set (unless total_training_steps stops earlier).")
     total_training_steps: Optional[int] = Field(ge=1, description="Steps to run; null = total_epochs x steps per epoch.")
     test_freq: int = Field(ge=-1, description="Validate every N steps (and after the last); -1 or 0 = never.")
@@ -424,12 +466,23 @@ class PPOConfig(Section):
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def data_parallel_size(self) -> int:
+        """The number W of ranks each training role (actor, ref, critic) runs as, one torch.distributed process
+        group per role: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` on GPUs, x
+        ``trainer.n_cpu_ranks_per_node`` when the training pool is on CPUs (n_gpus_per_node=0)."""
+        trainer = self.trainer
+        return trainer.nnodes * (trainer.n_gpus_per_node if trainer.n_gpus_per_node > 0 else trainer.n_cpu_ranks_per_node)
+
+    @property
     def colocated(self) -> bool:
-        """Whether the actor's worker also serves generation (``actor_rollout_ref.hybrid_engine``, resolved)."""
+        """Whether the actor's worker also serves generation (``actor_rollout_ref.hybrid_engine``, resolved). null
+        resolves to True only for a sync, hf, object_store run with actor and rollout on the same kind of device
+        and one training rank (``data_parallel_size`` = 1): a sharded actor cannot generate on each rank
+        independently."""
         arr = self.actor_rollout_ref
         if arr.hybrid_engine is not None:
             return arr.hybrid_engine
-        return (self.trainer.mode == "sync" and arr.rollout.name == "hf" and arr.rollout.mode == "sync"
+        return (self.data_parallel_size == 1 and self.trainer.mode == "sync" and arr.rollout.name == "hf" and arr.rollout.mode == "sync"
                 and arr.rollout.weight_sync.backend == "object_store"
                 and (arr.rollout.resources.num_gpus > 0) == (arr.actor.resources.num_gpus > 0))
 

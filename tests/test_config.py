@@ -432,6 +432,29 @@ def test_unresolvable_interpolation():
     (["skip.rollout.enable=true"], "skip.rollout.steps", "caching is enabled but no step is listed"),
     (["skip.reward.enable=true", "skip.reward.steps=[]"], "skip.reward.steps", "caching is enabled but no step is listed"),
     (["skip.ref.enable=true", "skip.ref.steps=[1]"], "skip.ref.enable", "this run has no ref stage to cache"),
+    # data-parallel training: W = trainer.nnodes x (n_gpus_per_node, or n_cpu_ranks_per_node on CPUs) ranks per role
+    (["trainer.n_cpu_ranks_per_node=0"], "trainer.n_cpu_ranks_per_node",
+     "Input should be greater than or equal to 1 (got 0)"),
+    (["trainer.n_cpu_ranks_per_node=2", "actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine",
+     "a colocated rollout needs one training rank, but the training roles run as 2 ranks (W = 2 from "
+     "trainer.nnodes=1 x trainer.n_cpu_ranks_per_node=2); use hybrid_engine=false (a separate rollout) or null"),
+    (["trainer.nnodes=3", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size",
+     "mini-batches of 4 x rollout.n=8 = 32 trajectories cannot be split evenly over 3 training ranks (W = 3 from "
+     "trainer.nnodes=3 x trainer.n_cpu_ranks_per_node=1)"),
+    (["trainer.n_cpu_ranks_per_node=3", "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
+      "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=6", "critic.ppo_mini_batch_size=4"],
+     "critic.ppo_mini_batch_size", "mini-batches of 4 x rollout.n=1 = 4 trajectories cannot be split evenly over 3 "
+                                   "training ranks (W = 3 from trainer.nnodes=1 x trainer.n_cpu_ranks_per_node=3)"),
+    (["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], "actor_rollout_ref.actor.fsdp_config.offload_policy",
+     "offloading moves GPU memory to the CPU, but the training pool is on CPUs (trainer.n_gpus_per_node=0); set "
+     "offload_policy=false"),
+    (["algorithm.use_kl_in_reward=true", "actor_rollout_ref.ref.fsdp_config.offload_policy=true"],
+     "actor_rollout_ref.ref.fsdp_config.offload_policy",
+     "offloading moves GPU memory to the CPU, but the training pool is on CPUs (trainer.n_gpus_per_node=0); set "
+     "offload_policy=false"),
+    (["actor_rollout_ref.actor.resources.custom={trainer_node: -1}"], "actor_rollout_ref.actor.resources.custom",
+     "each amount must be >= 0 (got {'trainer_node': -1})"),
+    (["critic.strategy=fsdp"], "critic.strategy", "Input should be 'fsdp2' (got 'fsdp')"),
 ])
 def test_cross_field_rules(overrides, key, message):
     assert only_problem(overrides) == (key, message)
@@ -447,6 +470,39 @@ def test_cross_field_rules_hold_when_the_values_fit():
     assert cfg.gen_batch_size == 16 and cfg.data.val_files is None
     # the critic rules are not checked when no critic runs
     load_config("grpo_tiny", ["critic.ppo_mini_batch_size=3"])
+
+
+def test_data_parallel_size_and_the_colocated_layout():
+    demo = load_config("grpo_tiny")
+    assert demo.data_parallel_size == 1 and demo.colocated is True
+    assert demo.actor_rollout_ref.actor.strategy == "fsdp2" and demo.critic.fsdp_config.reshard_after_forward is True
+    assert demo.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype is None
+    assert demo.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "float32"
+    assert demo.actor_rollout_ref.rollout.resources.custom == {}
+    # on CPUs: nnodes x n_cpu_ranks_per_node; a sharded actor cannot generate, so null resolves to a separate rollout
+    cpus = load_config("grpo_tiny", ["trainer.nnodes=2", "trainer.n_cpu_ranks_per_node=2"])
+    assert cpus.data_parallel_size == 4 and cpus.colocated is False
+    # on GPUs n_cpu_ranks_per_node is unused: nnodes x n_gpus_per_node
+    gpus = load_config("grpo_tiny", ["trainer.n_gpus_per_node=2", "trainer.n_cpu_ranks_per_node=4",
+                                     "actor_rollout_ref.actor.resources.num_gpus=1",
+                                     "actor_rollout_ref.rollout.resources.num_gpus=1", "rollout.n_gpus_per_node=1"])
+    assert gpus.data_parallel_size == 2 and gpus.colocated is False
+    assert load_config("grpo_tiny", ["trainer.n_cpu_ranks_per_node=2",
+                                     "actor_rollout_ref.hybrid_engine=false"]).colocated is False
+    # offloading is allowed from GPUs; custom resources take YAML ints and floats
+    offload = load_config("grpo_tiny", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.resources.num_gpus=1",
+                                        "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+                                        "actor_rollout_ref.actor.resources.custom={trainer_node: 1, other: 0.5}"])
+    assert offload.actor_rollout_ref.actor.resources.custom == {"trainer_node": 1.0, "other": 0.5}
+
+
+@pytest.mark.parametrize("preset", ["grpo_tiny", "vault_tool", "ppo_trainer"])
+def test_shipped_presets_are_one_rank_per_role(preset):
+    from ppoflow.configs.rules import _data_parallel_errors
+
+    cfg = load_config(preset, [] if preset != "ppo_trainer" else ["actor_rollout_ref.model.path=/m",
+                                                                  "data.train_files=/t.parquet"])
+    assert cfg.data_parallel_size == 1 and _data_parallel_errors(cfg) == []
 
 
 def test_several_cross_field_problems_at_once():
@@ -481,7 +537,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 171  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 191  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()
@@ -499,12 +555,14 @@ def test_reference_table_mentions_every_key_once():
 
 @pytest.mark.parametrize("words, key, message", [
     (["actor_rollout_ref.actor.resources.num_gpus=1"], "trainer.n_gpus_per_node",
-     "the training roles reserve 1 GPUs (actor_rollout_ref.actor.resources.num_gpus=1) but the training pool has "
-     "trainer.nnodes * trainer.n_gpus_per_node = 0"),
-    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=3",
-      "actor_rollout_ref.actor.ppo_mini_batch_size=3"], "actor_rollout_ref.rollout.n",
-     "with 4 training GPUs, rollout.n=3 must divide the GPU count, or rollout.n * data.train_batch_size must be "
-     "divisible by it"),
+     "the training roles reserve 1 GPUs (1 rank x (actor_rollout_ref.actor.resources.num_gpus=1)) but the training "
+     "pool has trainer.nnodes * trainer.n_gpus_per_node = 0"),
+    # each of the W ranks of a training role reserves the role's GPUs
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.resources.num_gpus=1",
+      "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.resources.num_gpus=0.5"],
+     "trainer.n_gpus_per_node", "the training roles reserve 3 GPUs (2 ranks x (actor_rollout_ref.actor.resources."
+     "num_gpus=1 + actor_rollout_ref.ref.resources.num_gpus=0.5)) but the training pool has "
+     "trainer.nnodes * trainer.n_gpus_per_node = 2"),
     (["actor_rollout_ref.rollout.resources.num_gpus=1"], "rollout.n_gpus_per_node",
      "actor_rollout_ref.rollout.resources.num_gpus=1 exceeds the rollout pool rollout.nnodes * rollout.n_gpus_per_node = 0"),
     (["trainer.mode=one_step_off", "rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.resources.num_gpus=1"],
@@ -525,6 +583,16 @@ def test_reference_table_mentions_every_key_once():
 def test_resource_correction_and_resume_rules(words, key, message):
     problem_key, problem = only_problem(words)
     assert problem_key == key and problem.startswith(message)
+
+
+def test_verl_pool_rule_and_the_mini_batch_split_both_report_indivisible_batches():
+    # 3 x 3 = 9 trajectories neither fill 4 GPUs evenly (verl's pool rule) nor split over 4 ranks
+    assert problems_of("grpo_tiny", ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3",
+                                     "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]) == [
+        ("actor_rollout_ref.rollout.n", "with 4 training GPUs, rollout.n=3 must divide the GPU count, or rollout.n * "
+                                        "data.train_batch_size must be divisible by it"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", "mini-batches of 3 x rollout.n=3 = 9 trajectories cannot be "
+         "split evenly over 4 training ranks (W = 4 from trainer.nnodes=1 x trainer.n_gpus_per_node=4)")]
 
 
 def test_verl_pool_rule_accepts_divisible_batches():
