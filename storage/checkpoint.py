@@ -59,31 +59,34 @@ def read_file(url: str, entry: dict) -> memoryview:
     return read_verified(fs, path, entry, error=CheckpointError)
 
 
-def save_module(directory: str, model: torch.nn.Module, optimizer_state: dict) -> dict[str, dict]:
-    """Write a role's weights and optimizer state into ``directory``; return manifest entries by file name."""
-    weights = safetensors_save({name: tensor.detach().cpu().contiguous() for name, tensor in _unique(model).items()})
+def save_module(directory: str, weights: dict[str, torch.Tensor], optimizer_state: dict) -> dict[str, dict]:
+    """Write a role's full weights (no tied aliases: safetensors refuses duplicates) and optimizer state
+    into ``directory``; return manifest entries by file name."""
+    data = safetensors_save({name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()})
     buffer = io.BytesIO()
     torch.save(optimizer_state, buffer)
-    return {"model.safetensors": write_file(join(directory, "model.safetensors"), weights),
+    return {"model.safetensors": write_file(join(directory, "model.safetensors"), data),
             "optimizer.pt": write_file(join(directory, "optimizer.pt"), buffer.getvalue())}
 
 
-def load_module(directory: str, entries: dict[str, dict], model: torch.nn.Module) -> dict:
-    """Restore a role's weights (in place) from ``directory``; return its optimizer state.
+def load_module(directory: str, entries: dict[str, dict],
+                shapes: dict[str, torch.Size]) -> tuple[dict[str, torch.Tensor], dict]:
+    """A role's weights and optimizer state from ``directory``, checked against the model's ``shapes``
+    (name -> full shape, no tied aliases).
 
-    Weights that do not fit the model (names or shapes) raise :class:`CheckpointError` before any of
-    them is loaded, as does a file that cannot be decoded.
+    Weights that do not fit (names or shapes) raise :class:`CheckpointError`, as does a file that cannot
+    be decoded; nothing is returned half-checked, so the caller loads all or nothing.
     """
     weights = read_decoded(directory, entries, "model.safetensors", lambda data: read_safetensors(data)[0])
-    current = model.state_dict()
-    missing = [name for name in _unique(model) if name not in weights]
-    unexpected = [name for name in weights if name not in current]
-    misshapen = [name for name, tensor in weights.items() if name in current and tensor.shape != current[name].shape]
+    missing = [name for name in shapes if name not in weights]
+    unexpected = [name for name in weights if name not in shapes]
+    misshapen = [name for name, tensor in weights.items() if name in shapes and tensor.shape != shapes[name]]
     if missing or unexpected or misshapen:
         raise CheckpointError(directory, f"weights do not fit the model (missing {missing}, unexpected {unexpected}, "
                                          f"other shape {misshapen})")
-    model.load_state_dict(weights, strict=False)
-    return read_decoded(directory, entries, "optimizer.pt", lambda data: torch.load(io.BytesIO(data), weights_only=True))
+    optimizer_state = read_decoded(directory, entries, "optimizer.pt",
+                                   lambda data: torch.load(io.BytesIO(data), weights_only=True))
+    return weights, optimizer_state
 
 
 def read_decoded(directory: str, files: dict[str, dict], name: str, decode):
@@ -181,15 +184,3 @@ def _size(fs, path: str) -> int | None:
         return fs.size(path)
     except FileNotFoundError:
         return None
-
-
-def _unique(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict without aliases (tied embeddings share storage; safetensors refuses duplicates)."""
-    seen: set[int] = set()
-    unique = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            unique[name] = tensor
-    return unique
-

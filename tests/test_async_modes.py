@@ -55,7 +55,7 @@ def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model):
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
     replica = ray_local.remote(RolloutReplica).options(num_cpus=0).remote(cfg)
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
-        load_causal_lm(cfg.actor_rollout_ref.model), 3)
+        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 3)
     sampling = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=56, seed=5,
                                ignore_eos=True)
 

@@ -170,7 +170,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(actor_run, t
 
 def test_a_checkpoint_of_another_model_falls_back_too(actor_run, tmp_path, caplog):
     overrides, workers, _, step_2 = actor_run
-    other = checkpoint.save_module(f"{tmp_path}/run/global_step_3/actor", torch.nn.Linear(2, 2), {})
+    other = checkpoint.save_module(f"{tmp_path}/run/global_step_3/actor", torch.nn.Linear(2, 2).state_dict(), {})
     checkpoint.commit(f"{tmp_path}/run", 3, {f"actor/{name}": entry for name, entry in other.items()},
                       {"global_step": 3, "trainer": {"weight_version": 3}, "mode": {}})
     assert restore_newest(load_config("grpo_tiny", overrides), workers).step == 2

@@ -94,7 +94,7 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
     service = RolloutService(replicas, agents=[], pad_token_id=0)
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
-        load_causal_lm(cfg.actor_rollout_ref.model), 7)
+        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 7)
     for replica in replicas:  # an earlier test killed one: Ray may still be bringing it back
         serving_version(ray_local, replica)
     assert ray_local.get(service.submit("apply_weights", update)) == [7, 7]

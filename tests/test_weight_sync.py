@@ -23,7 +23,7 @@ def test_buckets_respect_the_size_limit_and_keep_order():
 
 def test_round_trip_copies_every_tensor_exactly():
     source, target = model(0), model(1)
-    update, _ = WeightSender(WeightSyncConfig(backend="object_store", bucket_mb=1, delta=False)).prepare(source, 7)
+    update, _ = WeightSender(WeightSyncConfig(backend="object_store", bucket_mb=1, delta=False)).prepare(source.state_dict(), 7)
     assert WeightReceiver().apply(target, update, torch.device("cpu")) == 7
     for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
         assert torch.equal(a, b), name
@@ -32,15 +32,15 @@ def test_round_trip_copies_every_tensor_exactly():
 def test_delta_sends_only_what_changed():
     source, target = model(0), model(1)
     sender = WeightSender(WeightSyncConfig(backend="object_store", bucket_mb=1, delta=True))
-    first, _ = sender.prepare(source, 1)
+    first, _ = sender.prepare(source.state_dict(), 1)
     assert {slot.name for layout in first.layouts for slot in layout} == set(source.state_dict())
     WeightReceiver().apply(target, first, torch.device("cpu"))
     with torch.no_grad():
         source[1].bias.add_(1.0)
-    second, _ = sender.prepare(source, 2)
+    second, _ = sender.prepare(source.state_dict(), 2)
     assert [slot.name for layout in second.layouts for slot in layout] == ["1.bias"]
     assert second.nbytes == 16 * 4
     WeightReceiver().apply(target, second, torch.device("cpu"))
     for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
         assert torch.equal(a, b), name
-    assert sender.prepare(source, 3)[0].layouts == []  # nothing changed, nothing sent
+    assert sender.prepare(source.state_dict(), 3)[0].layouts == []  # nothing changed, nothing sent

@@ -11,29 +11,37 @@ from ppoflow.configs.schema import PPOConfig
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.algorithms.losses import compute_value_loss
 from ppoflow.workers.models import claim_resources, load_value_model
+from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
 class CriticWorker:
-    """Values V(s_t) of every response position, and the value-function update."""
+    """Values V(s_t) of every response position, and the value-function update; one rank of the critic's
+    data-parallel group (``ranks``; None: the only one)."""
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         critic = cfg.critic
         self.device = claim_resources(critic.resources)
+        self.parallel = DataParallel.join(ranks, self.device)
         self.cfg = critic
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
-        self.model = load_value_model(critic.model).to(self.device)
-        self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device)
+        self.model = self.parallel.shard(load_value_model(critic.model, seed=cfg.data.seed).to(self.device), critic.fsdp_config)
+        self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device,
+                               parallel=self.parallel)
 
-    def compute_values(self, batch: TensorDict) -> TensorDict:
-        """``values`` [N, R]: the value of the state before each response token, zero after EOS."""
+    def compute_values(self, batch: TensorDict) -> TensorDict | None:
+        """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
+        computes its rows; rank 0 returns them all (the others: None)."""
         self.model.eval()
+        size = self.cfg.forward_micro_batch_size_per_gpu
+        count = self.parallel.micro_count(batch, size)
         with torch.no_grad():
             values = [self._values(micro.to(self.device)).float().cpu()
-                      for micro in micro_batches(batch, self.cfg.forward_micro_batch_size_per_gpu)]
-        return TensorDict({"values": pad_responses(values, batch["responses"].shape[1])}, batch_size=batch.batch_size)
+                      for micro in micro_batches(self.parallel.local_rows(batch), size, count=count)]
+        values = self.parallel.gather_rows(batch, pad_responses(values, batch["responses"].shape[1]))
+        return None if values is None else TensorDict({"values": values}, batch_size=batch.batch_size)
 
     def save_checkpoint(self, directory: str) -> dict[str, dict]:
         """Write weights and optimizer into ``directory`` (a checkpoint's ``critic/``); manifest entries."""
@@ -42,12 +50,12 @@ class CriticWorker:
     def load_checkpoint(self, directory: str, entries: dict[str, dict]) -> None:
         self.learner.load(directory, entries)
 
-    def weights_digest(self) -> str:
+    def weights_digest(self) -> str | None:
         """Checksum of the current weights (guards a cached value pass)."""
-        return weights_digest(self.model)
+        return weights_digest(self.model, self.parallel)
 
-    def update(self, batch: TensorDict, *, step: int) -> dict[str, float]:
-        """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``)."""
+    def update(self, batch: TensorDict, *, step: int) -> dict[str, float] | None:
+        """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``); metrics on rank 0."""
         cfg = self.cfg
 
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
@@ -60,10 +68,11 @@ class CriticWorker:
                         "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"])}
             return vf_loss, {"critic/vf_loss": vf_loss}, averaged
 
-        return self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                                  micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
-                                  generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
-                                  prefix="critic")
+        metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
+                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
+                                     generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
+                                     prefix="critic")
+        return metrics if self.parallel.is_rank_zero else None
 
     def _values(self, batch: TensorDict) -> torch.Tensor:
         input_ids, attention_mask, position_ids = sequence_inputs(batch)

@@ -1,7 +1,10 @@
 """Starting the run's workers, and the small interface the Prefect tasks use to call them.
 
-Each role (rollout, actor, and when the config needs them ref and critic) is one long-lived Ray
-actor that reserves the role's ``resources`` from config (a colocated rollout is the actor's own).
+Each role (rollout, actor, and when the config needs them ref and critic) is a long-lived Ray actor
+that reserves the role's ``resources`` from config (a colocated rollout is the actor's own). With
+W = ``PPOConfig.data_parallel_size`` > 1 each training role (actor, ref, critic) is W actors instead, one
+per data-parallel rank (:mod:`ppoflow.workers.data_parallel`), placed in one Ray placement group of W
+bundles: bundle i holds rank i of every training role, as verl colocates its roles on a resource pool.
 Tasks never touch Ray directly: they call ``role.submit("method", ...)``, which returns a reference,
 and ``workers.get(reference)``; a batch that several roles read is placed once with ``workers.put``
 and handed over by reference, so it is copied into Ray's object store once, not once per role.
@@ -39,6 +42,22 @@ class RayRole:
         return getattr(self.handle, method).remote(*args, **kwargs)
 
 
+class RayGroupRole:
+    """A training role served by one Ray actor per data-parallel rank. Every call goes to every rank (each
+    works out its own share of the batch) and rank 0's reply is the role's; the other ranks' replies are
+    watched by :meth:`Workers.get`, so that a rank that fails fails the call."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+        self.outstanding: list = []
+        """Replies of ranks other than 0 not yet seen finished."""
+
+    def submit(self, method: str, *args, **kwargs):
+        references = [getattr(handle, method).remote(*args, **kwargs) for handle in self.handles]
+        self.outstanding.extend(references[1:])
+        return references[0]
+
+
 class LocalRole:
     """A role served by an object in this process; ``submit`` runs the call and returns its value."""
 
@@ -63,7 +82,10 @@ class Workers:
     """The rollout scores each trajectory as it finishes (the rollout service with in-process scoring)."""
     uses_ray: bool = True
     started_ray: bool = False
+    placement: dict = field(default_factory=dict)
+    """Role -> the Ray node id of each of its actors (rank order), for the start-up log."""
     _handles: list = field(default_factory=list)
+    _placement_groups: list = field(default_factory=list)
 
     def roles(self) -> list[str]:
         """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
@@ -84,7 +106,27 @@ class Workers:
             return reference
         import ray
 
+        self._raise_rank_failures(reference)
         return ray.get(reference)
+
+    def _raise_rank_failures(self, reference) -> None:
+        """Wait for ``reference`` while watching the replies of the training roles' other ranks: when one
+        fails, raise its error now rather than leave rank 0 waiting in a collective for it."""
+        import ray
+
+        groups = [role for role in (self.actor, self.ref, self.critic) if isinstance(role, RayGroupRole)]
+        siblings = {sibling for group in groups for sibling in group.outstanding}
+        if not siblings:
+            return
+        wanted = set(reference) if isinstance(reference, list) else {reference}
+        pending = [*wanted, *siblings]
+        while wanted.intersection(pending):
+            ready, pending = ray.wait(pending, num_returns=1, fetch_local=False)
+            for finished in set(ready) & siblings:
+                for group in groups:
+                    if finished in group.outstanding:
+                        group.outstanding.remove(finished)
+                ray.get(finished)  # raises the rank's error
 
     def ready(self, references: list, timeout_s: float) -> list:
         """Those of ``references`` whose values are ready, waiting up to ``timeout_s`` for the first one."""
@@ -105,25 +147,44 @@ class Workers:
 
         for handle in self._handles:
             ray.kill(handle)
+        for group in self._placement_groups:
+            ray.util.remove_placement_group(group)
         if self.started_ray:
             ray.shutdown()
 
 
 def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
-    """The resources of every role this config runs, keyed by the config key that sets them."""
-    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.resources}
+    """The resources every role this config runs reserves in all (all ranks, all replicas), keyed by the
+    config key that sets them (with the count of actors when there are several)."""
+    ranks = cfg.data_parallel_size
+    roles = {_times("actor_rollout_ref.actor", ranks, "ranks"): _scaled(cfg.actor_rollout_ref.actor.resources, ranks)}
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode == "async":  # one set of rollout.resources per replica
         replicas = rollout.num_replicas
-        roles[f"actor_rollout_ref.rollout ({replicas} replicas)"] = rollout.resources.model_copy(
-            update={"num_cpus": rollout.resources.num_cpus * replicas, "num_gpus": rollout.resources.num_gpus * replicas})
+        roles[f"actor_rollout_ref.rollout ({replicas} replicas)"] = _scaled(rollout.resources, replicas)
     elif not cfg.colocated:
         roles["actor_rollout_ref.rollout"] = rollout.resources
     if cfg.use_reference:
-        roles["actor_rollout_ref.ref"] = cfg.actor_rollout_ref.ref.resources
+        roles[_times("actor_rollout_ref.ref", ranks, "ranks")] = _scaled(cfg.actor_rollout_ref.ref.resources, ranks)
     if cfg.use_critic:
-        roles["critic"] = cfg.critic.resources
+        roles[_times("critic", ranks, "ranks")] = _scaled(cfg.critic.resources, ranks)
     return roles
+
+
+def _times(key: str, count: int, what: str) -> str:
+    return key if count == 1 else f"{key} ({count} {what})"
+
+
+def _scaled(resources: ResourcesConfig, count: int) -> ResourcesConfig:
+    """What ``count`` actors of ``resources`` reserve together."""
+    return resources.model_copy(update={"num_cpus": resources.num_cpus * count, "num_gpus": resources.num_gpus * count,
+                                        "custom": {name: value * count for name, value in resources.custom.items()}})
+
+
+def _ray_resources(resources: ResourcesConfig) -> dict[str, float]:
+    """``resources`` as Ray names them, zero amounts left out."""
+    named = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.custom}
+    return {name: amount for name, amount in named.items() if amount > 0}
 
 
 def rollout_worker_class(cfg: PPOConfig) -> type:
@@ -145,7 +206,7 @@ def actor_worker_class(cfg: PPOConfig) -> type:
 
 
 def start_workers(cfg: PPOConfig) -> Workers:
-    """Join (or start) Ray, check the roles fit, start one actor per role and wait until all loaded."""
+    """Join (or start) Ray, check the roles fit, start the actors of every role and wait until all loaded."""
     import ray
 
     from ppoflow.workers.critic import CriticWorker
@@ -155,41 +216,104 @@ def start_workers(cfg: PPOConfig) -> Workers:
     started_ray = _connect_ray(cfg, roles)
     _check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
 
-    def actor_of(cls, resources: ResourcesConfig, *, restartable: bool = False):
+    def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):
         env = {**WORKER_ENV, "OMP_NUM_THREADS": str(resources.num_threads)}
         return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                                       resources=dict(resources.custom),
                                        max_restarts=RESTARTS if restartable else 0,
                                        max_task_retries=RESTARTS if restartable else 0,
-                                       runtime_env={"env_vars": env}).remote(cfg)
+                                       runtime_env={"env_vars": env}, **options).remote(cfg, *args)
 
     # The rollout and reference workers hold no training state, so Ray may restart them after a crash
     # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
-    # the actor and critic resume from checkpoints instead.
+    # the actor and critic resume from checkpoints instead. A rank of a group cannot rejoin its process
+    # group, so with several ranks no training role restarts.
     arr = cfg.actor_rollout_ref
-    handles = {"actor": actor_of(actor_worker_class(cfg), arr.actor.resources)}
+    training = {"actor": (actor_worker_class(cfg), arr.actor.resources)}
+    if cfg.use_reference:
+        training["ref"] = (ReferenceWorker, arr.ref.resources)
+    if cfg.use_critic:
+        training["critic"] = (CriticWorker, cfg.critic.resources)
+    ranks, placement_groups = cfg.data_parallel_size, []
+    if ranks == 1:
+        groups = {role: [actor_of(cls, resources, restartable=role == "ref")] for role, (cls, resources) in training.items()}
+    else:
+        groups, placement_group = _start_training_ranks(training, ranks, actor_of)
+        placement_groups.append(placement_group)
+    handles = {}
     service = None
     if arr.rollout.mode == "async":
         service = _start_rollout_service(cfg, lambda cls: actor_of(cls, arr.rollout.resources, restartable=True))
     elif not cfg.colocated:
         handles["rollout"] = actor_of(rollout_worker_class(cfg), arr.rollout.resources, restartable=True)
-    if cfg.use_reference:
-        handles["ref"] = actor_of(ReferenceWorker, arr.ref.resources, restartable=True)
-    if cfg.use_critic:
-        handles["critic"] = actor_of(CriticWorker, cfg.critic.resources)
     service_handles = service.replicas + service.agents if service else []
-    # surfaces constructor errors
-    ray.get([handle.__ray_ready__.remote() for handle in [*handles.values(), *service_handles]])
+    every_handle = [*handles.values(), *(handle for group in groups.values() for handle in group), *service_handles]
+    ray.get([handle.__ray_ready__.remote() for handle in every_handle])  # surfaces constructor errors
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
-    if backend != "object_store":  # the actor (rank 0) and the rollout (rank 1) share a collective group
+    if backend != "object_store":  # the actor's rank 0 and the rollout (rank 1) share a collective group
         group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
-        ray.get([handles["actor"].join_weight_group.remote(group), handles["rollout"].join_weight_group.remote(group)])
-    roles_served = {role: RayRole(handle) for role, handle in handles.items()}
+        ray.get([*(rank.join_weight_group.remote(group) for rank in groups["actor"]),
+                 handles["rollout"].join_weight_group.remote(group)])
+    roles_served = {role: RayRole(group[0]) if len(group) == 1 else RayGroupRole(group) for role, group in groups.items()}
+    roles_served.update({role: RayRole(handle) for role, handle in handles.items()})
     if cfg.colocated:
         roles_served["rollout"] = roles_served["actor"]
     if service is not None:
         roles_served["rollout"] = service
+    placement = {role: _node_ids(group) for role, group in groups.items()}
+    if service is not None:
+        placement["rollout"] = _node_ids(service.replicas)
+    elif "rollout" in handles:
+        placement["rollout"] = _node_ids([handles["rollout"]])
     return Workers(**roles_served, colocated=cfg.colocated, streams_reward=streams_reward(cfg), uses_ray=True,
-                   started_ray=started_ray, _handles=list(handles.values()) + service_handles)
+                   started_ray=started_ray, placement=placement, _handles=every_handle,
+                   _placement_groups=placement_groups)
+
+
+PLACEMENT_TIMEOUT_S = 60.0
+"""How long the training ranks' placement group may wait for room before the run fails, naming what it asked."""
+
+
+def _start_training_ranks(training: dict, ranks: int, actor_of) -> tuple[dict[str, list], object]:
+    """W ranks of every training role in one placement group of W bundles (bundle i: rank i of each role,
+    packed onto as few nodes as fit), each role's ranks joined in a process group of their own; the actors
+    by role, and the placement group (removed at shutdown)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ppoflow.workers.data_parallel import RankInfo, free_port
+
+    per_rank: dict[str, float] = {}
+    for _, resources in training.values():
+        for name, amount in _ray_resources(resources).items():
+            per_rank[name] = per_rank.get(name, 0.0) + amount
+    group = placement_group([dict(per_rank) for _ in range(ranks)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        offered = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        raise RuntimeError(f"{ranks} training ranks (trainer.nnodes x ranks per node), each reserving {per_rank} for "
+                           f"{', '.join(training)}, do not fit in the Ray cluster within {PLACEMENT_TIMEOUT_S:g} s; "
+                           f"its nodes offer {offered}")
+
+    def in_bundle(index: int) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+    started = {}
+    for role, (cls, resources) in training.items():
+        address, port = ray.get(ray.remote(free_port).options(num_cpus=0, **in_bundle(0)).remote())
+        started[role] = [actor_of(cls, resources, RankInfo(rank, ranks, address, port), **in_bundle(rank))
+                         for rank in range(ranks)]
+    return started, group
+
+
+def _node_ids(handles: list) -> list[str]:
+    """The Ray node each actor runs on (rank order)."""
+    import ray
+
+    return ray.get([handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                    for handle in handles])
 
 
 def streams_reward(cfg: PPOConfig) -> bool:
@@ -220,6 +344,8 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
 
     if cfg.actor_rollout_ref.rollout.mode == "async":
         raise ValueError("actor_rollout_ref.rollout.mode=async serves generation from Ray actors; it needs Ray")
+    if cfg.data_parallel_size > 1:
+        raise ValueError(f"{cfg.data_parallel_size} data-parallel ranks per training role need Ray")
     actor = LocalRole(actor_worker_class(cfg)(cfg))
     return Workers(rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)), actor=actor,
                    ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
@@ -256,19 +382,22 @@ def _local_gpu_count() -> int:
 
 
 def _check_fits(roles: dict[str, ResourcesConfig], *, scores_on_ray: bool) -> None:
-    """Fail now, naming the keys, rather than leave an actor or a scoring task pending forever.
+    """Fail now, naming the keys, rather than leave an actor or a scoring task pending forever: CPUs, GPUs
+    and every custom resource the roles reserve, against the whole Ray cluster.
 
     Scoring on Ray needs one CPU beyond the actors' so that at least one chunk runs."""
     import ray
 
     available = ray.cluster_resources()
-    for unit, attribute in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-        needed = sum(getattr(resources, attribute) for resources in roles.values())
-        details = [f"{key}.resources.{attribute}={getattr(r, attribute)}" for key, r in roles.items()]
+    wanted = {name for resources in roles.values() for name in _ray_resources(resources)} | {"CPU"}
+    for unit in sorted(wanted):
+        needed = sum(_ray_resources(resources).get(unit, 0.0) for resources in roles.values())
+        details = [f"{key}: {_ray_resources(resources).get(unit, 0.0):g}" for key, resources in roles.items()]
         if unit == "CPU" and scores_on_ray:
             needed += 1
             details.append("1 for reward_model.reward_manager=ray")
         if needed > available.get(unit, 0):
             detail = ", ".join(details)
             raise RuntimeError(f"the roles need {needed:g} {unit} but the Ray cluster has "
-                               f"{available.get(unit, 0):g} ({detail}); lower them or set ray.num_cpus")
+                               f"{available.get(unit, 0):g} ({detail}); lower the roles' resources, or set "
+                               f"ray.num_cpus, or join a larger cluster (ray.address)")

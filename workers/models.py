@@ -89,17 +89,32 @@ def model_config(model: ModelConfig, key: str) -> dict:
     return config
 
 
-def save_pretrained(model, tokenizer, url: str) -> None:
-    """Write ``model`` and ``tokenizer`` as a Hugging Face directory at ``url`` (local path or fsspec URL)."""
+def save_pretrained(model, tokenizer, url: str, *, weights: dict[str, torch.Tensor]) -> None:
+    """Write ``model`` (its config, and ``weights``: its full state dict, gathered when it is sharded) and
+    ``tokenizer`` as a Hugging Face directory at ``url`` (local path or fsspec URL)."""
     import tempfile
 
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(url))
     with tempfile.TemporaryDirectory() as staging:
-        model.save_pretrained(staging)
+        model.save_pretrained(staging, state_dict=weights)
+        _name_unwrapped_architecture(Path(staging) / "config.json", model)
         tokenizer.save_pretrained(staging)
         fs.makedirs(root, exist_ok=True)
         for name in os.listdir(staging):
             fs.put_file(os.path.join(staging, name), f"{root.rstrip('/')}/{name}")
+
+
+def _name_unwrapped_architecture(config_path: Path, model) -> None:
+    """transformers records the model's class name as its architecture; FSDP2 wraps the class in a subclass
+    (``FSDPLlamaForCausalLM``), so record the class it wraps, which loaders such as vLLM look up."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    wrapped = next(cls for cls in type(model).__mro__[1:] if not issubclass(cls, FSDPModule))
+    config = json.loads(config_path.read_text())
+    config["architectures"] = [wrapped.__name__]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
@@ -174,10 +189,18 @@ def load_causal_lm(model: ModelConfig):
                                                 trust_remote_code=model.trust_remote_code)
 
 
-def load_value_model(model: ModelConfig):
-    """Load ``model.path`` with a fresh scalar head per token (verl's critic: token classification, 1 label)."""
-    from transformers import AutoModelForTokenClassification
+def load_value_model(model: ModelConfig, *, seed: int):
+    """Load ``model.path`` with a fresh scalar head per token (verl's critic: token classification, 1 label),
+    initialised from ``seed``: every data-parallel rank must start from the same weights (FSDP2 shards what
+    each rank holds; it does not broadcast), and a rerun from the same config starts the same. The head's
+    dropout is off (transformers defaults it to 0.1, as verl turns it off): a value update must see the
+    predictions the value pass made, not a random thinning of them."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
-    return AutoModelForTokenClassification.from_pretrained(local_model_dir(model.path), num_labels=1,
-                                                           dtype=_DTYPES[model.dtype],
-                                                           trust_remote_code=model.trust_remote_code)
+    directory = local_model_dir(model.path)
+    config = AutoConfig.from_pretrained(directory, num_labels=1, trust_remote_code=model.trust_remote_code)
+    config.classifier_dropout = 0.0
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return AutoModelForTokenClassification.from_pretrained(directory, config=config, dtype=_DTYPES[model.dtype],
+                                                               trust_remote_code=model.trust_remote_code)

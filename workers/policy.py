@@ -12,62 +12,72 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ppoflow.configs.schema import PPOConfig, ResourcesConfig
+from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
 from ppoflow.storage.batch import StageResult
 from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer, save_pretrained
 from ppoflow.workers.rollout import SamplingParams, sample_responses
+from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
 class PolicyModel:
-    """A causal LM on its device that computes response log-probs at the rollout temperature."""
+    """A causal LM on its device that computes response log-probs at the rollout temperature; one rank of
+    its role's data-parallel group (``ranks``; None: the only one), sharded by the role's engine."""
 
-    def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None):
+    def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None,
+                 engine: TrainingEngineConfig, ranks: RankInfo | None):
         self.device = claim_resources(resources)
+        self.parallel = DataParallel.join(ranks, self.device)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size
-        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device)
+        self.model = self.parallel.shard(load_causal_lm(cfg.actor_rollout_ref.model).to(self.device), engine.fsdp_config)
 
-    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        """Per-token ``log_probs`` of the responses, [N, R]; no gradient."""
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict | None:
+        """Per-token ``log_probs`` of the responses, [N, R]; no gradient. Each rank computes its rows;
+        rank 0 returns them all (the others: None)."""
         self.model.eval()
         parts = []
+        count = self.parallel.micro_count(batch, self.micro_batch_size)
         with torch.no_grad():
-            for micro in micro_batches(batch, self.micro_batch_size):
+            for micro in micro_batches(self.parallel.local_rows(batch), self.micro_batch_size, count=count):
                 logits = response_logits(self.model, micro.to(self.device)) / self.temperature
                 parts.append(log_probs_from_logits(logits, micro["responses"].to(self.device)).float().cpu())
-        return TensorDict({"log_probs": pad_responses(parts, batch["responses"].shape[1])}, batch_size=batch.batch_size)
+        log_probs = self.parallel.gather_rows(batch, pad_responses(parts, batch["responses"].shape[1]))
+        return None if log_probs is None else TensorDict({"log_probs": log_probs}, batch_size=batch.batch_size)
 
-    def weights_digest(self) -> str:
+    def weights_digest(self) -> str | None:
         """Checksum of the current weights (guards a cached log-prob pass)."""
-        return weights_digest(self.model)
+        return weights_digest(self.model, self.parallel)
 
 
 class ReferenceWorker(PolicyModel):
     """A frozen copy of the initial policy, for KL terms."""
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         ref = cfg.actor_rollout_ref.ref
-        super().__init__(cfg, resources=ref.resources, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu)
+        super().__init__(cfg, resources=ref.resources, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+                         engine=ref, ranks=ranks)
 
 
 class ActorWorker(PolicyModel):
     """The trained policy: log-probs, the PPO update, and weight export for the rollout workers."""
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         actor = cfg.actor_rollout_ref.actor
         super().__init__(cfg, resources=actor.resources,
-                         micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+                         micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                         engine=actor, ranks=ranks)
         self.cfg = actor
         self.model_config = cfg.actor_rollout_ref.model
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
-        self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device)
+        self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device,
+                               parallel=self.parallel)
         # A mode other than sync may sample with weights older than the actor's: keep what was last pushed.
         self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=cfg.trainer.mode != "sync")
         self._outgoing: dict[str, torch.Tensor] = {}
@@ -104,6 +114,10 @@ class ActorWorker(PolicyModel):
             raise ValueError(f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} "
                              f"epochs, mini-batches of {self.mini_batch_size} of {rows} trajectories)")
         own_log_probs: list[torch.Tensor] = []
+        own_rows: list[torch.Tensor] = []
+        if on_policy:  # each row's index, to put the own log-probs of every rank's micro-batches back in order
+            batch = batch.copy()
+            batch["row"] = torch.arange(rows)
 
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
             # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
@@ -113,6 +127,7 @@ class ActorWorker(PolicyModel):
             log_probs = log_probs_from_logits(logits, micro["responses"])
             if on_policy:
                 own_log_probs.append(log_probs.detach().float().cpu())
+                own_rows.append(micro["row"].cpu())
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
             pg_loss, pg_metrics = compute_policy_loss(
                 old_log_probs, log_probs, micro["advantages"], mask,
@@ -138,8 +153,11 @@ class ActorWorker(PolicyModel):
                                      prefix="actor")
         self.weight_version += 1
         if not on_policy:
-            return StageResult(None, metrics)
-        old_log_probs = pad_responses(own_log_probs, batch["responses"].shape[1])
+            return StageResult(None, metrics) if self.parallel.is_rank_zero else None
+        old_log_probs = self.parallel.gather_indexed(torch.cat(own_rows).tolist(),
+                                                     pad_responses(own_log_probs, batch["responses"].shape[1]), rows)
+        if old_log_probs is None:
+            return None
         return StageResult(TensorDict({"old_log_probs": old_log_probs}, batch_size=batch.batch_size), metrics)
 
     def save_checkpoint(self, directory: str) -> dict[str, dict]:
@@ -153,8 +171,10 @@ class ActorWorker(PolicyModel):
         self.sender.forget()  # the next sync sends everything
 
     def save_pretrained(self, url: str) -> None:
-        """Write the current policy and its tokenizer as a Hugging Face model directory at ``url``."""
-        save_pretrained(self.model, load_tokenizer(self.model_config), url)
+        """Write the current policy, unsharded, and its tokenizer as a Hugging Face model directory at ``url``."""
+        weights = self.parallel.full_state_dict(self.model)
+        if self.parallel.is_rank_zero:
+            save_pretrained(self.model, load_tokenizer(self.model_config), url, weights=weights)
 
     def prepare_weights(self, again: bool = False, version: int | None = None) -> WeightUpdate:
         """Lay out (and, through the object store, publish) the current weights for the rollout worker,
@@ -162,16 +182,25 @@ class ActorWorker(PolicyModel):
         unless a step makes several, as separate_async does); ``again``: the weights pushed last time
         instead, whole (for a restarted rollout worker)."""
         version = self.weight_version if version is None else version
-        update, self._outgoing = self.sender.prepare_again() if again else self.sender.prepare(self.model, version)
+        if again:
+            update, self._outgoing = self.sender.prepare_again()
+            return update
+        weights = self.parallel.full_state_dict(self.model)  # every rank takes part in gathering them
+        if not self.parallel.is_rank_zero:
+            return None
+        update, self._outgoing = self.sender.prepare(weights, version)
         return update
 
     def broadcast_weights(self, update: WeightUpdate) -> None:
-        """Collective backends: send the prepared update's buckets to the rollout worker."""
-        self.sender.broadcast(self._outgoing, update, self.device)
+        """Collective backends: send the prepared update's buckets to the rollout worker (from rank 0)."""
+        if self.parallel.is_rank_zero:
+            self.sender.broadcast(self._outgoing, update, self.device)
 
     def join_weight_group(self, group: str) -> None:
-        join_group(self.sender.sync.backend, group, rank=0)
-        self.sender.group = group
+        """Rank 0 joins the weight-sync group as its sender."""
+        if self.parallel.is_rank_zero:
+            join_group(self.sender.sync.backend, group, rank=0)
+            self.sender.group = group
 
 
 class ColocatedActorWorker(ActorWorker):

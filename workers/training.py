@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
+from ppoflow.workers.data_parallel import DataParallel, unique_state_names
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,14 +37,23 @@ def response_logits(model, batch: TensorDict) -> torch.Tensor:
     return logits[:, prompt_length - 1: prompt_length + response_length - 1]
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every tensor of the model: names the exact weights a cached forward pass used."""
-    return tensors_digest(model.state_dict())
+def weights_digest(model: torch.nn.Module, parallel: DataParallel) -> str | None:
+    """sha256 over every tensor of the model, unsharded (rank 0; others: None): names the exact weights a
+    cached forward pass used, whatever the number of ranks."""
+    weights = parallel.full_state_dict(model)
+    return tensors_digest(weights) if parallel.is_rank_zero else None
 
 
-def micro_batches(batch: TensorDict, size: int | None) -> Iterator[TensorDict]:
+def micro_batches(batch: TensorDict, size: int | None, *, count: int | None = None) -> Iterator[TensorDict]:
     """Consecutive slices of at most ``size`` rows (all rows when ``size`` is None), each with its
-    response padding trimmed to its own longest response."""
+    response padding trimmed to its own longest response; ``count``: exactly that many near-equal slices
+    instead (data-parallel ranks must run the same number of forward passes)."""
+    if count is not None:
+        if count > batch.batch_size[0]:
+            raise ValueError(f"{batch.batch_size[0]} rows cannot make {count} micro-batches (as many as another rank's)")
+        for rows in torch.arange(batch.batch_size[0]).tensor_split(count):
+            yield trim_response_padding(batch[rows])
+        return
     size = size or batch.batch_size[0]
     for start in range(0, batch.batch_size[0], size):
         yield trim_response_padding(batch[start:start + size])
@@ -64,14 +74,17 @@ def mini_batches(batch: TensorDict, size: int, *, shuffle: bool, generator: torc
 MicroLoss = Callable[[TensorDict, float, float], tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 """``(micro_batch, num_tokens, num_seqs) -> (loss, summed, averaged)``: the loss to backpropagate,
 metrics that are already normalised by the whole mini-batch (summed over micro-batches), and
-per-micro-batch means (averaged, weighted by micro-batch size)."""
+per-micro-batch token means (averaged, weighted by the micro-batch's share of the mini-batch's tokens, so
+they are means over its tokens however it is cut into micro-batches and ranks)."""
 
 
 class Learner:
-    """A model with its AdamW optimizer and warm-up schedule, trained by verl's PPO update loop."""
+    """A model with its AdamW optimizer and warm-up schedule, trained by verl's PPO update loop; with
+    several data-parallel ranks each trains on its share of every mini-batch (:mod:`.data_parallel`)."""
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, grad_clip: float, device: torch.device):
-        self.model, self.grad_clip, self.device = model, grad_clip, device
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, grad_clip: float, device: torch.device,
+                 parallel: DataParallel):
+        self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
         warmup = optim.lr_warmup_steps
@@ -80,7 +93,8 @@ class Learner:
 
     def train(self, batch: TensorDict, micro_loss: MicroLoss, *, epochs: int, mini_batch_size: int,
               micro_batch_size: int | None, shuffle: bool, generator: torch.Generator, prefix: str) -> dict[str, float]:
-        """For each epoch and mini-batch: accumulate the micro-batch losses, clip, step; mean metrics."""
+        """For each epoch and mini-batch: accumulate the micro-batch losses of this rank's rows (normalised by
+        the whole mini-batch), sum over ranks, clip, step; mean metrics."""
         self.model.train()
         rows = []
         for _ in range(epochs):
@@ -88,36 +102,41 @@ class Learner:
                 num_tokens = float(mini["response_mask"].sum())
                 num_seqs = float(mini["response_mask"].any(dim=1).sum())
                 totals: dict[str, float] = {}
-                for micro in micro_batches(mini, micro_batch_size):
-                    share = micro.batch_size[0] / mini.batch_size[0]
+                for micro in micro_batches(self.parallel.local_rows(mini), micro_batch_size):
+                    share = float(micro["response_mask"].sum()) / num_tokens if num_tokens else 0.0
                     loss, summed, averaged = micro_loss(micro.to(self.device), num_tokens, num_seqs)
                     loss.backward()
                     for name, value in summed.items():
                         totals[name] = totals.get(name, 0.0) + float(value.detach())
                     for name, value in averaged.items():
                         totals[name] = totals.get(name, 0.0) + float(value.detach()) * share
+                totals = self.parallel.sum_metrics(totals)
                 totals[f"{prefix}/grad_norm"] = self._step()
                 totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
                 rows.append(totals)
         return mean_metrics(rows)
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
     def save(self, directory: str) -> dict[str, dict]:
-        """Checkpoint the model and optimizer into ``directory``; manifest entries by file name."""
-        return save_module(directory, self.model, self.state_dict())
+        """Checkpoint the full model and optimizer into ``directory`` (written by rank 0, whatever W);
+        manifest entries by file name (rank 0; others: {})."""
+        names = unique_state_names(self.model)
+        weights = {name: tensor for name, tensor in self.parallel.full_state_dict(self.model).items() if name in names}
+        state = {"optimizer": self.parallel.full_optimizer_state(self.model, self.optimizer),
+                 "scheduler": self.scheduler.state_dict()}
+        return save_module(directory, weights, state) if self.parallel.is_rank_zero else {}
 
     def load(self, directory: str, entries: dict[str, dict]) -> None:
-        self.load_state_dict(load_module(directory, entries, self.model))
+        """Restore model, optimizer and schedule from a checkpoint written with any W (every rank reads it)."""
+        shapes = {name: tensor.shape for name, tensor in self.model.state_dict().items()
+                  if name in unique_state_names(self.model)}
+        weights, state = load_module(directory, entries, shapes)
+        self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def _step(self) -> float:
         """Clip gradients, then step; a non-finite gradient norm skips the step (as verl does)."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        total_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -104,9 +104,10 @@ class WeightSender:
         self.last_version: int | None = None
         self.group: str | None = None
 
-    def prepare(self, model: torch.nn.Module, version: int) -> tuple[WeightUpdate, dict]:
-        """The update to send (all tensors, or only the changed ones with ``delta``) and its source tensors."""
-        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    def prepare(self, weights: dict[str, torch.Tensor], version: int) -> tuple[WeightUpdate, dict]:
+        """The update to send (all of ``weights``, the model's full state dict, or only the tensors that changed
+        with ``delta``) and its source tensors."""
+        state = {name: tensor.detach() for name, tensor in weights.items()}
         if self.sync.delta:
             state = {name: tensor for name, tensor in state.items()
                      if name not in self.last_sent or not torch.equal(tensor, self.last_sent[name])}

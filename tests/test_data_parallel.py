@@ -1,0 +1,103 @@
+"""Data-parallel training ranks (gloo on the CPU): the split of a batch over ranks, and W=2 against W=1 -
+the same batch and weights give the same log-probs, values, updated weights and metrics, and a checkpoint
+written by two ranks resumes one rank with the same optimizer state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppoflow.configs import load_config
+from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
+from ppoflow.workers.critic import CriticWorker
+from ppoflow.workers.data_parallel import balanced_partition
+from ppoflow.workers.group import RayGroupRole, start_workers
+from ppoflow.workers.models import load_tokenizer
+from ppoflow.workers.policy import ActorWorker
+from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
+
+TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
+"""float32: W=2 sums the same terms as W=1 in another order (per rank, then over ranks)."""
+
+
+def test_balanced_partition_gives_equal_rows_and_balances_tokens():
+    assert balanced_partition([5, 1, 4, 2, 3, 3], 2) == [[0, 1, 5], [2, 3, 4]]  # 9 tokens each
+    assert balanced_partition([1, 1, 1], 2) == [[0, 2], [1]]  # the first part takes the extra row
+    assert balanced_partition([7, 7, 7, 7], 1) == [[0, 1, 2, 3]]
+    parts = balanced_partition(list(range(1, 17)), 4)
+    assert sorted(row for part in parts for row in part) == list(range(16))
+    assert {len(part) for part in parts} == {4}
+    assert {sum(row + 1 for row in part) for part in parts} == {34}  # 136 tokens, 34 per rank
+
+
+@pytest.fixture
+def overrides(tiny_overrides):
+    """GAE (so a critic trains too), micro-batches of 4 (ranks' micro-batches differ from W=1's), and
+    half a CPU per rank so that two ranks of actor and critic plus the rollout fit the test's Ray."""
+    return tiny_overrides + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                             "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=5",
+                             "actor_rollout_ref.actor.resources.num_cpus=0.5", "critic.resources.num_cpus=0.5"]
+
+
+@pytest.fixture
+def batch(overrides):
+    cfg = load_config("grpo_tiny", overrides)
+    ensure_datasets(cfg.data)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
+    prompts = dataset.batch([0, 1, 2, 3], list("abcd"), tokenizer.pad_token_id).exclude("uid", "data_source", "ground_truth")
+    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    rows, width = batch["responses"].shape
+    generator = torch.Generator().manual_seed(0)
+    batch["advantages"] = torch.randn(rows, width, generator=generator) * batch["response_mask"]
+    batch["returns"] = torch.randn(rows, width, generator=generator) * batch["response_mask"]
+    return batch
+
+
+def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
+    cfg_one = load_config("grpo_tiny", overrides)
+    cfg_two = load_config("grpo_tiny", overrides + ["trainer.n_cpu_ranks_per_node=2"])
+    assert (cfg_one.data_parallel_size, cfg_two.data_parallel_size) == (1, 2)
+    assert batch.batch_size[0] == 16 and len(set(batch["response_mask"].sum(dim=1).tolist())) > 1
+
+    actor, critic = ActorWorker(cfg_one), CriticWorker(cfg_one)
+    log_probs = actor.compute_log_prob(batch)["log_probs"]
+    batch["values"] = critic.compute_values(batch)["values"]
+    expected = actor.update(batch, step=1)  # on-policy: the update's own log-probs are the old ones
+    expected_critic = critic.update(batch, step=1)
+
+    workers = start_workers(cfg_two)
+    try:
+        assert isinstance(workers.actor, RayGroupRole) and len(workers.actor.handles) == 2
+        assert [len(nodes) for nodes in (workers.placement["actor"], workers.placement["critic"])] == [2, 2]
+        get = workers.get
+        torch.testing.assert_close(get(workers.actor.submit("compute_log_prob", batch))["log_probs"], log_probs,
+                                   **TOLERANCE)
+        torch.testing.assert_close(get(workers.critic.submit("compute_values", batch))["values"], batch["values"],
+                                   **TOLERANCE)
+        result = get(workers.actor.submit("update", batch, step=1))
+        critic_metrics = get(workers.critic.submit("update", batch, step=1))
+        mask = batch["response_mask"]
+        torch.testing.assert_close(result.fields["old_log_probs"][mask], expected.fields["old_log_probs"][mask],
+                                   **TOLERANCE)
+        for name, value in {**expected.metrics, **expected_critic}.items():
+            got = result.metrics.get(name, critic_metrics.get(name))
+            assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (name, got, value)
+
+        # A checkpoint written by the two ranks holds the full weights, equal to W=1's after the same update,
+        # and resumes one rank with the optimizer state too: its next update equals W=1's next update.
+        entries = get(workers.actor.submit("save_checkpoint", str(tmp_path / "actor")))
+    finally:
+        workers.shutdown()
+    saved = load_file(tmp_path / "actor" / "model.safetensors")
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, actor.model.state_dict()[name], **TOLERANCE)
+    resumed = ActorWorker(cfg_one)
+    resumed.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
+    assert resumed.learner.optimizer.state_dict()["state"][0]["step"] == 1
+    second = batch.exclude("values")
+    actor.update(second, step=2)
+    resumed.update(second, step=2)
+    for name, tensor in actor.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-5, rtol=1e-4)
