@@ -40,7 +40,7 @@ def main() -> None:
     from ppoflow.flows.train import ppo_train
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for mode in ("sync", "one_step_off"):

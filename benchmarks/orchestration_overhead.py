@@ -45,7 +45,7 @@ def main() -> None:
     from ppoflow.configs import load_config
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name in WORKLOADS if args.workload == "all" else [args.workload]:

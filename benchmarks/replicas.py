@@ -47,7 +47,7 @@ def main() -> None:
     budgets = long_tailed_budgets(args.requests, args.seed)
     characters = range(len(TINY_SPECIAL_TOKENS), len(TINY_SPECIAL_TOKENS) + len(TINY_CHARACTERS))
     prompts = [[draw.choice(characters) for _ in range(draw.randint(8, 16))] for _ in range(args.requests)]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as scratch:
         build_tiny_model(scratch, TinyModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,

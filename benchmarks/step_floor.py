@@ -121,7 +121,7 @@ def main() -> None:
     from ppoflow.configs import load_config
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     total = args.warmup + args.steps
     ways = {"bare": (False, False, "sync", False), "ray": (True, False, "sync", False),
             "prefect+ray": (True, True, "sync", False), "one_step_off": (True, True, "one_step_off", False),

@@ -83,7 +83,7 @@ def main() -> None:
     from ppoflow.configs import load_config
     from ppoflow.workers.models import build_tiny_model, load_causal_lm
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, (hidden, intermediate, layers, heads) in MODELS.items():

@@ -21,7 +21,7 @@ def start_local_ray() -> None:
     import ray
 
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 def built_in(scratch: str, name: str, *, validation: bool = False) -> list[str]:

@@ -94,7 +94,9 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     caches = stage_caches(cfg)
     started = time.perf_counter()
     workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
-    note(f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s")
+    placement = workers.placement_note()
+    note(f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s"
+         + (f"; {placement}" if placement else ""))
     tags = (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}") if cfg.trainer.task_run_tags \
         else None
     return RunContext(cfg, inputs.tokenizer, inputs.train_set, inputs.val_set, total_steps, inputs.custom_scorer,

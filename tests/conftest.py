@@ -203,7 +203,7 @@ def ray_local():
     """A local Ray shared by every test that needs one (runs reuse it instead of starting their own)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

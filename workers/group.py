@@ -28,6 +28,19 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSF
               "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """Environment of every worker process: one OpenMP thread unless a role asks for more, quiet logs."""
 
+FORWARDED_ENV_PREFIXES = ("AWS_", "AZURE_STORAGE_", "GOOGLE_APPLICATION_CREDENTIALS", "FSSPEC_", "PREFECT_API_",
+                          "HF_", "PPOFLOW_")
+"""The driver's environment variables (storage credentials and endpoints, the Prefect API, model caches) that
+every worker gets too: on a cluster's other nodes, workers start from that node's environment, not the
+driver's, and nodes share no disk or settings."""
+
+
+def worker_env() -> dict[str, str]:
+    """The environment every worker process gets: :data:`WORKER_ENV` plus the forwarded driver variables."""
+    forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
+    return {**forwarded, **WORKER_ENV}
+
+
 RESTARTS = 3
 """How often Ray restarts a crashed stateless worker (rollout, reference) before the run fails."""
 
@@ -91,6 +104,15 @@ class Workers:
         """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
         names = ["actor+rollout"] if self.colocated else ["actor", "rollout"]
         return names + [role for role in ("ref", "critic") if getattr(self, role) is not None]
+
+    def placement_note(self) -> str:
+        """Where each role runs, by Ray node id, rank by rank (empty when every actor is on one node and
+        no role has several ranks: nothing worth saying)."""
+        nodes = {node for ids in self.placement.values() for node in ids}
+        if len(nodes) <= 1 and all(len(ids) == 1 for ids in self.placement.values()):
+            return ""
+        return "; ".join(f"{role} on node{'s' if len(ids) > 1 else ''} {', '.join(node[:12] for node in ids)}"
+                         for role, ids in self.placement.items())
 
     def put(self, value):
         """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""
@@ -217,7 +239,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     _check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
 
     def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):
-        env = {**WORKER_ENV, "OMP_NUM_THREADS": str(resources.num_threads)}
+        env = {**worker_env(), "OMP_NUM_THREADS": str(resources.num_threads)}
         return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                                        resources=dict(resources.custom),
                                        max_restarts=RESTARTS if restartable else 0,
@@ -332,7 +354,7 @@ def _start_rollout_service(cfg: PPOConfig, replica_of):
 
     rollout = cfg.actor_rollout_ref.rollout
     replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
-    agents = [ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": WORKER_ENV}).remote(cfg, replicas)
+    agents = [ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": worker_env()}).remote(cfg, replicas)
               for _ in range(rollout.agent.num_workers)]
     return RolloutService(replicas, agents, pad_token_id=load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id)
 
@@ -366,12 +388,14 @@ def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+        ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
         return False
     needed = sum(resources.num_cpus for resources in roles.values()) + scoring_cpus(cfg)
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
-    ray.init(num_cpus=num_cpus, num_gpus=_local_gpu_count(), include_dashboard=False,
-             runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+    # address="local": a Ray of this run's own, even when a cluster started with `ray start` runs on this
+    # machine (joining one is what ray.address is for)
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=_local_gpu_count(), include_dashboard=False,
+             runtime_env={"env_vars": worker_env()}, log_to_driver=True)
     return True
 
 
