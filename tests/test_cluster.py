@@ -102,8 +102,9 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(two
     prefix = run_dir.removeprefix(f"s3://{S3_TEST_BUCKET}/")
     keys = {item["Key"].removeprefix(prefix + "/")
             for item in s3.list_objects_v2(Bucket=S3_TEST_BUCKET, Prefix=prefix)["Contents"]}
-    assert {"run/global_step_1/checkpoint.json", "run/global_step_2/checkpoint.json",
-            "run/global_step_2/actor/model.safetensors"} <= keys
+    assert {"run/global_step_1/checkpoint.json", "run/global_step_2/checkpoint.json",  # each rank wrote its shards
+            "run/global_step_2/actor/shard-00001-model-00001-of-00001.safetensors",
+            "run/global_step_2/actor/shard-00002-model-00001-of-00001.safetensors"} <= keys
     assert sum(key.startswith("dump/") and key.endswith("/meta.json") for key in keys) == 2  # steps 1 and 2
 
     # One rank resumes what two ranks saved, and carries on.

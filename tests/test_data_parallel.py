@@ -1,15 +1,15 @@
 """Data-parallel training ranks (gloo on the CPU): the split of a batch over ranks, and W=2 against W=1 -
-the same batch and weights give the same log-probs, values, updated weights and metrics, and a checkpoint
-written by two ranks resumes one rank with the same optimizer state."""
+the same batch and weights give the same log-probs, values, updated weights and metrics, and the shards
+two ranks checkpoint resume one rank with the same weights and optimizer state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ppoflow.configs import load_config
 from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
+from ppoflow.storage.checkpoint import CheckpointError
 from ppoflow.workers.critic import CriticWorker
 from ppoflow.workers.data_parallel import balanced_partition
 from ppoflow.workers.group import RayGroupRole, start_workers
@@ -85,19 +85,26 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
             got = result.metrics.get(name, critic_metrics.get(name))
             assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (name, got, value)
 
-        # A checkpoint written by the two ranks holds the full weights, equal to W=1's after the same update,
-        # and resumes one rank with the optimizer state too: its next update equals W=1's next update.
+        # Each rank writes its shards (plus rank 0's optimizer.pt); one rank resumes from them with the
+        # weights W=1 reached and the optimizer state too: its next update equals W=1's next update.
         entries = get(workers.actor.submit("save_checkpoint", str(tmp_path / "actor")))
     finally:
         workers.shutdown()
-    saved = load_file(tmp_path / "actor" / "model.safetensors")
-    for name, tensor in saved.items():
-        torch.testing.assert_close(tensor, actor.model.state_dict()[name], **TOLERANCE)
+    assert sorted(entries) == ["optimizer.pt", "shard-00001-model-00001-of-00001.safetensors",
+                               "shard-00002-model-00001-of-00001.safetensors"]
     resumed = ActorWorker(cfg_one)
     resumed.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
+    for name, tensor in actor.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, **TOLERANCE)
     assert resumed.learner.optimizer.state_dict()["state"][0]["step"] == 1
     second = batch.exclude("values")
     actor.update(second, step=2)
     resumed.update(second, step=2)
     for name, tensor in actor.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-5, rtol=1e-4)
+
+    # The shards are checked against the marker's checksums before DCP reads them.
+    shard = tmp_path / "actor" / "shard-00002-model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="checksum"):
+        ActorWorker(cfg_one).load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)

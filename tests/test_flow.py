@@ -107,6 +107,9 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
+    # eight actor ranks of one CPU each, on a Ray of four: the error names the ranks and the cluster's total
+    ("trainer.n_cpu_ranks_per_node=8", r"the roles need 9 CPU but the Ray cluster has 4 \(actor_rollout_ref.actor "
+                                       r"\(8 ranks\): 8, actor_rollout_ref.rollout: 1\)"),
     ("data.max_response_length=80", "max_position_embeddings"),
     # a run started from the UI or a deployment fails with the preflight's message, naming the key
     ("custom_reward_function.path=ppoflow_no_such_module", "custom_reward_function.path: cannot import"),

@@ -12,27 +12,44 @@ its own rows itself, so the driver never cuts batches up and no rank needs to be
 * Metrics are sums of per-micro-batch parts already weighted by the global mini-batch
   (:class:`~ppoflow.workers.training.Learner`), so summing them over ranks gives W=1's values.
 * Outputs (log-probs, values) and full weights are gathered on rank 0, which returns them; the other
-  ranks return None. A full state dict is what checkpoints, weight sync and the Hugging Face export
-  take, so their files do not depend on W and a run can resume with another W.
+  ranks return None. Weight sync and the Hugging Face export take the full state dict.
+* Checkpoints are written by every rank in parallel, each its own shards (:meth:`DataParallel.save_sharded`:
+  ``torch.distributed.checkpoint`` with its safetensors storage, which pickles nothing), and read back
+  with any number of ranks: DCP reshards on load.
 
-With one rank there is no process group and the model trains unsharded: the same code, no collectives.
+A role run as one rank (no :class:`RankInfo`, as :func:`~ppoflow.workers.group.start_workers` starts it)
+has no process group and trains unsharded: the same code, no collectives. A :class:`RankInfo` of world
+size 1 still joins a group and shards: the GPU check runs FSDP2 that way, without Ray.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import math
+import os
+import re
 import socket
+import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import FSDPConfig
+from ppoflow.storage.checkpoint import CheckpointError, read_decoded, read_file, write_file
+from ppoflow.storage.fs import join
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long a collective waits for a rank that does not arrive (a crashed peer) before it fails the call."""
+
+SHARD_FILE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+"""The file each rank writes its shards into (DCP's safetensors storage names it after the rank)."""
+SHARDED_STATE = "optimizer.pt"
+"""Beside the shards: what is not a tensor (the optimizer's parameter groups, the LR schedule), by rank 0."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,13 +97,13 @@ class DataParallel:
     """One rank's view of its role's process group: its rows of a batch, gathering results on rank 0,
     summing metrics, and full (unsharded) state dicts."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int = 0, world_size: int = 1, *, sharded: bool = False):
+        self.rank, self.world_size, self.sharded = rank, world_size, sharded
 
     @classmethod
     def join(cls, ranks: RankInfo | None, device: torch.device) -> "DataParallel":
-        """Join the role's process group (NCCL on GPUs, gloo on CPUs); one rank: no group at all."""
-        if ranks is None or ranks.world_size == 1:
+        """Join the role's process group (NCCL on GPUs, gloo on CPUs); no ``ranks``: no group at all."""
+        if ranks is None:
             return cls()
         import torch.distributed as dist
 
@@ -95,11 +112,7 @@ class DataParallel:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=ranks.rank,
                                 world_size=ranks.world_size, timeout=PROCESS_GROUP_TIMEOUT,
                                 init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}")
-        return cls(ranks.rank, ranks.world_size)
-
-    @property
-    def sharded(self) -> bool:
-        return self.world_size > 1
+        return cls(ranks.rank, ranks.world_size, sharded=True)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -185,11 +198,11 @@ class DataParallel:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def full_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state keyed by parameter name, unsharded (rank 0; others: {}): one format for any W."""
+        """The optimizer's state of an unsharded model, keyed by parameter name (not position), so that data-
+        parallel ranks can load it into their shards (:meth:`load_full`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=self.sharded))
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
     def load_full(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
@@ -202,11 +215,69 @@ class DataParallel:
         if optimizer is not None and optimizer_state is not None:
             set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
+    def save_sharded(self, directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     extra: dict) -> dict[str, dict]:
+        """Every rank writes its shards of the weights and the optimizer state into ``directory`` at once
+        (staged locally by DCP, then each file written atomically); rank 0 adds :data:`SHARDED_STATE`
+        (parameter groups and ``extra``) and returns every file's manifest entry (the others: {})."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        state = {"model": _without_aliases(model, get_model_state_dict(model)), "optimizer": optimizer_state["state"]}
+        with tempfile.TemporaryDirectory() as staging:
+            dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(staging, save_distributed=True))
+            entries = {name: write_file(join(directory, name), Path(staging, name).read_bytes())
+                       for name in sorted(os.listdir(staging))}
+        parts = [None] * self.world_size if self.is_rank_zero else None
+        dist.gather_object(entries, parts, dst=0)
+        if not self.is_rank_zero:
+            return {}
+        buffer = io.BytesIO()
+        torch.save({"param_groups": optimizer_state["param_groups"], **extra}, buffer)
+        merged = {name: entry for part in parts for name, entry in part.items()}
+        return {**merged, SHARDED_STATE: write_file(join(directory, SHARDED_STATE), buffer.getvalue())}
+
+    @staticmethod
+    def load_sharded(directory: str, entries: dict[str, dict], model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> dict:
+        """Load what :meth:`save_sharded` wrote, with any number of ranks (or none): each file is checked
+        against its manifest entry before DCP reads it, and DCP gives each rank its own shards. Returns the
+        ``extra`` it was saved with; :class:`CheckpointError` when the shards do not fit the model."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        extra = read_decoded(directory, entries, SHARDED_STATE, lambda data: torch.load(io.BytesIO(data), weights_only=True))
+        shards = sorted(name for name in entries if SHARD_FILE.fullmatch(name))
+        # the state to load into: the optimizer's is created (zero) by asking for it
+        state = {"model": _without_aliases(model, get_model_state_dict(model)),
+                 "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+        with tempfile.TemporaryDirectory() as staging:
+            for name in shards:
+                Path(staging, name).write_bytes(read_file(join(directory, name), entries[name]))
+            try:
+                with warnings.catch_warnings():  # one rank without a process group is meant, not a mistake
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(staging),
+                             no_dist=not torch.distributed.is_initialized())
+            except Exception as error:  # DCP reports a missing or misshapen tensor in several ways
+                raise CheckpointError(directory, f"the shards do not fit the model: {error}") from error
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # aliases: tied
+        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": extra.pop("param_groups")})
+        return extra
+
     def barrier(self) -> None:
         if self.sharded:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _without_aliases(model: torch.nn.Module, state: dict) -> dict:
+    return {name: tensor for name, tensor in state.items() if name in unique_state_names(model)}
 
 
 def unique_state_names(model: torch.nn.Module) -> set[str]:

@@ -117,20 +117,27 @@ class Learner:
         return mean_metrics(rows)
 
     def save(self, directory: str) -> dict[str, dict]:
-        """Checkpoint the full model and optimizer into ``directory`` (written by rank 0, whatever W);
-        manifest entries by file name (rank 0; others: {})."""
+        """Checkpoint the model, optimizer and LR schedule into ``directory``; manifest entries by file name
+        (rank 0; others: {}). One rank writes full weights (``model.safetensors``) and ``optimizer.pt``;
+        data-parallel ranks each write their shards at once (:meth:`DataParallel.save_sharded`)."""
+        if self.parallel.sharded:
+            return self.parallel.save_sharded(directory, self.model, self.optimizer,
+                                              {"scheduler": self.scheduler.state_dict()})
         names = unique_state_names(self.model)
-        weights = {name: tensor for name, tensor in self.parallel.full_state_dict(self.model).items() if name in names}
+        weights = {name: tensor for name, tensor in self.model.state_dict().items() if name in names}
         state = {"optimizer": self.parallel.full_optimizer_state(self.model, self.optimizer),
                  "scheduler": self.scheduler.state_dict()}
-        return save_module(directory, weights, state) if self.parallel.is_rank_zero else {}
+        return save_module(directory, weights, state)
 
     def load(self, directory: str, entries: dict[str, dict]) -> None:
-        """Restore model, optimizer and schedule from a checkpoint written with any W (every rank reads it)."""
-        shapes = {name: tensor.shape for name, tensor in self.model.state_dict().items()
-                  if name in unique_state_names(self.model)}
-        weights, state = load_module(directory, entries, shapes)
-        self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
+        """Restore model, optimizer and schedule from a checkpoint written with any number of ranks."""
+        if "model.safetensors" not in entries:
+            state = DataParallel.load_sharded(directory, entries, self.model, self.optimizer)
+        else:
+            shapes = {name: tensor.shape for name, tensor in self.model.state_dict().items()
+                      if name in unique_state_names(self.model)}
+            weights, state = load_module(directory, entries, shapes)
+            self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def _step(self) -> float:
