@@ -106,6 +106,11 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(two
             "run/global_step_2/actor/shard-00001-model-00001-of-00001.safetensors",
             "run/global_step_2/actor/shard-00002-model-00001-of-00001.safetensors"} <= keys
     assert sum(key.startswith("dump/") and key.endswith("/meta.json") for key in keys) == 2  # steps 1 and 2
+    # the trained policy is exported whole, under the class FSDP2 wrapped (what loaders such as vLLM look up)
+    export = f"{prefix}/run/global_step_2/actor/huggingface"
+    config = json.loads(s3.get_object(Bucket=S3_TEST_BUCKET, Key=f"{export}/config.json")["Body"].read())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "run/global_step_2/actor/huggingface/model.safetensors" in keys
 
     # One rank resumes what two ranks saved, and carries on.
     second = train("trainer.n_cpu_ranks_per_node=1", "trainer.total_training_steps=3")

@@ -85,9 +85,15 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
             got = result.metrics.get(name, critic_metrics.get(name))
             assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (name, got, value)
 
-        # Each rank writes its shards (plus rank 0's optimizer.pt); one rank resumes from them with the
-        # weights W=1 reached and the optimizer state too: its next update equals W=1's next update.
+        # Each rank writes its shards (plus rank 0's optimizer.pt). Resumed from them, the two ranks make the
+        # next update bit for bit as they did uninterrupted (same W: same order of every sum).
         entries = get(workers.actor.submit("save_checkpoint", str(tmp_path / "actor")))
+        second = batch.exclude("values")
+        get(workers.actor.submit("update", second, step=2))
+        uninterrupted = get(workers.actor.submit("weights_digest"))
+        get(workers.actor.submit("load_checkpoint", str(tmp_path / "actor"), entries, weight_version=1))
+        get(workers.actor.submit("update", second, step=2))
+        assert get(workers.actor.submit("weights_digest")) == uninterrupted
     finally:
         workers.shutdown()
     assert sorted(entries) == ["optimizer.pt", "shard-00001-model-00001-of-00001.safetensors",
@@ -96,8 +102,9 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
     resumed.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
     for name, tensor in actor.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, **TOLERANCE)
+    # One rank resumes from the shards with the weights W=1 reached and the optimizer state too: its next
+    # update equals W=1's next update.
     assert resumed.learner.optimizer.state_dict()["state"][0]["step"] == 1
-    second = batch.exclude("values")
     actor.update(second, step=2)
     resumed.update(second, step=2)
     for name, tensor in actor.model.state_dict().items():
