@@ -7,8 +7,9 @@ the ratio to ``model.generate`` with its default dynamic KV cache:
 * generate             - ``model.generate`` as a user would call it (sampling, KV cache);
 * generate, no cache   - the same without the KV cache (``use_cache=False``), what the cache saves;
 * generate, static     - ``cache_implementation="static"``, the pre-allocated cache;
-* ppoflow              - ``sample_responses``: the same call plus the logits it keeps to return each
-                         sampled token's log-prob, and the step batch around it.
+* ppoflow              - ``sample_responses``: the same call plus a logits processor that records each
+                         sampled token's log-prob (one step's log-softmax kept at a time), and the step
+                         batch around it.
 
     python benchmarks/generation.py [--repeats 9] [--workload demo|larger]
 """

@@ -59,16 +59,50 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}".encode()).digest()[:8], "little") % (2**63)
 
 
+class SampledTokenLogProbs:
+    """A logits processor that records the log-prob of each sampled token, at ``temperature``, from the
+    model's scores before top-k/top-p (transformers runs the warpers after the processors it is given).
+
+    ``generate`` can return every step's logits instead, [N, T, vocab] - 39 GB in float32 for 128 responses
+    of 512 tokens with a 150k vocabulary - of which one number per token is used. Each call sees the token
+    sampled from the previous call's scores as the last of ``input_ids``, so only one step's log-softmax is
+    kept: [N, vocab]."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.sampled: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[N, generated] log-probs of the generated tokens (``sequences``: generate's output)."""
+        self._take(sequences[:, -1])
+        return torch.stack(self.sampled, dim=1) if self.sampled else sequences.new_zeros((sequences.shape[0], 0),
+                                                                                          dtype=torch.float32)
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.sampled.append(self.previous.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+            self.previous = None
+
+
 def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampling: SamplingParams,
                      weight_version: int, device: torch.device) -> TensorDict:
     """Sample ``sampling.n`` responses per prompt with transformers' ``generate``; the rollout part of the
     step batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``."""
+    from transformers import LogitsProcessorList
+
     repeated = prompts[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
     eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(step_seed(sampling.seed, step))
     model.eval()
+    recorder = SampledTokenLogProbs(sampling.temperature if sampling.temperature > 0 else 1.0)
     with torch.no_grad():
-        output = model.generate(
+        sequences = model.generate(
             input_ids=repeated["prompts"].to(device),
             attention_mask=repeated["prompt_mask"].long().to(device),
             do_sample=not sampling.greedy,
@@ -78,14 +112,11 @@ def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampli
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([recorder]),
         )
     prompt_length = repeated["prompts"].shape[1]
-    generated = output.sequences[:, prompt_length:].cpu()
-    logits = torch.stack(output.logits, dim=1).float().cpu()  # [N, generated, vocab], before warpers
-    log_probs = torch.log_softmax(logits / (sampling.temperature if sampling.temperature > 0 else 1.0), dim=-1)
-    token_log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+    generated = sequences[:, prompt_length:].cpu()
+    token_log_probs = recorder.log_probs(sequences).cpu()
 
     rows, width = generated.shape[0], sampling.max_new_tokens
     responses = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.int64)
