@@ -28,9 +28,13 @@ NODE_START_TIMEOUT_S = 90
 
 
 def _ray_start(*args: str, env: dict) -> subprocess.Popen:
-    """``ray start ... --block``: the node lives as long as this process; terminating it stops the node."""
+    """``ray start ... --block``: the node lives as long as this process; terminating it stops the node. Every
+    port a node listens on is a free one: the test session's own Ray runs on this machine too, on the defaults."""
+    ports = [f"--{name}={free_port()}" for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
+                                                    "runtime-env-agent-port", "dashboard-agent-listen-port",
+                                                    "dashboard-agent-grpc-port")]
     return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
-                             "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
+                             "--node-ip-address=127.0.0.1", "--disable-usage-stats", *ports, *args],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -52,14 +56,13 @@ def two_nodes():
     env["RAY_AUTH_MODE"] = "disabled"
     port = free_port()
     address = f"127.0.0.1:{port}"
-    nodes = [_ray_start("--head", f"--port={port}", "--num-cpus=2", '--resources={"trainer_node": 2}',
-                        "--include-dashboard=false", env=env)]
+    nodes = [_ray_start("--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--num-cpus=2",
+                        '--resources={"trainer_node": 2}', "--include-dashboard=false", env=env)]
     try:
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        nodes.append(_ray_start(f"--address={address}", "--num-cpus=2", '--resources={"rollout_node": 1}',
-                                f"--dashboard-agent-listen-port={free_port()}", env=env))
+        nodes.append(_ray_start(f"--address={address}", "--num-cpus=2", '--resources={"rollout_node": 1}', env=env))
         alive: list[dict] = []
         while len(alive) < 2 and time.monotonic() < deadline:
             alive = _alive_nodes(address, env)
@@ -85,7 +88,8 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(two
         "actor_rollout_ref.actor.resources.custom={trainer_node: 1}",
         "actor_rollout_ref.rollout.resources.custom={rollout_node: 1}",
         "skip.rollout.enable=true", f"skip.rollout.dump_dir={run_dir}/dump", "skip.rollout.steps=[1,2]"]
-    env = {**os.environ, "PREFECT_API_URL": prefect_server, "AWS_ENDPOINT_URL": endpoint}
+    # RAY_AUTH_MODE as the nodes have it: the session's own Ray set this process's to "token"
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "AWS_ENDPOINT_URL": endpoint, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
 
     def train(*more: str) -> subprocess.CompletedProcess:
