@@ -7,6 +7,8 @@ the ratio to ``model.generate`` with its default dynamic KV cache:
 * generate             - ``model.generate`` as a user would call it (sampling, KV cache);
 * generate, no cache   - the same without the KV cache (``use_cache=False``), what the cache saves;
 * generate, static     - ``cache_implementation="static"``, the pre-allocated cache;
+* generate, compiled   - the static cache with the decode step compiled by ``torch.compile`` (transformers'
+                         ``compile_config``; it compiles only on accelerators unless told to, as here);
 * ppoflow              - ``sample_responses``: the same call plus a logits processor that records each
                          sampled token's log-prob (one step's log-softmax kept at a time), and the step
                          batch around it.
@@ -35,6 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from transformers import CompileConfig
 
     from ppoflow.configs import load_config
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
@@ -71,10 +74,14 @@ def main() -> None:
                                      device=torch.device("cpu"))
             return int(batch["response_mask"].sum())
 
+        compiled = CompileConfig(mode="default")  # reduce-overhead (the default) is CUDA graphs
+        compiled._compile_all_devices = True  # transformers' switch to compile on a CPU too
         variants = {"generate": lambda: direct(), "generate, no cache": lambda: direct(use_cache=False),
-                    "generate, static": lambda: direct(cache_implementation="static"), "ppoflow": ours}
+                    "generate, static": lambda: direct(cache_implementation="static"),
+                    "generate, compiled": lambda: direct(cache_implementation="static", compile_config=compiled),
+                    "ppoflow": ours}
         for run in variants.values():
-            run()  # warm-up
+            run()  # warm-up (and the compilation)
         measured: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):  # round-robin, so that no variant gets a quieter moment of the machine
             for name, run in variants.items():
