@@ -107,11 +107,13 @@ def _train(args) -> int:
     from ppoflow.configs import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
+    from ppoflow.flows.logs import hide_user_error_tracebacks
     from ppoflow.flows.preflight import preflight
     from ppoflow.flows.train import check_mode, ppo_train
 
     check_mode(cfg)
     preflight(cfg)
+    hide_user_error_tracebacks()  # bad input found once Ray runs (resources) is reported like the rest
 
     ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
     return 0

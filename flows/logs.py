@@ -50,6 +50,26 @@ class _WarningsOnward(logging.Handler):
         logging.getLogger().callHandlers(record)
 
 
+def _without_user_error_traceback(record: logging.LogRecord) -> bool:
+    """Keep the record, without its traceback when its exception is the user's input (a ConfigError)."""
+    from ppoflow.configs import ConfigError
+
+    if record.exc_info and isinstance(record.exc_info[1], ConfigError):
+        record.exc_info = record.exc_text = None
+    return True
+
+
+def hide_user_error_tracebacks() -> None:
+    """Prefect logs a failed task or flow run's exception with its traceback. A :class:`ConfigError` raised
+    inside a run (a role asking for more than the Ray cluster has, say) is bad input, not a bug: its lines
+    keep the message (which names the key) and drop the traceback, as ``ppoflow train`` reports bad input
+    found before Prefect starts. Idempotent."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if _without_user_error_traceback not in logger.filters:
+            logger.addFilter(_without_user_error_traceback)
+
+
 @contextmanager
 def logs_to_prefect() -> Iterator[None]:
     """For the block's duration, send ``ppoflow`` records (INFO and up) to the current flow run's logs.

@@ -105,11 +105,24 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
     assert "The temporary Prefect server did not start. Run `prefect server start` to see why" in result.stderr
 
 
+def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_server, tiny_overrides):
+    """Found only once Ray runs, inside the flow run: still exit 2 and one message naming the key, no traceback."""
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *tiny_overrides,
+                             "trainer.n_cpu_ranks_per_node=4", "ray.num_cpus=2"],
+                            capture_output=True, text=True, timeout=300, env={**env, "PREFECT_API_URL": prefect_server})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "\nppoflow: invalid configuration (1 problem):\n  actor_rollout_ref.actor.resources.num_cpus: the roles " \
+           "need 5 CPU but the Ray cluster has 2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("override, message", [
     ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
     # eight actor ranks of one CPU each, on a Ray of four: the error names the ranks and the cluster's total
-    ("trainer.n_cpu_ranks_per_node=8", r"the roles need 9 CPU but the Ray cluster has 4 \(actor_rollout_ref.actor "
-                                       r"\(8 ranks\): 8, actor_rollout_ref.rollout: 1\)"),
+    ("trainer.n_cpu_ranks_per_node=8", r"actor_rollout_ref.actor.resources.num_cpus: the roles need 9 CPU but the Ray "
+                                       r"cluster has 4 \(actor_rollout_ref.actor \(8 ranks\): 8, "
+                                       r"actor_rollout_ref.rollout: 1\)"),
     ("data.max_response_length=80", "max_position_embeddings"),
     # a run started from the UI or a deployment fails with the preflight's message, naming the key
     ("custom_reward_function.path=ppoflow_no_such_module", "custom_reward_function.path: cannot import"),

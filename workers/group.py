@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -315,9 +316,9 @@ def _start_training_ranks(training: dict, ranks: int, actor_of) -> tuple[dict[st
     if not ready:
         ray.util.remove_placement_group(group)
         offered = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        raise RuntimeError(f"{ranks} training ranks (trainer.nnodes x ranks per node), each reserving {per_rank} for "
-                           f"{', '.join(training)}, do not fit in the Ray cluster within {PLACEMENT_TIMEOUT_S:g} s; "
-                           f"its nodes offer {offered}")
+        raise ConfigError([("trainer.nnodes", f"{ranks} training ranks (trainer.nnodes x ranks per node), each "
+                                              f"reserving {per_rank} for {', '.join(training)}, do not fit in the Ray "
+                                              f"cluster within {PLACEMENT_TIMEOUT_S:g} s; its nodes offer {offered}")])
 
     def in_bundle(index: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
@@ -405,9 +406,14 @@ def _local_gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+_RESOURCE_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus"}
+"""How the config names a Ray resource of a role (a custom one is ``custom.<name>``)."""
+
+
 def _check_fits(roles: dict[str, ResourcesConfig], *, scores_on_ray: bool) -> None:
-    """Fail now, naming the keys, rather than leave an actor or a scoring task pending forever: CPUs, GPUs
-    and every custom resource the roles reserve, against the whole Ray cluster.
+    """Fail now, with a :class:`ConfigError` naming the key of the role that asks most, rather than leave
+    an actor or a scoring task pending forever: CPUs, GPUs and every custom resource the roles reserve,
+    against the whole Ray cluster.
 
     Scoring on Ray needs one CPU beyond the actors' so that at least one chunk runs."""
     import ray
@@ -421,7 +427,8 @@ def _check_fits(roles: dict[str, ResourcesConfig], *, scores_on_ray: bool) -> No
             needed += 1
             details.append("1 for reward_model.reward_manager=ray")
         if needed > available.get(unit, 0):
-            detail = ", ".join(details)
-            raise RuntimeError(f"the roles need {needed:g} {unit} but the Ray cluster has "
-                               f"{available.get(unit, 0):g} ({detail}); lower the roles' resources, or set "
-                               f"ray.num_cpus, or join a larger cluster (ray.address)")
+            largest = max(roles, key=lambda key: _ray_resources(roles[key]).get(unit, 0.0)).split(" (")[0]
+            key = f"{largest}.resources.{_RESOURCE_KEYS.get(unit, f'custom.{unit}')}"
+            raise ConfigError([(key, f"the roles need {needed:g} {unit} but the Ray cluster has "
+                                     f"{available.get(unit, 0):g} ({', '.join(details)}); lower the roles' resources, "
+                                     f"or set ray.num_cpus, or join a larger cluster (ray.address)")])
