@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppoflow.configs import load_config
+from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.run import start_run
 from ppoflow.algorithms.scoring import score_responses
 from ppoflow.tasks.reward import score_on_ray
@@ -30,5 +30,6 @@ def test_scoring_on_ray_needs_a_cpu_beyond_the_actors(tiny_overrides, ray_local)
                                                      "actor_rollout_ref.rollout.resources.num_cpus=2",
                                                      "actor_rollout_ref.actor.resources.num_cpus=2"])
     assert not cfg.use_reference and not cfg.use_critic  # the two roles above take all 4 CPUs of ray_local
-    with pytest.raises(RuntimeError, match=r"need 5 CPU .*has 4 .*1 for reward_model.reward_manager=ray"):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.resources.num_cpus: the roles need 5 CPU .*has 4 "
+                                          r".*1 for reward_model.reward_manager=ray"):
         start_workers(cfg)

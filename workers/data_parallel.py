@@ -269,14 +269,9 @@ class DataParallel:
         set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": extra.pop("param_groups")})
         return extra
 
-    def barrier(self) -> None:
-        if self.sharded:
-            import torch.distributed as dist
-
-            dist.barrier()
-
 
 def _without_aliases(model: torch.nn.Module, state: dict) -> dict:
+    """``state`` without the second name of a tied tensor (safetensors refuses shared storage)."""
     return {name: tensor for name, tensor in state.items() if name in unique_state_names(model)}
 
 
