@@ -57,7 +57,8 @@ def batch(overrides):
 
 def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
     cfg_one = load_config("grpo_tiny", overrides)
-    cfg_two = load_config("grpo_tiny", overrides + ["trainer.n_cpu_ranks_per_node=2"])
+    # one_step_off: the actor keeps the weights it pushed, for a restarted rollout worker
+    cfg_two = load_config("grpo_tiny", overrides + ["trainer.n_cpu_ranks_per_node=2", "trainer.mode=one_step_off"])
     assert (cfg_one.data_parallel_size, cfg_two.data_parallel_size) == (1, 2)
     assert batch.batch_size[0] == 16 and len(set(batch["response_mask"].sum(dim=1).tolist())) > 1
 
@@ -78,6 +79,9 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
                                    **TOLERANCE)
         result = get(workers.actor.submit("update", batch, step=1))
         critic_metrics = get(workers.critic.submit("update", batch, step=1))
+        pushed = get(workers.actor.submit("prepare_weights"))
+        again = get(workers.actor.submit("prepare_weights", again=True))  # only rank 0 kept them
+        assert pushed.version == 1 and (again.version, again.layouts) == (pushed.version, pushed.layouts)
         mask = batch["response_mask"]
         torch.testing.assert_close(result.fields["old_log_probs"][mask], expected.fields["old_log_probs"][mask],
                                    **TOLERANCE)

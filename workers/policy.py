@@ -182,13 +182,11 @@ class ActorWorker(PolicyModel):
         unless a step makes several, as separate_async does); ``again``: the weights pushed last time
         instead, whole (for a restarted rollout worker)."""
         version = self.weight_version if version is None else version
-        if again:
-            update, self._outgoing = self.sender.prepare_again()
-            return update
-        weights = self.parallel.full_state_dict(self.model)  # every rank takes part in gathering them
-        if not self.parallel.is_rank_zero:
+        if not again:
+            weights = self.parallel.full_state_dict(self.model)  # every rank takes part in gathering them
+        if not self.parallel.is_rank_zero:  # rank 0 sends, and keeps what it sent
             return None
-        update, self._outgoing = self.sender.prepare(weights, version)
+        update, self._outgoing = self.sender.prepare_again() if again else self.sender.prepare(weights, version)
         return update
 
     def broadcast_weights(self, update: WeightUpdate) -> None:
