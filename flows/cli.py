@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--replay-dir", default="regression/golden", help="golden directory of `ppoflow replay record`")
     serve.add_argument("--cron", default="0 3 * * *", help="schedule of regression-replay (default: nightly at 03:00)")
     serve.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
+    serve.add_argument("--config", default="grpo_tiny",
+                       help="preset or YAML whose values fill ppo-train's form (default: grpo_tiny)")
 
     build = commands.add_parser("build-tiny-model", help="write the demo's random-init Llama + char tokenizer")
     build.add_argument("path")
@@ -263,7 +265,7 @@ def _decoder(tokenizer_path: str | None):
 def _serve(args) -> int:
     from ppoflow.flows.deploy import serve_deployments
 
-    serve_deployments(args.replay_dir, args.cron, args.limit)
+    serve_deployments(args.replay_dir, args.cron, args.limit, preset=args.config)
     return 0
 
 

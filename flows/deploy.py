@@ -9,21 +9,39 @@ not matter; the ``prefect.yaml`` at the repository root declares the same two de
 
 from __future__ import annotations
 
+import functools
+
 from prefect import serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
+from ppoflow.configs import load_config
 from ppoflow.flows.replay import regression_replay
-from ppoflow.flows.train import ppo_train
+from ppoflow.flows.train import FORM_FIELDS, ppo_train
 
 NIGHTLY = "0 3 * * *"
+DEFAULT_PRESET = "grpo_tiny"
 
 
-def deployments(replay_dir: str, cron: str = NIGHTLY) -> list[RunnerDeployment]:
-    """The two deployments; ``replay_dir`` is the golden directory ``ppoflow replay record`` wrote."""
+def form_defaults(preset: str = DEFAULT_PRESET) -> dict:
+    """The ``ppo-train`` deployment's parameters: the preset and the values its typed fields take in it.
+
+    Prefect's run form starts from a deployment's parameters (never from the flow's signature), so
+    these are what makes the form show the values a run will use instead of blank fields."""
+    cfg = load_config(preset).model_dump()
+    values = {name: functools.reduce(dict.get, key.split("."), cfg) for name, key in FORM_FIELDS.items()}
+    return {"config": preset, **{name: value for name, value in values.items() if value is not None}}
+
+
+def deployments(replay_dir: str, cron: str = NIGHTLY, preset: str = DEFAULT_PRESET) -> list[RunnerDeployment]:
+    """The two deployments; ``replay_dir`` is the golden directory ``ppoflow replay record`` wrote,
+    ``preset`` the config ``ppo-train``'s form starts from."""
     return [
         ppo_train.to_deployment(name="ppo-train", tags=["ppoflow"], entrypoint_type=EntrypointType.MODULE_PATH,
-                                description="Train with PPO/GRPO: a preset or YAML, key=value overrides, and the "
-                                            "common knobs as typed fields."),
+                                parameters=form_defaults(preset),
+                                description=f"Train with PPO/GRPO: a preset or YAML, key=value overrides, and the "
+                                            f"common knobs as typed fields, filled in with {preset}'s values "
+                                            f"(they are applied over any config you choose; clear one to keep "
+                                            f"that config's)."),
         regression_replay.to_deployment(name="regression-replay", tags=["ppoflow", "regression"], cron=cron,
                                         entrypoint_type=EntrypointType.MODULE_PATH,
                                         parameters={"directory": replay_dir},
@@ -32,6 +50,6 @@ def deployments(replay_dir: str, cron: str = NIGHTLY) -> list[RunnerDeployment]:
     ]
 
 
-def serve_deployments(replay_dir: str, cron: str = NIGHTLY, limit: int = 1) -> None:
+def serve_deployments(replay_dir: str, cron: str = NIGHTLY, limit: int = 1, preset: str = DEFAULT_PRESET) -> None:
     """Register the deployments and execute their runs (manual or scheduled) until interrupted."""
-    serve(*deployments(replay_dir, cron), limit=limit)
+    serve(*deployments(replay_dir, cron, preset), limit=limit)

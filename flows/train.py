@@ -200,6 +200,11 @@ def check_mode(cfg: PPOConfig) -> None:
                                             f"{', '.join(TRAINER_MODES)}")])
 
 
+FORM_FIELDS = {"experiment_name": "trainer.experiment_name", "total_training_steps": "trainer.total_training_steps",
+               "mode": "trainer.mode"}
+"""The typed fields of :func:`ppo_train` and the config key each one sets."""
+
+
 @flow(name="ppo-train", log_prints=True)
 def ppo_train(
     config: str = "grpo_tiny",
@@ -211,7 +216,9 @@ def ppo_train(
     """Train a policy with PPO/GRPO.
 
     The run's config is the preset (or YAML file) with the overrides merged over it; the typed
-    fields, when set, are applied last. An invalid config fails the run at once, naming the key.
+    fields, when set, are applied last. An invalid config fails the run at once, naming the key. A
+    served deployment fills the typed fields with its preset's values (``ppoflow serve --config``), so
+    its form shows what a run will use.
 
     Args:
         config: Preset in configs/ (grpo_tiny, vault_tool, ppo_trainer) or a path to a YAML file.
@@ -221,8 +228,8 @@ def ppo_train(
         mode: trainer.mode: sync, one_step_off (generation overlaps the update), or verl's V1 colocate_async or
             separate_async (a replay buffer; they need actor_rollout_ref.rollout.mode=async); blank: the config's.
     """
-    typed = {"trainer.experiment_name": experiment_name, "trainer.total_training_steps": total_training_steps,
-             "trainer.mode": mode}
+    typed = {FORM_FIELDS[name]: value for name, value in (("experiment_name", experiment_name),
+                                                          ("total_training_steps", total_training_steps), ("mode", mode))}
     cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in typed.items() if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
     with logs_to_prefect():

@@ -44,6 +44,27 @@ def artifact_keys(flow_run_id) -> set[str]:
     return {artifact.key for artifact in artifacts}
 
 
+def test_the_training_form_starts_from_the_presets_values():
+    import yaml
+
+    from ppoflow.flows.deploy import deployments, form_defaults
+
+    grpo_tiny = {"config": "grpo_tiny", "experiment_name": "grpo_tiny", "total_training_steps": 200, "mode": "sync"}
+    assert form_defaults() == grpo_tiny
+    assert deployments("regression/golden")[0].parameters == grpo_tiny  # what `ppoflow serve` registers
+    declared = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    assert declared["ppo-train"]["parameters"] == grpo_tiny  # and `prefect deploy`
+    assert form_defaults("vault_tool") == {"config": "vault_tool", "experiment_name": "vault_tool",
+                                           "total_training_steps": 500, "mode": "sync"}
+
+
+def test_serving_a_config_that_does_not_load_exits_2_naming_it():
+    served = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "serve", "--config", "no_such_preset"],
+                            capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2, served.stderr[-2000:]
+    assert "no_such_preset" in served.stderr and "Traceback" not in served.stderr
+
+
 @pytest.fixture
 def small(tiny_overrides):
     return [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
@@ -53,6 +74,8 @@ def small(tiny_overrides):
 @pytest.mark.slow
 def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small, replay_baseline, tmp_path):
     from prefect.deployments import run_deployment
+
+    from ppoflow.flows.deploy import form_defaults
 
     golden = replay_baseline
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
@@ -65,6 +88,7 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
         form = deployments["ppo-train/ppo-train"].parameter_openapi_schema["properties"]
         assert form["mode"]["anyOf"][0]["enum"] == ["sync", "one_step_off", "colocate_async", "separate_async"]
         assert form["overrides"]["description"]
+        assert deployments["ppo-train/ppo-train"].parameters == form_defaults()  # the form shows what a run uses
 
         run = run_deployment("ppo-train/ppo-train", timeout=600, poll_interval=1, parameters={
             "overrides": small + [f"trainer.default_local_dir={tmp_path}/ui-run"], "total_training_steps": 2,
