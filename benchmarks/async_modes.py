@@ -3,10 +3,13 @@
 The workload: the 10.5M-parameter Llama of ``workloads.py``'s ``larger`` workload, randomly initialised
 and trained with a learning rate too small to change it, so that its responses keep the spread of a
 random model's (it ends a response with probability about 1/32 per token: lengths from 1 to the
-112-token budget, the longest of a batch several times the median) and every mode sees the same workload. The rollout service
-(one replica) generates, with one CPU of its own; the actor has one. Each mode trains ``--steps`` steps
-of 8 prompts x 4 samples through Prefect and Ray as ``ppoflow train`` runs it; separate_async runs twice,
-with one update per weight push and with ``parameter_sync_step=2`` (two 4-prompt updates per step).
+112-token budget, the longest of a batch several times the median) and every mode sees the same
+workload. A step is 4 prompts x 3 samples, the size at which generating a batch costs about as much as
+training on it on a CPU (a decode step costs nearly the same for 12 sequences as for 32, the update
+grows with the tokens). The rollout service (one replica) generates, with one CPU of its own; the actor
+has one. Each mode trains ``--steps`` steps through Prefect and Ray as ``ppoflow train`` runs it;
+separate_async runs twice, with one update per weight push and with ``parameter_sync_step=2`` (two
+2-prompt updates per step).
 
 Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
 all steps but the first two), its ratio to ``sync`` measured in the same run, the median time a step
@@ -30,16 +33,19 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from workloads import WORKLOADS, built_in, start_local_ray  # noqa: E402 (benchmarks/ is the script's folder)
 
+PROMPTS, SAMPLES = 4, 3
+"""A step's prompts and samples per prompt."""
 WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=112", "actor_rollout_ref.model.build.max_position_embeddings=128",
-            "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=1.0e-9",
+            f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.rollout.n={SAMPLES}",
+            "actor_rollout_ref.actor.optim.lr=1.0e-9",
             "actor_rollout_ref.rollout.mode=async", "trainer.test_freq=-1", "trainer.logger=[]", "trainer.save_freq=-1"]
-WHOLE_BATCH = ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+WHOLE_BATCH = [f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}"]
 MODES = {
     "sync": ("sync", WHOLE_BATCH),
     "one_step_off": ("one_step_off", WHOLE_BATCH),
     "colocate_async": ("colocate_async", WHOLE_BATCH),
     "separate_async": ("separate_async", [*WHOLE_BATCH, "trainer.v1.separate_async.parameter_sync_step=1"]),
-    "separate_async P=2": ("separate_async", ["actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "separate_async P=2": ("separate_async", [f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS // 2}",
                                              "trainer.v1.separate_async.parameter_sync_step=2"]),
 }
 """Label -> (trainer mode, its overrides). separate_async with one update per weight push, and with two
@@ -60,7 +66,7 @@ def trained(label: str, scratch: str, steps: int) -> dict[str, float]:
         f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"])
     rows = read_metrics(run_dir)[SKIPPED:]
     staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
-    return {"samples_per_s": len(rows) * 8 * 4 / sum(row["timing_s/step"] for row in rows),
+    return {"samples_per_s": len(rows) * PROMPTS * SAMPLES / sum(row["timing_s/step"] for row in rows),
             "waited_s": statistics.median(row["timing_s/gen"] for row in rows),
             "update_s": statistics.median(row["timing_s/update_actor"] + row.get("timing_s/old_log_prob", 0.0)
                                           for row in rows),
