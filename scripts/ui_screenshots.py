@@ -92,7 +92,8 @@ def pages(url: str, first_run: str, replay_run: str) -> dict[str, str]:
 
 def screenshot(chromium: str, address: str, out: Path, height: int) -> None:
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size=1440,{height}", "--virtual-time-budget=15000", f"--screenshot={out}", address],
+                    f"--window-size=1440,{height}", "--run-all-compositor-stages-before-draw",
+                    "--virtual-time-budget=30000", f"--screenshot={out}", address],
                    check=True, capture_output=True, timeout=120)
 
 
