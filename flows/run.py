@@ -21,7 +21,7 @@ from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import PromptDataset
 from ppoflow.flows.logs import note
 from ppoflow.flows.preflight import preflight
-from ppoflow.flows.stages import Stages
+from ppoflow.flows.stages import Stages, derived_from
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
 from ppoflow.storage.fingerprints import model_identities, rollout_identity
 from ppoflow.storage.step_cache.sample_cache import sample_id
@@ -53,11 +53,16 @@ class RunContext:
         ``index`` counting prompts from 1 over the run), which keys the rollout service's sample cache."""
         batch = self.train_set.batch(rows, [f"{step}-{i}" for i in range(len(rows))], self.tokenizer.pad_token_id)
         first = (step - 1) * len(rows) + 1
-        return with_non_tensor_columns(batch, {"sample_id": [sample_id(epoch, first + i) for i in range(len(rows))]})
+        prompts = with_non_tensor_columns(batch, {"sample_id": [sample_id(epoch, first + i) for i in range(len(rows))]})
+        derived_from(self.train_set, prompts)  # generation's input: the data load_data read
+        return prompts
 
     def share(self, batch: TensorDict):
-        """Place the batch's tensors once where every worker can read them (Ray's object store)."""
-        return self.workers.put(batch.exclude(*NON_TENSOR_FIELDS))
+        """Place the batch's tensors once where every worker can read them (Ray's object store); the
+        reference comes from the task run the batch came from (:func:`derived_from`)."""
+        shared = self.workers.put(batch.exclude(*NON_TENSOR_FIELDS))
+        derived_from(batch, shared)
+        return shared
 
     @cached_property
     def rollout_identity(self) -> dict:

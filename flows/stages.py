@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from prefect.utilities.engine import get_state_for_result, link_state_to_task_run_result
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult
@@ -44,14 +45,27 @@ class StepData:
             self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
     def merge(self, result: StageResult) -> StageResult:
-        """Take a stage's new fields into the batch and its metrics into the step's metrics."""
+        """Take a stage's new fields into the batch and its metrics into the step's metrics; the batch now
+        comes from the stage's task run (:func:`derived_from`)."""
         if result.fields is not None:
             if self.batch is None:
                 self.batch = result.fields
             else:
                 self.batch.update(result.fields)
+                derived_from(result.fields, self.batch)
         self.metrics.update(result.metrics)
         return result
+
+
+def derived_from(source, derived) -> None:
+    """Tell Prefect that ``derived`` comes from the task run that returned ``source``, so a task run it
+    is passed to records that one as its input: the Task inputs tab and the run graph's edges then
+    chain a step's stages (generate -> reward -> advantage -> update) instead of all pointing back to
+    generation. Prefect links only objects a task returned, and the step's batch is one object that
+    every stage extends. Nothing happens outside a flow run or when ``source`` came from no task run."""
+    produced = get_state_for_result(source)
+    if produced is not None:
+        link_state_to_task_run_result(produced[0], derived)
 
 
 class Stages:

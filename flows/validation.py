@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ppoflow.flows.run import RunContext
+from ppoflow.flows.stages import derived_from
 from ppoflow.storage.batch import non_tensor_column
 from ppoflow.tasks.reward import decode_responses
 from ppoflow.workers.rollout import SamplingParams
@@ -20,6 +21,7 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
     for start in range(0, len(rows), size):
         chunk = rows[start:start + size]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
+        derived_from(val_set, prompts)
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
         batch = stages.run("generate", run.workers, prompts, step, sampling, label=label, kind="validation").fields
         if "token_level_scores" not in batch.keys():  # not scored while generating

@@ -83,6 +83,24 @@ def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, go
     assert all(not run.name.startswith("weight_sync") for run in runs)  # colocated: no weights to move
 
 
+def test_a_steps_task_runs_record_the_task_run_each_input_came_from(prefect_api, golden):
+    """The Task inputs tab and the run graph's edges: the prompts from load_data, then each stage's batch
+    from the stage before it (Prefect records task-run links only, never values)."""
+    by_name = {run.name: run for run in task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)}
+
+    def came_from(name: str, parameter: str) -> list[str]:
+        ids = {run.id: other for other, run in by_name.items()}
+        return [ids[link.id] for link in by_name[name].task_inputs[parameter]]
+
+    assert came_from("generate[step=3]", "prompts") == ["load_data"]
+    assert came_from("generate[step=3]", "workers") == ["start_workers"]
+    assert came_from("reward[step=3]", "batch") == ["generate[step=3]"]
+    assert came_from("reward[step=3]", "tokenizer") == ["load_data"]
+    assert came_from("advantage[step=3]", "batch") == ["reward[step=3]"]
+    assert came_from("update_actor[step=3]", "batch_ref") == ["advantage[step=3]"]
+    assert came_from("generate[val@4]", "prompts") == ["load_data"]
+
+
 def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
     dump, flow_run_id, runs, lines, _ = replay
     hit = next(run for run in runs if run.name == "generate[step=2]")
