@@ -134,6 +134,7 @@ def test_unreachable_storage_costs_a_warning_not_the_run(caplog):
     assert "cannot be read" in caplog.text and "could not cache sample_0_1" in caplog.text
 
 
+@pytest.mark.slow  # ~30 s of training: the slow suite (scripts/test_slow.sh)
 def test_a_step_partly_cached_generates_only_the_rest(prefect_api, ray_local, tiny_model, tmp_path):
     """Two steps of the vault task (multi-turn, tool calls) with every sample cached; then two samples'
     entries are removed and the run repeated: each step replays 3 of its 4 prompts, generates the fourth
