@@ -357,6 +357,9 @@ class SamplerConfig(Section):
 class ColocateAsyncConfig(Section):
     num_warmup_batches: int = Field(ge=0, description="Train batches of prompts fed before the first step (prefetch "
                                                       "depth), besides the one fed at every step.")
+    partial_rollout: bool = Field(description="A request aborted when the replicas sleep resumes from its partial "
+                                              "output with the new weights (verl's partial rollout); false: it "
+                                              "starts over with them, so no trajectory spans weight versions.")
 
 
 class SeparateAsyncConfig(Section):

@@ -98,8 +98,10 @@ class RolloutReplica:
 class LoadBalancer:
     """Routes requests over replicas: least in flight, sticky per session, retried elsewhere on failure."""
 
-    def __init__(self, replicas: list, *, max_sessions: int = 100_000, retries: int = 3):
+    def __init__(self, replicas: list, *, partial_rollout: bool = True, max_sessions: int = 100_000, retries: int = 3):
         self.replicas, self.retries, self.max_sessions = replicas, retries, max_sessions
+        self.partial_rollout = partial_rollout
+        """Resume an aborted request from its partial output (else start it over)."""
         self.in_flight = [0] * len(replicas)
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.requests = 0
@@ -120,8 +122,10 @@ class LoadBalancer:
         """One model turn's tokens. A request that its replica aborted (it was put to sleep for training:
         colocate_async) is resumed from its partial output once the replica serves again, with the weights
         it then serves (partial rollout): the turn's tokens may span weight versions, which the output's
-        ``weight_versions`` record."""
+        ``weight_versions`` record. Without partial rollout the request starts over with those weights."""
         output = await self._generate_once(session_id, prompt_ids, sampling)
+        while not self.partial_rollout and output.finish_reason == "abort":
+            output = await self._generate_once(session_id, prompt_ids, sampling)
         while output.finish_reason == "abort" and len(output.token_ids) < sampling.max_new_tokens:
             rest = await self._generate_once(session_id, prompt_ids + output.token_ids, replace(
                 sampling, max_new_tokens=sampling.max_new_tokens - len(output.token_ids),
@@ -183,7 +187,7 @@ class AgentLoopWorker:
 
             self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
                                     processes=rollout.multi_turn.tool_processes)
-        self.client = LoadBalancer(replicas)
+        self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
         custom = cfg.custom_reward_function
         self.custom_scorer = load_custom_scorer(custom.path, custom.name) if custom.path else None
         self.settings = AgentSettings(response_length=cfg.data.max_response_length,
