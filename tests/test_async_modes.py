@@ -91,11 +91,12 @@ def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
             f"trainer.default_local_dir={tmp_path}/run", *words]
 
 
-@pytest.mark.slow  # the default run covers both modes in the resume and replay tests below
 @pytest.mark.parametrize("words", [
     ["trainer.v1.trainer_mode=colocate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
-    ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-     "trainer.v1.separate_async.parameter_sync_step=2", "trainer.v1.sampler.max_off_policy_threshold=2"],
+    pytest.param(["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
+                  "trainer.v1.sampler.max_off_policy_threshold=2"],
+                 marks=pytest.mark.slow),  # the default run trains separate_async in the replay test below
 ])
 def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_model, tmp_path, words):
     """Three steps through Prefect: each step's batch is sampled from the buffer (the ``sample`` stage), its
@@ -207,6 +208,7 @@ class LedgerAsync(ColocateAsyncTrainer):
 '''
 
 
+@pytest.mark.slow  # ~35 s; the slow suite also kills async runs at random points (tests/test_kill_sweep.py)
 def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, tiny_model, tmp_path):
     """Two steps with a checkpoint, then a resumed run to step four: the prompts in flight at the checkpoint
     are dispatched again, none is trained twice, and every prompt fed is trained or still in the buffer."""
@@ -239,7 +241,6 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
         assert row["training/off_policy/trajectory_staleness_worst/max"] <= 8
 
 
-@pytest.mark.slow  # ~30 s of training: the slow suite (scripts/test_slow.sh)
 def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_local, tiny_model, tmp_path):
     """separate_async (two rounds a step) with every sample cached (``skip.async_rollout``): a second run
     replays them all and trains exactly as the first did - each step takes its own prompts in feed order,
