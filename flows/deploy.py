@@ -9,8 +9,7 @@ not matter; the ``prefect.yaml`` at the repository root declares the same two de
 
 from __future__ import annotations
 
-import functools
-
+from omegaconf import OmegaConf
 from prefect import serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
@@ -27,8 +26,8 @@ def form_defaults(preset: str = DEFAULT_PRESET) -> dict:
 
     Prefect's run form starts from a deployment's parameters (never from the flow's signature), so
     these are what makes the form show the values a run will use instead of blank fields."""
-    cfg = load_config(preset).model_dump()
-    values = {name: functools.reduce(dict.get, key.split("."), cfg) for name, key in FORM_FIELDS.items()}
+    cfg = OmegaConf.create(load_config(preset).model_dump())
+    values = {name: OmegaConf.select(cfg, key) for name, key in FORM_FIELDS.items()}
     return {"config": preset, **{name: value for name, value in values.items() if value is not None}}
 
 

@@ -228,9 +228,9 @@ def ppo_train(
         mode: trainer.mode: sync, one_step_off (generation overlaps the update), or verl's V1 colocate_async or
             separate_async (a replay buffer; they need actor_rollout_ref.rollout.mode=async); blank: the config's.
     """
-    typed = {FORM_FIELDS[name]: value for name, value in (("experiment_name", experiment_name),
-                                                          ("total_training_steps", total_training_steps), ("mode", mode))}
-    cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in typed.items() if value is not None)])
+    typed = {"experiment_name": experiment_name, "total_training_steps": total_training_steps, "mode": mode}
+    cfg = load_config(config, [*overrides, *(f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
+                                             if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
     with logs_to_prefect():
         return train(cfg)
