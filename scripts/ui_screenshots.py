@@ -7,6 +7,7 @@ Chromium (the distribution's package: ``apt-get install chromium``)::
     run.png         the replay's flow run page (timeline, task runs, logs)
     task_runs.png   its task runs list, named and tagged by stage and step
     cached.png      a replayed generate task run: Cached, its cache key, the entry it loaded
+    task_inputs.png a generate task run's inputs: where its prompts came from, its step and settings
     artifacts.png   the first run's summary artifact
     deployment.png  the ppo-train deployment's run form
 
@@ -86,6 +87,7 @@ def pages(url: str, first_run: str, replay_run: str) -> dict[str, str]:
     return {"run": f"{url}/runs/flow-run/{replay_run}",
             "task_runs": f"{url}/runs/flow-run/{replay_run}?tab=Task+Runs",
             "cached": f"{url}/runs/task-run/{cached.id}",
+            "task_inputs": f"{url}/runs/task-run/{cached.id}?tab=Task+Inputs",
             "artifacts": f"{url}/artifacts/artifact/{summary.id}",
             "deployment": f"{url}/deployments/deployment/{deployment.id}/run"}
 

@@ -3,7 +3,6 @@ advantage estimator. Cheap tensor math on the driver; the formulas are in ``algo
 
 from __future__ import annotations
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
@@ -12,9 +11,10 @@ from ppoflow.algorithms.advantages import compute_advantage
 from ppoflow.algorithms.kl import apply_kl_penalty
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.step_cache.stage_cache import cacheable
+from ppoflow.tasks.task_inputs import recorded_task
 
 
-@task(name="advantage", cache_policy=NO_CACHE)
+@recorded_task(name="advantage", cache_policy=NO_CACHE)
 @cacheable
 def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> StageResult:
     """``token_level_rewards``, ``advantages`` and ``returns`` [N, R]; updates the adaptive KL controller."""

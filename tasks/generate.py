@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
@@ -12,10 +11,11 @@ from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
 from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.reward import extra_means
+from ppoflow.tasks.task_inputs import recorded_task
 from ppoflow.workers.rollout import SamplingParams
 
 
-@task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@recorded_task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 @cacheable
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.

@@ -3,15 +3,15 @@ the frozen reference policy (only when a KL term needs it)."""
 
 from __future__ import annotations
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.step_cache.stage_cache import cacheable
+from ppoflow.tasks.task_inputs import recorded_task
 
 
-@task(name="old_log_prob", cache_policy=NO_CACHE)
+@recorded_task(name="old_log_prob", cache_policy=NO_CACHE)
 @cacheable
 def old_log_prob(workers, batch_ref, at_step_start: bool = False) -> StageResult:
     """``old_log_probs`` [N, R] of the responses under the current (pre-update) actor weights; with
@@ -21,7 +21,7 @@ def old_log_prob(workers, batch_ref, at_step_start: bool = False) -> StageResult
     return StageResult(TensorDict({"old_log_probs": out["log_probs"]}, batch_size=out.batch_size))
 
 
-@task(name="ref_log_prob", cache_policy=NO_CACHE)
+@recorded_task(name="ref_log_prob", cache_policy=NO_CACHE)
 @cacheable
 def ref_log_prob(workers, batch_ref) -> StageResult:
     """``ref_log_probs`` [N, R] of the responses under the reference policy."""

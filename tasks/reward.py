@@ -8,7 +8,7 @@ as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``rewar
 
 from __future__ import annotations
 
-from prefect import flow, task
+from prefect import flow
 from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from ppoflow.algorithms.scoring import Scorer, score_responses, solution_text
 from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
 from ppoflow.storage.step_cache.stage_cache import cacheable
+from ppoflow.tasks.task_inputs import recorded_task
 
 
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
@@ -30,7 +31,7 @@ def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
     return {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
 
 
-@task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@recorded_task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def score_chunk(data_sources: list[str], solutions: list[str], ground_truths: list,
                 custom_scorer: Scorer | None) -> tuple[list[float], dict[str, list[float]]]:
     """Score one chunk of responses (runs in a Ray worker)."""
@@ -53,7 +54,7 @@ def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: l
     return scores, extras
 
 
-@task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@recorded_task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 @cacheable
 def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.replay_buffer import ReplayBuffer
 from ppoflow.tasks.generate import rollout_metrics
+from ppoflow.tasks.task_inputs import recorded_task
 
 
-@task(name="sample", cache_policy=NO_CACHE)
+@recorded_task(name="sample", cache_policy=NO_CACHE)
 def sample(buffer: ReplayBuffer, step: int, batch_size: int, poll: Callable[[float], None],
            in_order: bool = False) -> StageResult:
     """The ``batch_size`` oldest finished prompt groups (``in_order``: the oldest prompts, once all are

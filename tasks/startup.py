@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.algorithms.scoring import Scorer, load_custom_scorer
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import PromptDataset, ensure_datasets, load_prompt_dataset
+from ppoflow.tasks.task_inputs import recorded_task
 from ppoflow.workers.group import Workers, start_local_workers
 from ppoflow.workers.group import start_workers as start_ray_workers
 from ppoflow.workers.models import ensure_model, load_tokenizer
@@ -31,7 +31,7 @@ class RunInputs:
     custom_scorer: Scorer | None
 
 
-@task(name="load_data", cache_policy=NO_CACHE, task_run_name="load_data")
+@recorded_task(name="load_data", cache_policy=NO_CACHE, task_run_name="load_data")
 def load_data(cfg: PPOConfig) -> RunInputs:
     """Build or generate what the config asks for (a tiny model, the synthetic task), then load the
     tokenizer, the train and validation sets and a custom reward function."""
@@ -48,7 +48,7 @@ def load_data(cfg: PPOConfig) -> RunInputs:
                      load_custom_scorer(custom.path, custom.name) if custom.path else None)
 
 
-@task(name="start_workers", cache_policy=NO_CACHE, task_run_name="start_workers")
+@recorded_task(name="start_workers", cache_policy=NO_CACHE, task_run_name="start_workers")
 def start_workers(cfg: PPOConfig, in_ray: bool = True) -> Workers:
     """One long-lived worker per role, loaded and ready: Ray actors, or in-process objects (``in_ray``
     false: the overhead benchmark's baseline)."""

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.step_cache.stage_cache import cacheable
+from ppoflow.tasks.task_inputs import recorded_task
 
 
-@task(name="values", cache_policy=NO_CACHE)
+@recorded_task(name="values", cache_policy=NO_CACHE)
 @cacheable
 def values(workers, batch_ref) -> StageResult:
     """``values`` [N, R] from the critic worker."""

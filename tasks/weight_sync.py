@@ -7,13 +7,13 @@ collective backend both workers take part in the broadcast, so both calls run at
 
 from __future__ import annotations
 
-from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.storage.batch import StageResult
+from ppoflow.tasks.task_inputs import recorded_task
 
 
-@task(name="weight_sync", cache_policy=NO_CACHE)
+@recorded_task(name="weight_sync", cache_policy=NO_CACHE)
 def weight_sync(workers, collective: bool, again: bool = False, version: int | None = None) -> StageResult:
     """Move the actor's current weights into the rollout worker (which then stamps ``version`` - the
     trainer's weight version - on what it samples); ``again``: the weights pushed last time (a restarted

@@ -85,12 +85,12 @@ def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, go
 
 def test_a_steps_task_runs_record_the_task_run_each_input_came_from(prefect_api, golden):
     """The Task inputs tab and the run graph's edges: the prompts from load_data, then each stage's batch
-    from the stage before it (Prefect records task-run links only, never values)."""
+    from the stage before it."""
     by_name = {run.name: run for run in task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)}
 
     def came_from(name: str, parameter: str) -> list[str]:
         ids = {run.id: other for other, run in by_name.items()}
-        return [ids[link.id] for link in by_name[name].task_inputs[parameter]]
+        return [ids[link.id] for link in by_name[name].task_inputs[parameter] if link.input_type == "task_run"]
 
     assert came_from("generate[step=3]", "prompts") == ["load_data"]
     assert came_from("generate[step=3]", "workers") == ["start_workers"]
@@ -99,6 +99,28 @@ def test_a_steps_task_runs_record_the_task_run_each_input_came_from(prefect_api,
     assert came_from("advantage[step=3]", "batch") == ["reward[step=3]"]
     assert came_from("update_actor[step=3]", "batch_ref") == ["advantage[step=3]"]
     assert came_from("generate[val@4]", "prompts") == ["load_data"]
+
+
+def test_a_task_runs_other_inputs_say_what_they_were(prefect_api, golden):
+    """No input of any task run is an empty list: what links to no task run is a ``constant`` input
+    naming its value (a step number, a flag) or its size or type."""
+    runs = task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)
+    for run in runs:
+        for parameter, inputs in run.task_inputs.items():
+            assert inputs, f"{run.name}: {parameter} is empty"
+    by_name = {run.name: run for run in runs}
+
+    def shown(name: str, parameter: str) -> list[str]:
+        return [getattr(link, "type", "<link>") for link in by_name[name].task_inputs[parameter]]
+
+    assert shown("generate[step=3]", "step") == ["int 3"]
+    assert shown("generate[step=3]", "sampling") == ["SamplingParams"]
+    assert shown("generate[val@4]", "step") == ["int 4"]
+    assert shown("update_actor[step=3]", "step") == ["int 3"]
+    assert shown("advantage[step=3]", "algorithm") == ["AlgorithmConfig"]
+    assert shown("reward[step=3]", "ray_chunks") == ["int 0"]
+    assert shown("reward[step=3]", "dump") == ["StepDump"]  # the step cache's target: reward is dumped
+    assert shown("load_data", "cfg") == ["PPOConfig"]
 
 
 def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
@@ -152,3 +174,17 @@ def test_artifacts_are_per_run_and_compact(prefect_api, golden, replay):
             any_=[f"{SLUG}-latest"])))
         replay_name = client.read_flow_run(replay_run).name
     assert f"latest run `{replay_name}`" in latest.data
+
+
+def test_constant_inputs_are_described_by_value_size_or_type():
+    import torch
+    from tensordict import TensorDict
+
+    from ppoflow.tasks.task_inputs import describe
+    from ppoflow.workers.rollout import SamplingParams
+
+    assert [describe(value) for value in (12, False, 0.5, None, "val", "x" * 41)] == [
+        "int 12", "bool False", "float 0.5", "None", "str 'val'", "str of 41 characters"]
+    assert describe(TensorDict({"a": torch.zeros(128, 2)}, batch_size=[128])) == "TensorDict of 128"
+    assert describe([1, 2, 3]) == "list of 3"
+    assert describe(SamplingParams(8, 1.0, 1.0, 0, True, 16, 0)) == "SamplingParams"
