@@ -248,6 +248,7 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
         assert row["training/off_policy/trajectory_staleness_worst/max"] <= 8
 
 
+@pytest.mark.slow  # ~40 s of training; a replayed group is checked in tests/test_sample_cache.py
 def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_local, tiny_model, tmp_path):
     """separate_async (two rounds a step) with every sample cached (``skip.async_rollout``): a second run
     replays them all and trains exactly as the first did - each step takes its own prompts in feed order,
