@@ -56,12 +56,16 @@ class RecordedTask(Task):
                         return_type="state" if return_state else "result",
                         dependencies=constant_inputs(parameters))
 
-    def submit(self, *args: Any, wait_for: Any = None, **kwargs: Any) -> Any:
+    def submit(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
         context = FlowRunContext.get()
         if context is None:
             raise RuntimeError(f"task {self.name} can only be submitted inside a flow run")
         parameters = get_call_parameters(self.fn, args, kwargs)
-        return context.task_runner.submit(self, parameters, wait_for, dependencies=constant_inputs(parameters))
+        future = context.task_runner.submit(self, parameters, wait_for, dependencies=constant_inputs(parameters))
+        if return_state:
+            future.wait()
+            return future.state
+        return future
 
     def with_options(self, **options: Any) -> RecordedTask:
         configured = super().with_options(**options)

@@ -188,3 +188,29 @@ def test_constant_inputs_are_described_by_value_size_or_type():
     assert describe(TensorDict({"a": torch.zeros(128, 2)}, batch_size=[128])) == "TensorDict of 128"
     assert describe([1, 2, 3]) == "list of 3"
     assert describe(SamplingParams(8, 1.0, 1.0, 0, True, 16, 0)) == "SamplingParams"
+
+
+def test_a_submitted_task_run_records_its_plain_inputs_too(prefect_api):
+    """One-step-off submits generation as a future; its run records the same inputs as a called one."""
+    from prefect import flow
+
+    from ppoflow.tasks.task_inputs import recorded_task
+
+    @recorded_task(name="probe")
+    def probe(step: int, texts: list[str]) -> int:
+        return step
+
+    @flow
+    def probing() -> int:
+        first = probe.submit(7, ["a", "b"])
+        return probe.with_options(task_run_name="probe[again]")(first, ["c"]) + first.result()
+
+    state = probing(return_state=True)
+    assert state.result() == 14
+    runs = {run.name: run for run in task_runs(state.state_details.flow_run_id, 2)}
+    submitted = next(run for name, run in runs.items() if name != "probe[again]")
+    assert [link.type for link in submitted.task_inputs["step"]] == ["int 7"]
+    assert [link.type for link in submitted.task_inputs["texts"]] == ["list of 2"]
+    again = runs["probe[again]"]
+    assert [link.id for link in again.task_inputs["step"]] == [submitted.id]  # a link stays a link only
+    assert [link.type for link in again.task_inputs["texts"]] == ["list of 1"]
