@@ -89,9 +89,8 @@ class Stages:
         task = STAGES[name].task
         if not self.orchestrated:
             return task.fn
-        if self.tags is None:
-            return task.with_options(task_run_name=f"{name}[{label}]")
-        return task.with_options(task_run_name=f"{name}[{label}]", tags={f"stage:{name}", f"kind:{kind}", *self.tags})
+        tags = None if self.tags is None else {f"stage:{name}", f"kind:{kind}", *self.tags}
+        return task.named(f"{name}[{label}]", tags)
 
     def call(self, name: str, step: StepData, *args, **kwargs) -> StageResult:
         """Run stage ``name`` for ``step`` and merge its result; timed as ``timing_s/<its timing name>``.
