@@ -2,8 +2,9 @@
 
 ``ppoflow train [--config NAME_OR_PATH] [key=value ...]`` runs the training flow (with no arguments:
 the tiny GRPO demo). ``ppoflow config`` prints the merged, validated config or the key reference.
-``ppoflow cache ls|show|rm DUMP_DIR`` inspects step caches. ``ppoflow build-tiny-model DIR`` writes
-the demo's random-init model and tokenizer.
+``ppoflow cache ls|show|rm DUMP_DIR`` inspects step caches. ``ppoflow server [ARGS]`` starts a Prefect
+server set up for training runs (:data:`SERVER_ENV`). ``ppoflow build-tiny-model DIR`` writes the demo's
+random-init model and tokenizer.
 
 A user error (a bad value, file, module or location) ends with exit code 2 and a message naming the key
 or file, before Prefect or Ray start (``train`` runs :func:`~ppoflow.flows.preflight.preflight` first);
@@ -23,18 +24,32 @@ QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELIS
              # migrate on a small machine, often past its default start-up timeout (docs/benchmarks.md).
              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 
+SERVER_ENV = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
+              "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
+              "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
+"""Settings for a Prefect server that records training runs. A step makes a few task runs, each three state
+events, and Prefect's task-run recorder by default writes every event to the database in a transaction
+of its own: on a small machine the server then spends more CPU per step than a small step itself takes,
+competing with the training for the same cores (docs/benchmarks.md). Written in batches of up to 50,
+flushed at least every second, the states reach the UI at most about a second late. ``ppoflow`` sets
+these for the temporary server Prefect starts without ``PREFECT_API_URL``; give them to a ``prefect server
+start`` of your own the same way (docs/ui.md)."""
+
 
 DEBUG_ENV = "PPOFLOW_DEBUG"
 """Set to 1 to see the traceback of a user error (as ``--debug`` does); by default it is one message."""
 
 
+TEMPORARY_SERVER_QUIET = {"PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL"}
+"""Prefect's temporary server logs tracebacks for events still in flight when it is stopped at exit;
+nothing is lost that matters to a throwaway server, so a run without ``PREFECT_API_URL`` keeps the
+console clean (but ``ppoflow server``, a server meant to stay, keeps its logs)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    for name, value in QUIET_ENV.items():
+    defaults = {**QUIET_ENV, **SERVER_ENV, **(TEMPORARY_SERVER_QUIET if "PREFECT_API_URL" not in os.environ else {})}
+    for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    if "PREFECT_API_URL" not in os.environ:
-        # Prefect's temporary server logs tracebacks for events still in flight when it is stopped
-        # at exit; nothing is lost that matters to a throwaway server, so keep the console clean.
-        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
     parser = argparse.ArgumentParser(prog="ppoflow", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", default=os.environ.get(DEBUG_ENV) == "1",
                         help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)")
@@ -78,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", default="grpo_tiny",
                        help="preset or YAML whose values fill ppo-train's form (default: grpo_tiny)")
 
+    server = commands.add_parser("server", help="start a Prefect server set up for training runs (prefect server "
+                                                 "start with ppoflow's task-run recorder settings)")
+    server.epilog = "Other arguments (--host, --port, ...) are passed on to `prefect server start`."
+
     build = commands.add_parser("build-tiny-model", help="write the demo's random-init Llama + char tokenizer")
     build.add_argument("path")
     build.add_argument("overrides", nargs="*", help="TinyModelConfig fields, e.g. hidden_size=64")
@@ -85,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     from ppoflow.flows.replay import add_commands as add_replay_commands
 
     COMMANDS["replay"] = add_replay_commands(commands)
-    args = parser.parse_args(argv)
+    args, passed_on = parser.parse_known_args(argv)
+    if args.command == "server":
+        args.server_args = passed_on
+    elif passed_on:
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
     from ppoflow.configs import ConfigError
 
     try:
@@ -269,7 +292,15 @@ def _serve(args) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "config": _config, "cache": _cache, "serve": _serve, "build-tiny-model": _build_tiny_model}
+def _server(args) -> int:
+    """``prefect server start`` in this process's place, with :data:`SERVER_ENV` (unless already set)."""
+    env = {name: value for name, value in os.environ.items()
+           if not (name in TEMPORARY_SERVER_QUIET and value == TEMPORARY_SERVER_QUIET[name])}
+    os.execve(sys.executable, [sys.executable, "-m", "prefect", "server", "start", *args.server_args], env)
+
+
+COMMANDS = {"train": _train, "config": _config, "cache": _cache, "serve": _serve, "server": _server,
+            "build-tiny-model": _build_tiny_model}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Screenshots of the Prefect UI showing a short ppoflow run: what a user sees, checked by eye.
 
-Starts ``prefect server start`` (UI on) with a PREFECT_HOME of its own, trains 4 steps that dump their
+Starts ``ppoflow server`` (UI on) with a PREFECT_HOME of its own, trains 4 steps that dump their
 rollouts, replays them in a second run (cache hits), registers the deployments, and saves with headless
 Chromium (the distribution's package: ``apt-get install chromium``)::
 
@@ -27,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ppoflow.flows.cli import SERVER_ENV
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -37,10 +39,11 @@ def free_port() -> int:
 
 
 def start_server(home: Path) -> tuple[subprocess.Popen, str]:
-    """``prefect server start`` on a free port with the UI; waits until it answers."""
+    """``ppoflow server`` (``prefect server start`` with ppoflow's settings) on a free port with the UI; waits
+    until it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_API_URL": f"{url}/api",
+    env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_API_URL": f"{url}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(home / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
