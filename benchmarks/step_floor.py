@@ -14,9 +14,16 @@ of each stage's ``timing_s/*`` and the machine's load average:
 * prefect+ray       - what ``ppoflow train`` does (sync);
 * one_step_off      - the same with ``trainer.mode=one_step_off``;
 * prefect+ray+tags  - prefect+ray with ``trainer.task_run_tags=true`` (Prefect then acquires tag
-                      concurrency slots from its server before each task run; see docs/ui.md).
+                      concurrency slots from its server before each task run; see docs/ui.md);
+* prefect+ray against Prefect's default server - the same as prefect+ray, against a server started
+                      without ppoflow's task-run recorder settings (``ppoflow server`` sets them; the
+                      other ways run against such a server).
 
-Medians hide stalls, so the table also gives each way's mean and slowest step.
+Medians hide stalls, so the table also gives each way's mean and slowest step. And since on a small
+machine every process competes for the same cores, it gives the CPU time each process spent per step
+over the timed steps: this process (the driver: the flow, Prefect's client, the stages that run here),
+the Ray workers (the models) and the Prefect server, which the benchmark starts for itself (SQLite, on
+127.0.0.1) so that its share can be read.
 
     python benchmarks/step_floor.py [--steps 30] [--warmup 5]
 """
@@ -32,11 +39,12 @@ import time
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workloads import built_in, ppoflow_steps, timing_medians  # noqa: E402 (benchmarks/ is the script's folder)
+from workloads import CpuMeter, built_in, local_prefect_server, ppoflow_steps, timing_medians  # noqa: E402 (benchmarks/ is the script's folder)
 
 
-def floor_steps(cfg, *, steps: int) -> list[dict[str, float]]:
-    """The hand-written loop, ``steps`` times; per step ``timing_s/{gen,reward,update_actor,step}``."""
+def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
+    """The hand-written loop, ``steps`` times; per step ``timing_s/{gen,reward,update_actor,step}``;
+    ``after_step`` is called with each finished step's number (from 1)."""
     import torch
 
     from ppoflow.algorithms.advantages import compute_grpo_outcome_advantage
@@ -105,6 +113,8 @@ def floor_steps(cfg, *, steps: int) -> list[dict[str, float]]:
         timing["update_actor"] = time.perf_counter() - mark
         timing["step"] = time.perf_counter() - start
         rows.append({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+        if after_step is not None:
+            after_step(step + 1)
     return rows
 
 
@@ -123,34 +133,49 @@ def main() -> None:
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     total = args.warmup + args.steps
-    ways = {"bare": (False, False, "sync", False), "ray": (True, False, "sync", False),
-            "prefect+ray": (True, True, "sync", False), "one_step_off": (True, True, "one_step_off", False),
-            "prefect+ray+tags": (True, True, "sync", True)}
+    ways = {"bare": (False, False, "sync", False, True), "ray": (True, False, "sync", False, True),
+            "prefect+ray": (True, True, "sync", False, True), "one_step_off": (True, True, "one_step_off", False, True),
+            "prefect+ray+tags": (True, True, "sync", True, True),
+            "prefect+ray, Prefect's default server": (True, True, "sync", False, False)}
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
+
         def config(mode: str, tags: bool = False):
             return load_config("grpo_tiny", built_in(scratch, "demo") + [
                 f"trainer.default_local_dir={scratch}/run-{mode}", f"trainer.mode={mode}", "trainer.test_freq=-1",
                 f"trainer.task_run_tags={str(tags).lower()}"])
 
-        def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+        def measured(run_steps, server_pid: int | None = None) -> dict[str, float]:
+            """The medians of the steps after the warm-up, their mean and slowest step, and the CPU each
+            process spent per step over them."""
+            marks = {}
+            meter = CpuMeter(server_pid)
+            rows = run_steps(lambda number: marks.update({number: meter.mark()}) if number in (args.warmup, total)
+                             else None)[args.warmup:]
             steps = [row["timing_s/step"] for row in rows]
-            return {**timing_medians(rows), "step_mean": sum(steps) / len(steps), "step_max": max(steps)}
+            return {**timing_medians(rows), "step_mean": sum(steps) / len(steps), "step_max": max(steps),
+                    **CpuMeter.per_step(marks[args.warmup], marks[total], args.steps)}
 
-        results["floor"] = summary(floor_steps(config("sync"), steps=total)[args.warmup:])
-        for way, (ray_workers, prefect_tasks, mode, tags) in ways.items():
-            rows = ppoflow_steps(config(mode, tags), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total)
-            results[way] = summary(rows[args.warmup:])
+        results["floor"] = measured(lambda after_step: floor_steps(config("sync"), steps=total, after_step=after_step))
+        for tuned in (True, False):
+            with local_prefect_server(scratch, tuned=tuned) as server_pid:
+                for way, (ray_workers, prefect_tasks, mode, tags, tuned_server) in ways.items():
+                    if tuned_server == tuned:
+                        results[way] = measured(lambda after_step: ppoflow_steps(
+                            config(mode, tags), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total,
+                            after_step=after_step), server_pid)
     ray.shutdown()
 
     floor = results["floor"]["step"]
     stages = ["gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights"]
+    cpu = ["cpu_driver", "cpu_ray", "cpu_server"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; medians of {args.steps} steps "
-          f"after {args.warmup} (and the steps' mean and slowest); ms")
-    print("| way | step | x floor | mean step | slowest | " + " | ".join(stages) + " |\n|---|---|---|---|---|"
-          + "---|" * len(stages))
+          f"after {args.warmup} (and the steps' mean and slowest); CPU ms per step of the driver, the Ray "
+          f"workers and the Prefect server over the same steps; ms")
+    print("| way | step | x floor | mean step | slowest | " + " | ".join(stages + cpu) + " |\n|---|---|---|---|---|"
+          + "---|" * len(stages + cpu))
     for way, timing in results.items():
-        split = " | ".join(f"{timing[name] * 1000:.1f}" if name in timing else "-" for name in stages)
+        split = " | ".join(f"{timing[name] * 1000:.1f}" if name in timing else "-" for name in stages + cpu)
         print(f"| {way} | {timing['step'] * 1000:.1f} | {timing['step'] / floor:.2f} | "
               f"{timing['step_mean'] * 1000:.1f} | {timing['step_max'] * 1000:.1f} | {split} |")
     print(json.dumps({way: {**timing, "ratio_to_floor": timing["step"] / floor} for way, timing in results.items()}))

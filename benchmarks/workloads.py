@@ -5,7 +5,14 @@ training loop on one of them with or without Ray and Prefect."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 WORKLOADS = {
     "demo": [],  # grpo_tiny as shipped: 16 prompts x 8 samples, 3-token responses
@@ -33,13 +40,16 @@ def built_in(scratch: str, name: str, *, validation: bool = False) -> list[str]:
             f"data.val_files={scratch}/{name}-val.parquet" if validation else "data.val_files=null"]
 
 
-def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int) -> list[dict[str, float]]:
+def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
+                  after_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
     """Each step's metrics over ``steps`` steps of ppoflow's loop on ``cfg``, its workers in Ray actors or
-    in this process, its stages Prefect task runs (inside a flow) or plain functions."""
+    in this process, its stages Prefect task runs (inside a flow) or plain functions; ``after_step`` is
+    called with each finished step's number (to read CPU counters, say)."""
     import dataclasses
 
     from prefect import flow
 
+    from ppoflow.flows.logs import logs_to_prefect
     from ppoflow.flows.modes import make_trainer
     from ppoflow.flows.stages import Stages
     from ppoflow.flows.state import TrainerState
@@ -52,7 +62,13 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int) ->
     mode = make_trainer(run, state)
 
     def loop() -> list[dict[str, float]]:
-        return [dict(step.metrics) for step in train_steps(run, state, mode, range(1, steps + 1))]
+        with logs_to_prefect():  # the logging ``ppoflow train`` runs with (no console line per task run)
+            rows = []
+            for step in train_steps(run, state, mode, range(1, steps + 1)):
+                rows.append(dict(step.metrics))
+                if after_step is not None:
+                    after_step(step.step)
+            return rows
 
     try:
         return flow(name="benchmark-steps")(loop)() if prefect_tasks else loop()
@@ -64,3 +80,89 @@ def timing_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     """The median of every ``timing_s/<name>`` over the rows that report it, by ``<name>``."""
     names = sorted({name for row in rows for name in row if name.startswith("timing_s/")})
     return {name[len("timing_s/"):]: statistics.median(row[name] for row in rows if name in row) for name in names}
+
+
+@contextmanager
+def local_prefect_server(scratch: str, *, tuned: bool = True) -> Iterator[int]:
+    """A ``prefect server start`` of the benchmark's own (SQLite under ``scratch``, 127.0.0.1, a free
+    port) with ppoflow's :data:`~ppoflow.flows.cli.SERVER_ENV` (``tuned``, as ``ppoflow server`` starts one)
+    or Prefect's defaults, the API of this process for the block; yields the server's pid, so that the
+    CPU time it spends on the benchmark's task runs can be read (:func:`process_cpu_seconds`)."""
+    from ppoflow.flows.cli import SERVER_ENV
+    from prefect.logging.handlers import APILogHandler
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {name: value for name, value in os.environ.items() if name not in SERVER_ENV and name != "PREFECT_API_URL"}
+    env.update({"PREFECT_HOME": f"{scratch}/prefect-home-{'tuned' if tuned else 'default'}",
+                "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                **(SERVER_ENV if tuned else {})})
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the benchmark's Prefect server on port {port} did not start") from None
+                time.sleep(0.5)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield server.pid
+            finally:
+                APILogHandler().flush()  # the runs' last log lines, while the server still listens
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ray_worker_cpu_seconds() -> dict[int, float]:
+    """CPU seconds so far of each Ray worker process running an actor or task (named ``ray::<what>``,
+    idle pooled workers left out), by pid."""
+    seconds = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                name = cmdline.read().split(b"\0", 1)[0]
+            if name.startswith(b"ray::") and name != b"ray::IDLE":
+                seconds[int(entry)] = process_cpu_seconds(int(entry))
+        except OSError:  # the process ended meanwhile
+            continue
+    return seconds
+
+
+class CpuMeter:
+    """Where a step's CPU time goes: this process (the driver), the Ray workers and, when it runs on this
+    machine, the Prefect server. :meth:`mark` reads the counters; :meth:`per_step` divides what was spent
+    between two marks by the steps between them."""
+
+    def __init__(self, server_pid: int | None = None):
+        self.server_pid = server_pid
+
+    def mark(self) -> dict:
+        return {"driver": time.process_time(), "ray": ray_worker_cpu_seconds(),
+                "server": process_cpu_seconds(self.server_pid) if self.server_pid else 0.0}
+
+    @staticmethod
+    def per_step(start: dict, end: dict, steps: int) -> dict[str, float]:
+        """CPU seconds per step as ``cpu_driver``, ``cpu_ray`` and ``cpu_server``."""
+        ray = sum(seconds - start["ray"].get(pid, 0.0) for pid, seconds in end["ray"].items())
+        return {"cpu_driver": (end["driver"] - start["driver"]) / steps, "cpu_ray": ray / steps,
+                "cpu_server": (end["server"] - start["server"]) / steps}
