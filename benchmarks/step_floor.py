@@ -22,7 +22,7 @@ of each stage's ``timing_s/*`` and the machine's load average:
 Medians hide stalls, so the table also gives each way's mean and slowest step. And since on a small
 machine every process competes for the same cores, it gives the CPU time each process spent per step
 over the timed steps: this process (the driver: the flow, Prefect's client, the stages that run here),
-the Ray workers (the models) and the Prefect server, which the benchmark starts for itself (SQLite, on
+Ray's worker processes (the models, and Ray's agents) and the Prefect server, which the benchmark starts for itself (SQLite, on
 127.0.0.1) so that its share can be read.
 
     python benchmarks/step_floor.py [--steps 30] [--warmup 5]
@@ -170,8 +170,8 @@ def main() -> None:
     stages = ["gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights"]
     cpu = ["cpu_driver", "cpu_ray", "cpu_server"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; medians of {args.steps} steps "
-          f"after {args.warmup} (and the steps' mean and slowest); CPU ms per step of the driver, the Ray "
-          f"workers and the Prefect server over the same steps; ms")
+          f"after {args.warmup} (and the steps' mean and slowest); CPU ms per step of the driver, Ray's "
+          f"processes and the Prefect server over the same steps; ms")
     print("| way | step | x floor | mean step | slowest | " + " | ".join(stages + cpu) + " |\n|---|---|---|---|---|"
           + "---|" * len(stages + cpu))
     for way, timing in results.items():

@@ -132,8 +132,8 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def ray_worker_cpu_seconds() -> dict[int, float]:
-    """CPU seconds so far of each Ray worker process running an actor or task (named ``ray::<what>``,
-    idle pooled workers left out), by pid."""
+    """CPU seconds so far of each Ray process named ``ray::<what>`` (actors, tasks and Ray's agents; idle
+    pooled workers left out), by pid."""
     seconds = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -149,8 +149,8 @@ def ray_worker_cpu_seconds() -> dict[int, float]:
 
 
 class CpuMeter:
-    """Where a step's CPU time goes: this process (the driver), the Ray workers and, when it runs on this
-    machine, the Prefect server. :meth:`mark` reads the counters; :meth:`per_step` divides what was spent
+    """Where a step's CPU time goes: this process (the driver), Ray's worker processes (the actors, and
+    Ray's agents) and, when it runs on this machine, the Prefect server. :meth:`mark` reads the counters; :meth:`per_step` divides what was spent
     between two marks by the steps between them."""
 
     def __init__(self, server_pid: int | None = None):
