@@ -55,6 +55,23 @@ def generate_states(flow_run_id, expected: int) -> list[str]:
             time.sleep(0.5)
 
 
+def task_runs_by_name(flow_run_id, names: list[str]) -> dict:
+    """The flow run's task runs by name, once the server has recorded each of ``names`` in a final state
+    (task states reach it as events, which its task-run recorder writes in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = {run.name: run for run in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)}
+            if all(name in runs and runs[name].state and runs[name].state.is_final() for name in names):
+                return runs
+            assert time.monotonic() < deadline, f"task runs {names} not all recorded: {sorted(runs)}"
+            time.sleep(0.5)
+
+
 def rollout_skip(dump_dir, steps, action="cache") -> dict[str, str]:
     return {"rollout.enable": "true", "rollout.dump_dir": str(dump_dir), "rollout.steps": str(steps),
             "rollout.action": action}

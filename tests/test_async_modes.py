@@ -13,6 +13,7 @@ import pytest
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.workers.serving import RequestSampling
+from tests.flow_runs import task_runs_by_name
 
 
 def problems(words: list[str]) -> list[tuple[str, str]]:
@@ -101,9 +102,6 @@ def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
 def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_model, tmp_path, words):
     """Three steps through Prefect: each step's batch is sampled from the buffer (the ``sample`` stage), its
     staleness is within the threshold, and the rollout keeps generating ahead of the trainer."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     from ppoflow.flows.train import ppo_train
 
     state = ppo_train(config="grpo_tiny", overrides=run_overrides(tiny_model, tmp_path, *words), return_state=True)
@@ -118,9 +116,8 @@ def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_m
         assert row["training/off_policy/trajectory_spans/min"] >= 1
     if "colocate_async" in words[0]:
         assert all("rollout/aborted_requests" in row for row in rows)
-        with get_client(sync_client=True) as client:  # the Task inputs tab: the batch came from sample[step=N]
-            runs = {run.name: run for run in client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])), limit=200)}
+        # the Task inputs tab: the batch came from sample[step=N]
+        runs = task_runs_by_name(state.state_details.flow_run_id, ["advantage[step=2]", "sample[step=2]"])
         assert [link.id for link in runs["advantage[step=2]"].task_inputs["batch"]] == [runs["sample[step=2]"].id]
     else:  # two rounds a step, both with the step's first weights as π_old: a forward pass, not the shortcut
         assert all("training/old_log_prob_skipped" not in row and row["timing_s/old_log_prob"] > 0 for row in rows)
