@@ -93,21 +93,42 @@ class Stages:
         return task.named(f"{name}[{label}]", tags)
 
     def call(self, name: str, step: StepData, *args, **kwargs) -> StageResult:
-        """Run stage ``name`` for ``step`` and merge its result; timed as ``timing_s/<its timing name>``.
-
-        A cached result of a forward pass or of a later stage is reused only for exactly this batch
-        (and, for a forward pass, the worker's exact weights)."""
-        stage = STAGES[name]
-        with step.timed(stage.names.timing):
-            requires = None
-            cache = self.caches.get(name)
-            if cache is not None and cache.covers(step.step):
-                role = getattr(self.workers, stage.weights) if stage.weights else None
-                weights = self.workers.get(role.submit("weights_digest")) if role else None
-                requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
-            result = start_stage(cache, self.task(name, f"step={step.step}"), step.step, *args, requires=requires,
-                                 **kwargs).result()
+        """Run stage ``name`` for ``step`` and merge its result; timed as ``timing_s/<its timing name>``."""
+        with step.timed(STAGES[name].names.timing):
+            result = self._start(name, step, args, kwargs, background=False).result()
         return step.merge(result)
+
+    def call_together(self, step: StepData, calls: dict[str, tuple]) -> None:
+        """Run independent stages of ``step`` - ``{name: args}``, none reading another's result (the step's
+        forward passes on the actor, reference and critic workers) - side by side: each is its own task run,
+        all are submitted before any is awaited, so their workers compute at the same time. Results are
+        merged in the order given, each timed from its submission to its end. Plain functions (not
+        orchestrated) run one after the other."""
+        if not self.orchestrated or len(calls) < 2:
+            for name, args in calls.items():
+                self.call(name, step, *args)
+            return
+        started = {name: self._start(name, step, args, {}, background=True) for name, args in calls.items()}
+        for name, pending in started.items():
+            waited = time.perf_counter()
+            result = pending.result()
+            seconds = pending.background_seconds  # a replayed result was loaded just now, when awaited
+            key = f"timing_s/{STAGES[name].names.timing}"
+            step.metrics[key] = step.metrics.get(key, 0.0) + (
+                seconds if seconds is not None else time.perf_counter() - waited)
+            step.merge(result)
+
+    def _start(self, name: str, step: StepData, args: tuple, kwargs: dict, *, background: bool) -> PendingStage:
+        """Start stage ``name`` for ``step`` through its cache; a cached forward pass or later stage is
+        reused only for this exact batch (and a forward pass's exact weights)."""
+        stage, requires = STAGES[name], None
+        cache = self.caches.get(name)
+        if cache is not None and cache.covers(step.step):
+            role = getattr(self.workers, stage.weights) if stage.weights else None
+            weights = self.workers.get(role.submit("weights_digest")) if role else None
+            requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
+        return start_stage(cache, self.task(name, f"step={step.step}"), step.step, *args, requires=requires,
+                           background=background, **kwargs)
 
     def start(self, name: str, step: int, *args, **options) -> PendingStage:
         """Start stage ``name`` for step ``step`` through its cache without waiting (``options`` as

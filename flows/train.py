@@ -62,13 +62,16 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
     if correction.bypass_mode:
         batch["old_log_probs"] = batch["rollout_log_probs"]
     shared = run.share(batch) if recompute_old or cfg.use_reference or cfg.use_critic else None
+    passes = {}  # independent forward passes on their own workers: submitted together, computed side by side
     if recompute_old:  # a step's later rounds (separate_async) keep the step's first π_old: decoupled PPO
-        stages.call("old_log_prob", step, run.workers, shared, step.round > 0)
-        correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
+        passes["old_log_prob"] = (run.workers, shared, step.round > 0)
     if cfg.use_reference:
-        stages.call("ref_log_prob", step, run.workers, shared)
+        passes["ref_log_prob"] = (run.workers, shared)
     if cfg.use_critic:
-        stages.call("values", step, run.workers, shared)
+        passes["values"] = (run.workers, shared)
+    stages.call_together(step, passes)
+    if recompute_old:
+        correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     # 4. advantage: token rewards (scores minus an optional KL penalty), then the estimator
     stages.call("advantage", step, batch, cfg.algorithm, state.kl_controller)
     # 5. update the critic, then the actor

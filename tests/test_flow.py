@@ -132,3 +132,42 @@ def test_impossible_runs_fail_before_training(prefect_api, ray_local, tiny_overr
     assert state.is_failed()
     with pytest.raises(Exception, match=message):
         state.result()
+
+
+def test_a_steps_independent_forward_passes_run_side_by_side(prefect_api, monkeypatch):
+    """The reference and value passes of a step read the same batch and not each other's result: they are
+    task runs of their own, submitted together, so both run at once (each meets the other at a barrier,
+    which a one-after-the-other call would leave waiting), and both results reach the step with timings."""
+    import dataclasses
+    import threading
+
+    from prefect import flow
+    from tensordict import TensorDict
+
+    from ppoflow.flows.stages import Stages, StepData
+    from ppoflow.storage.batch import StageResult
+    from ppoflow.tasks.stages import STAGES
+    from ppoflow.tasks.task_inputs import recorded_task
+
+    both_running = threading.Barrier(2, timeout=30)
+
+    @recorded_task(name="meets_the_other")
+    def meets_the_other(workers, batch_ref, field: str) -> StageResult:
+        both_running.wait()  # BrokenBarrierError unless the other pass runs at the same time
+        return StageResult(TensorDict({field: torch.ones(2, 3)}, batch_size=[2]))
+
+    for name in ("ref_log_prob", "values"):
+        monkeypatch.setitem(STAGES, name, dataclasses.replace(STAGES[name], task=meets_the_other))
+    step = StepData(3, batch=TensorDict({"responses": torch.zeros(2, 3, dtype=torch.long)}, batch_size=[2]))
+    stages = Stages(workers=None, caches={}, orchestrated=True)
+
+    @flow
+    def forward_passes() -> None:
+        stages.call_together(step, {"ref_log_prob": (None, None, "ref_log_probs"), "values": (None, None, "values")})
+
+    state = forward_passes(return_state=True)
+    assert state.is_completed()
+    assert {"ref_log_probs", "values"} <= set(step.batch.keys())
+    assert step.metrics["timing_s/ref"] > 0 and step.metrics["timing_s/values"] > 0
+    names = sorted(run.name for run in _task_runs(state.state_details.flow_run_id, 2))
+    assert names == ["ref_log_prob[step=3]", "values[step=3]"]
