@@ -41,10 +41,11 @@ def built_in(scratch: str, name: str, *, validation: bool = False) -> list[str]:
 
 
 def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
-                  after_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+                  after_step: Callable[[int], None] | None = None, stages_type=None) -> list[dict[str, float]]:
     """Each step's metrics over ``steps`` steps of ppoflow's loop on ``cfg``, its workers in Ray actors or
     in this process, its stages Prefect task runs (inside a flow) or plain functions; ``after_step`` is
-    called with each finished step's number (to read CPU counters, say)."""
+    called with each finished step's number (to read CPU counters, say); ``stages_type`` replaces
+    :class:`~ppoflow.flows.stages.Stages` (a benchmark's baseline)."""
     import dataclasses
 
     from prefect import flow
@@ -56,8 +57,8 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
     from ppoflow.flows.train import start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
-    run = dataclasses.replace(run, stages=Stages(run.workers, run.stages.caches, orchestrated=prefect_tasks,
-                                                  tags=run.stages.tags))
+    run = dataclasses.replace(run, stages=(stages_type or Stages)(run.workers, run.stages.caches,
+                                                                  orchestrated=prefect_tasks, tags=run.stages.tags))
     state = TrainerState(cfg, len(run.train_set))
     mode = make_trainer(run, state)
 
