@@ -22,8 +22,8 @@ of each stage's ``timing_s/*`` and the machine's load average:
 Medians hide stalls, so the table also gives each way's mean and slowest step. And since on a small
 machine every process competes for the same cores, it gives the CPU time each process spent per step
 over the timed steps: this process (the driver: the flow, Prefect's client, the stages that run here),
-Ray's worker processes (the models, and Ray's agents) and the Prefect server, which the benchmark starts for itself (SQLite, on
-127.0.0.1) so that its share can be read.
+Ray's worker processes (the models, and Ray's agents) and the Prefect server, which the benchmark starts
+for itself (SQLite, on 127.0.0.1) so that its share can be read.
 
     python benchmarks/step_floor.py [--steps 30] [--warmup 5]
 """

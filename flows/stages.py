@@ -41,8 +41,12 @@ class StepData:
         try:
             yield
         finally:
-            key = f"timing_s/{name}"
-            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
+            self.add_time(name, time.perf_counter() - start)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to ``timing_s/<name>``."""
+        key = f"timing_s/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + seconds
 
     def merge(self, result: StageResult) -> StageResult:
         """Take a stage's new fields into the batch and its metrics into the step's metrics; the batch now
@@ -112,10 +116,8 @@ class Stages:
         for name, pending in started.items():
             waited = time.perf_counter()
             result = pending.result()
-            seconds = pending.background_seconds  # a replayed result was loaded just now, when awaited
-            key = f"timing_s/{STAGES[name].names.timing}"
-            step.metrics[key] = step.metrics.get(key, 0.0) + (
-                seconds if seconds is not None else time.perf_counter() - waited)
+            seconds = pending.background_seconds  # None: a replayed result, loaded just now when awaited
+            step.add_time(STAGES[name].names.timing, seconds if seconds is not None else time.perf_counter() - waited)
             step.merge(result)
 
     def _start(self, name: str, step: StepData, args: tuple, kwargs: dict, *, background: bool) -> PendingStage:

@@ -13,10 +13,10 @@ One step is the algorithm, stage by stage (``tasks/`` declares each stage once):
     6. weight_sync   the rollout worker takes the new actor weights
 
 Stage 3's passes read the same batch and not each other's results, so they are submitted together and
-computed side by side on their workers. Stages 2-5 are :func:`ppo_update`. When 1 and 6 happen is the trainer mode's business
-(:mod:`ppoflow.flows.modes`): ``sync`` generates, trains, then pushes the weights; ``one_step_off``
-pushes the weights and starts the next step's generation before training on this one, so generation
-overlaps training. Every stage is a Prefect task whose heavy work runs in a long-lived Ray actor;
+computed side by side on their workers. Stages 2-5 are :func:`ppo_update`. When 1 and 6 happen is the
+trainer mode's business (:mod:`ppoflow.flows.modes`): ``sync`` generates, trains, then pushes the
+weights; ``one_step_off`` pushes the weights and starts the next step's generation before training on
+this one, so generation overlaps training. Every stage is a Prefect task whose heavy work runs in a long-lived Ray actor;
 :func:`train` runs the same steps without Prefect or Ray when asked (the overhead benchmark's baseline).
 """
 

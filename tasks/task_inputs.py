@@ -71,8 +71,8 @@ class RecordedTask(Task):
 
     def named(self, task_run_name: str, tags: Iterable[str] | None = None) -> RecordedTask:
         """This task with its runs named ``task_run_name`` (and tagged ``tags``): a shallow copy, since
-        :meth:`with_options` builds a new task, reading the function's source again (~1 ms a call, paid
-        by every stage of every step)."""
+        :meth:`with_options` builds a new task and reads the function's source again, at every stage of
+        every step."""
         configured = copy.copy(self)
         configured.task_run_name = task_run_name
         if tags is not None:
