@@ -27,8 +27,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ppoflow.flows.cli import SERVER_ENV
-
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -43,10 +41,10 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
     until it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_API_URL": f"{url}/api",
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_API_URL": f"{url}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(home / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port",
                                str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

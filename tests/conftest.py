@@ -14,8 +14,6 @@ import urllib.request
 
 import pytest
 
-from ppoflow.flows.cli import SERVER_ENV
-
 TEST_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 os.environ.update(TEST_ENV)
@@ -99,13 +97,13 @@ def s3_server():
         server.stop()
 
 
-# --- prefect_server: a real `prefect server start` for the session ------------------------------
+# --- prefect_server: a real `ppoflow server` for the session --------------------------------------
 
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """Start ``prefect server start`` on a free port with its own PREFECT_HOME and the settings ``ppoflow
-    server`` gives a server (``SERVER_ENV``); yield its API URL.
+    """Start ``ppoflow server`` (``prefect server start`` with ppoflow's settings) on a free port with its
+    own PREFECT_HOME; yield its API URL.
 
     The URL is also exported as PREFECT_API_URL so that subprocesses (CLI runs, serve processes)
     report to the same server. Tests running flows in this process use :func:`prefect_api`.
@@ -113,9 +111,9 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_API_URL": url}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_API_URL": url}
     log = open(home / "server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1",
                                "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
