@@ -41,12 +41,12 @@ def main() -> None:
 
     from ppoflow.configs import load_config
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
-    from ppoflow.workers.models import claim_resources, ensure_model, load_causal_lm, load_tokenizer
+    from ppoflow.workers.models import set_up_worker_process, ensure_model, load_causal_lm, load_tokenizer
     from ppoflow.workers.rollout import SamplingParams, sample_responses
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = load_config("grpo_tiny", WORKLOADS[args.workload] + built_in(scratch, args.workload) + ["trainer.test_freq=-1"])
-        claim_resources(cfg.actor_rollout_ref.rollout.resources)
+        set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
         ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
         ensure_datasets(cfg.data)
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)

@@ -52,10 +52,10 @@ def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
     from ppoflow.algorithms.scoring import copy_score
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
     from ppoflow.storage.batch import non_tensor_column
-    from ppoflow.workers.models import claim_resources, ensure_model, load_causal_lm, load_tokenizer
+    from ppoflow.workers.models import set_up_worker_process, ensure_model, load_causal_lm, load_tokenizer
 
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    claim_resources(actor.resources)
+    set_up_worker_process(actor.resources)
     ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
     ensure_datasets(cfg.data)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)

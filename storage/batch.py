@@ -79,6 +79,9 @@ _SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, 
                       "F32": torch.float32, "F64": torch.float64}
 
 
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
 def non_tensor_column(batch: TensorDict, name: str) -> list:
     """Return a per-sample non-tensor field (``uid``, ``data_source``, ...) as a plain list."""
     return list(batch.get(name).tolist())
@@ -89,8 +92,10 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
     for name, values in columns.items():
         if len(values) != batch.batch_size[0]:
             raise ValueError(f"column {name!r} has {len(values)} values for a batch of {batch.batch_size[0]}")
-        # Wrap each value so that list/dict values stay opaque instead of being stacked.
-        batch.set(name, NonTensorStack(*[NonTensorData(data=value) for value in values]))
+        # Wrap list/dict/... values so that they stay opaque instead of being stacked; NonTensorStack
+        # wraps scalars itself (on a fast path: a scalar wrapped here would take the general one).
+        batch.set(name, NonTensorStack(*[value if type(value) in _SCALARS else NonTensorData(data=value)
+                                         for value in values]))
     return batch
 
 
@@ -162,18 +167,26 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor], *context: str) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def encode_batch(batch: TensorDict) -> bytes:
-    """Encode a flat step batch as safetensors bytes (non-tensor columns as JSON in the header)."""
+def split_batch(batch: TensorDict) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """A flat step batch's tensors and its non-tensor columns (as plain lists), each in the batch's key
+    order; ``TypeError`` naming the first field that is neither."""
     tensors: dict[str, torch.Tensor] = {}
     columns: dict[str, list] = {}
     for name in batch.keys():
         value = batch.get(name)
         if isinstance(value, torch.Tensor):
-            tensors[name] = value.contiguous()
+            tensors[name] = value
         elif isinstance(value, NonTensorStack):
             columns[name] = list(value.tolist())
         else:
             raise TypeError(f"batch field {name!r} has unsupported type {type(value).__name__}")
+    return tensors, columns
+
+
+def encode_batch(batch: TensorDict) -> bytes:
+    """Encode a flat step batch as safetensors bytes (non-tensor columns as JSON in the header)."""
+    tensors, columns = split_batch(batch)
+    tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     metadata = {
         _NON_TENSOR_KEY: json.dumps(columns),
         _BATCH_SIZE_KEY: json.dumps(list(batch.batch_size)),
@@ -193,6 +206,43 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> TensorDict:
         return with_non_tensor_columns(TensorDict(tensors, batch_size=batch_size), columns)
     except Exception as error:  # json, torch and tensordict raise their own types; normalise them
         raise ValueError(f"not a ppoflow batch payload: {error}") from error
+
+
+def plain_batch(batch: TensorDict) -> tuple | None:
+    """``batch`` as plain values to pickle when it crosses a process boundary (Ray's object store):
+    the batch size, the key order, each tensor's bytes as a uint8 numpy array with its dtype and shape,
+    each non-tensor column as a list; None for a batch that is not flat, not on the CPU or carries
+    gradients. :func:`batch_from_plain` rebuilds it.
+
+    Why: pickling a TensorDict pickles every non-tensor value as an object of its own and every tensor
+    through torch's storage pickling, which costs far more than the bytes (docs/benchmarks.md); numpy
+    arrays go out of band with pickle protocol 5, and a slice of a larger tensor ships its own bytes
+    only."""
+    try:
+        tensors, columns = split_batch(batch)
+    except TypeError:
+        return None
+    if batch.device not in (None, torch.device("cpu")) or any(
+            tensor.device.type != "cpu" or tensor.requires_grad for tensor in tensors.values()):
+        return None
+    arrays = {name: (tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+              for name, tensor in tensors.items()}
+    return tuple(batch.batch_size), list(batch.keys()), arrays, columns
+
+
+def batch_from_plain(plain: tuple) -> TensorDict:
+    """The batch :func:`plain_batch` took apart; its tensors own their memory (copied once out of the
+    received buffers, which may be read-only object-store memory)."""
+    batch_size, names, arrays, columns = plain
+    batch = TensorDict({}, batch_size=batch_size)
+    for name in names:
+        if name in arrays:
+            data, dtype, shape = arrays[name]
+            buffer = torch.from_numpy(data.copy()) if data.size else torch.empty(0, dtype=torch.uint8)
+            batch.set(name, buffer.view(dtype).reshape(shape))
+        else:
+            with_non_tensor_columns(batch, {name: columns[name]})
+    return batch
 
 
 def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

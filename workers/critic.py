@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.algorithms.losses import compute_value_loss
-from ppoflow.workers.models import claim_resources, load_value_model
+from ppoflow.workers.models import set_up_worker_process, load_value_model
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
@@ -21,7 +21,7 @@ class CriticWorker:
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         critic = cfg.critic
-        self.device = claim_resources(critic.resources)
+        self.device = set_up_worker_process(critic.resources)
         self.parallel = DataParallel.join(ranks, self.device)
         self.cfg = critic
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n

@@ -24,6 +24,7 @@ from typing import Any
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig
+from ppoflow.workers.transport import send_batches_as_plain_values
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
               "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -237,6 +238,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
 
     roles = role_resources(cfg)
     started_ray = _connect_ray(cfg, roles)
+    send_batches_as_plain_values()
     _check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
 
     def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):

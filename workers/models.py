@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import fsspec
@@ -19,6 +20,7 @@ import torch
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
+from ppoflow.workers.transport import send_batches_as_plain_values
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 TINY_CHARACTERS = "0123456789+-=>:,|?abcdefghij"
@@ -28,10 +30,13 @@ TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% en
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def claim_resources(resources: ResourcesConfig) -> torch.device:
-    """Set this worker process's torch threads to its role's ``num_threads``; return its device
-    (the GPU when the role reserves one, else the CPU)."""
+def set_up_worker_process(resources: ResourcesConfig) -> torch.device:
+    """Set this worker process's torch threads to its role's ``num_threads`` and, in a Ray worker, have
+    Ray send its step batches as plain values (:mod:`ppoflow.workers.transport`); return its device (the
+    GPU when the role reserves one, else the CPU)."""
     torch.set_num_threads(resources.num_threads)
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        send_batches_as_plain_values()
     return torch.device("cuda" if resources.num_gpus > 0 else "cpu")
 
 

@@ -16,7 +16,7 @@ from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineCon
 from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
 from ppoflow.storage.batch import StageResult
-from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer, save_pretrained
+from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer, save_pretrained
 from ppoflow.workers.rollout import SamplingParams, sample_responses
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
@@ -29,7 +29,7 @@ class PolicyModel:
 
     def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None,
                  engine: TrainingEngineConfig, ranks: RankInfo | None):
-        self.device = claim_resources(resources)
+        self.device = set_up_worker_process(resources)
         self.parallel = DataParallel.join(ranks, self.device)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
+from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
@@ -143,7 +143,7 @@ class HFRolloutWorker:
     """Sampling with a transformers causal LM (CPU or GPU)."""
 
     def __init__(self, cfg: PPOConfig):
-        self.device = claim_resources(cfg.actor_rollout_ref.rollout.resources)
+        self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
         self.weight_version = 0

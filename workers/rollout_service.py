@@ -36,7 +36,7 @@ from ppoflow.storage.bounded import client_timeouts
 from ppoflow.storage.fingerprints import model_identities
 from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
-from ppoflow.workers.models import claim_resources, load_causal_lm, load_tokenizer
+from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
 from ppoflow.workers.rollout import SamplingParams
 from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, TokenOutput
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
@@ -48,7 +48,7 @@ class RolloutReplica:
 
     def __init__(self, cfg: PPOConfig):
         rollout = cfg.actor_rollout_ref.rollout
-        self.device = claim_resources(rollout.resources)
+        self.device = set_up_worker_process(rollout.resources)
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
         self.engine = ContinuousBatchingEngine(self.model, eos_token_id=tokenizer.eos_token_id, device=self.device,

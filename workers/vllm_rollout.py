@@ -56,7 +56,7 @@ from tensordict import TensorDict
 
 from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.models import claim_resources, load_tokenizer, local_model_dir
+from ppoflow.workers.models import set_up_worker_process, load_tokenizer, local_model_dir
 from ppoflow.workers.rollout import SamplingParams, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
@@ -143,7 +143,7 @@ class VLLMRolloutWorker:
 
     def __init__(self, cfg: PPOConfig, **overrides):
         rollout = cfg.actor_rollout_ref.rollout
-        claim_resources(rollout.resources)
+        set_up_worker_process(rollout.resources)
         version = installed_vllm_version()
         if version is None or not vllm_version_supported(version):
             raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vllm>={VLLM_MIN_VERSION} on the machine "
