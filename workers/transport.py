@@ -36,4 +36,5 @@ def _to_plain(batch: TensorDict) -> tuple | bytes:
 
 
 def _from_plain(sent: tuple | bytes) -> TensorDict:
+    """The batch :func:`_to_plain` sent."""
     return pickle.loads(sent) if isinstance(sent, bytes) else batch_from_plain(sent)
