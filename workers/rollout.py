@@ -96,7 +96,9 @@ def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampli
     step batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``."""
     from transformers import LogitsProcessorList
 
-    repeated = prompts[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
+    # the prompt tensors only: any per-prompt column sent along stays with the driver, which repeats
+    # its own copy onto the responses (tasks/generate.py)
+    repeated = prompts.select("prompts", "prompt_mask")[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
     eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(step_seed(sampling.seed, step))
     model.eval()

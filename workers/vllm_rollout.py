@@ -163,7 +163,7 @@ class VLLMRolloutWorker:
         from vllm import SamplingParams as VLLMSamplingParams
 
         count = prompts.batch_size[0]
-        repeated = prompts[torch.arange(count).repeat_interleave(sampling.n)]
+        repeated = prompts.select("prompts", "prompt_mask")[torch.arange(count).repeat_interleave(sampling.n)]
         requests = [{"prompt_token_ids": row[mask].tolist()}
                     for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())]
         kwargs = sampling_kwargs(sampling, eos_token_id=self.eos_token_id)
