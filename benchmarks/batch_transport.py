@@ -5,7 +5,9 @@ Every stage that runs on a worker sends the step's batch there or gets it back, 
 pickles it. ppoflow sends it as plain values (:mod:`ppoflow.workers.transport`: numpy buffers and
 lists); the baseline is Ray's default, the TensorDict pickled as it is. Both echo the same batch through
 one Ray actor (driver -> worker -> driver: two crossings, each a pickle and an unpickle), alternating
-baseline and plain values in rounds so that a drift of the machine's speed hits both. Two batches with
+the ways in rounds so that a drift of the machine's speed hits each alike. A third way is tensordict's own
+answer to slow pickling, ``TensorDict.consolidate()`` (every tensor packed into one storage before it is
+sent; each side consolidates what it sends, timed). Two batches with
 the step batch's fields (storage/batch.py): the demo's (16 prompts x 8 samples, 8 prompt and 3 response
 tokens) and a larger one (64 prompts x 16 samples, 256 prompt and 512 response tokens). Reported: the
 median round trip per batch and way, the ratio plain / baseline, the round trip of a call carrying no
@@ -63,23 +65,25 @@ def main() -> None:
         def sending_plain_values(self, plain: bool) -> None:
             send_batches_as_plain_values() if plain else ray.util.deregister_serializer(TensorDict)
 
-        def echo(self, batch: TensorDict) -> TensorDict:
-            return batch
+        def echo(self, batch: TensorDict, consolidate: bool = False) -> TensorDict:
+            return batch.consolidate() if consolidate and not batch.is_consolidated() else batch
 
     start_local_ray()
     worker = Echo.remote()
     batches = {"demo (128 x 8+3)": step_batch(16, 8, 8, 3), "larger (1024 x 256+512)": step_batch(64, 16, 256, 512)}
-    times: dict[tuple[str, str], list[float]] = {(name, way): [] for name in batches for way in ("pickled", "plain")}
+    ways = ("pickled", "consolidated", "plain")
+    times: dict[tuple[str, str], list[float]] = {(name, way): [] for name in batches for way in ways}
     calls: list[float] = []  # the same round trip carrying no batch: Ray's own cost of a call
     for _ in range(args.rounds):
-        for way in ("pickled", "plain"):
+        for way in ways:
             ray.get(worker.sending_plain_values.remote(way == "plain"))
             send_batches_as_plain_values() if way == "plain" else ray.util.deregister_serializer(TensorDict)
             for name, batch in batches.items():
+                consolidate = way == "consolidated"
                 ray.get(worker.echo.remote(batch))  # warm-up
                 for _ in range(args.trips):
                     start = time.perf_counter()
-                    ray.get(worker.echo.remote(batch))
+                    ray.get(worker.echo.remote(batch.consolidate() if consolidate else batch, consolidate))
                     times[name, way].append(time.perf_counter() - start)
         for _ in range(args.trips):
             start = time.perf_counter()
@@ -89,11 +93,13 @@ def main() -> None:
 
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median round trip (driver -> "
           f"worker -> driver) over {args.rounds} x {args.trips} trips, alternating; ms")
-    print("| batch | pickled TensorDict | plain values | plain / pickled |\n|---|---|---|---|")
+    print("| batch | pickled TensorDict | consolidated | plain values | consolidated / pickled | plain / pickled |\n"
+          "|---|---|---|---|---|---|")
     for name in batches:
-        pickled, plain = (statistics.median(times[name, way]) * 1000 for way in ("pickled", "plain"))
-        print(f"| {name} | {pickled:.2f} | {plain:.2f} | {plain / pickled:.2f} |")
-    print(f"| none (Ray's call alone) | {statistics.median(calls) * 1000:.2f} | | |")
+        pickled, consolidated, plain = (statistics.median(times[name, way]) * 1000 for way in ways)
+        print(f"| {name} | {pickled:.2f} | {consolidated:.2f} | {plain:.2f} | {consolidated / pickled:.2f} | "
+              f"{plain / pickled:.2f} |")
+    print(f"| none (Ray's call alone) | {statistics.median(calls) * 1000:.2f} | | | | |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ bytes do (every non-tensor value is an object of its own, every tensor goes thro
 pickling; docs/benchmarks.md), and a step's batch crosses on every stage that runs on a worker. So
 every process of a run registers :func:`send_batches_as_plain_values` with Ray: a batch travels as
 :func:`~ppoflow.storage.batch.plain_batch`'s plain values (numpy buffers, lists) and is rebuilt on
-arrival. Ray keeps serializers per process, which is why the driver (``start_workers``) and each worker
+arrival. (tensordict's ``consolidate()``, which packs the tensors into one storage before pickling, is
+slower still on these batches: it too handles each per-prompt value on its own; docs/benchmarks.md.)
+Ray keeps serializers per process, which is why the driver (``start_workers``) and each worker
 (``set_up_worker_process``) call it.
 
 This is Ray's own channel between processes of one run, which pickles anyway; nothing read from
