@@ -3,7 +3,8 @@
 Keys are unique per run - ``<slug>-<flow run name>-<what>``, the slug from ``trainer.project_name`` and
 ``trainer.experiment_name`` - so runs never overwrite each other's:
 
-* ``...-progress``: percent of the steps done, updated in place after each step;
+* ``...-progress``: percent of the steps done, updated in place after a step at most once a second
+  (:data:`PROGRESS_INTERVAL_S`) and after the last step;
 * ``...-metrics``: a table with one row per step and a readable subset of the metrics;
 * ``...-summary``: a compact page: headline metrics, the reward curve (training score, and validation
   from step 0 on), where the run directory, checkpoint, final model and caches are;
@@ -24,6 +25,7 @@ import base64
 import io
 import math
 import re
+import time
 
 import torch
 import yaml
@@ -42,6 +44,12 @@ TABLE_COLUMNS = {"critic/score/mean": "score", "critic/rewards/mean": "rewards",
                  "actor/grad_norm": "grad_norm", "actor/entropy": "entropy",
                  "response_length/mean": "response_length", "timing_s/step": "step_s"}
 """The metrics the per-step table shows (verl name -> column), besides ``step`` and ``val-core/*``."""
+
+PROGRESS_INTERVAL_S = 1.0
+"""The least time between two updates of the progress artifact. Each update is a request to the Prefect
+server that the flow's thread waits for, longer than a small step's stage (docs/benchmarks.md, "What a
+task run costs"); a progress bar gains nothing from more than one a second.
+"""
 
 SCORE = "critic/score/mean"
 VALIDATION = re.compile(r"^val-core/.+/reward/mean@\d+$")
@@ -71,21 +79,26 @@ class RunArtifacts:
         self.staleness: dict[int, int] = {}
         """Trained samples by staleness: how many weight updates older than the newest their newest token is."""
         self.progress_id = None
+        self.progress_shown_at = 0.0
+        """When the progress artifact was last updated (``time.monotonic()``)."""
         if self.active:
             self.progress_id = create_progress_artifact(
                 progress=100.0 * (first_step - 1) / total_steps, key=f"{self.prefix}-progress",
                 description=f"{cfg.trainer.experiment_name} ({self.run_name}): training steps done")
 
     def step(self, step: int, metrics: dict[str, float], batch: TensorDict | None = None) -> None:
-        """Record that ``step`` is done (``metrics`` are that step's; only the progress is published now) and
-        count the staleness of the samples it trained on (``batch``; a replayed batch's is history)."""
+        """Record that ``step`` is done (``metrics`` are that step's; only the progress is published now,
+        at most once a second and after the last step) and count the staleness of the samples it trained
+        on (``batch``; a replayed batch's is history)."""
         if batch is not None and "weight_version" in batch.keys() and metrics.get("skip/rollout/hit") != 1.0:
             newest = batch["max_weight_version"] if "max_weight_version" in batch.keys() else batch["weight_version"]
             values, counts = torch.unique(step - 1 - newest, return_counts=True)
             for value, count in zip(values.tolist(), counts.tolist()):
                 self.staleness[value] = self.staleness.get(value, 0) + count
-        if self.active:
+        now = time.monotonic()
+        if self.active and (step == self.total_steps or now - self.progress_shown_at >= PROGRESS_INTERVAL_S):
             update_progress_artifact(artifact_id=self.progress_id, progress=100.0 * step / self.total_steps)
+            self.progress_shown_at = now
 
     def validated_before_training(self, metrics: dict[str, float]) -> None:
         """The step-0 validation (``trainer.val_before_train``), the first point of the validation curve."""

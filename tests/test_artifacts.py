@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from tensordict import TensorDict
 
 from ppoflow.configs import load_config
+from ppoflow.flows import artifacts as artifacts_module
 from ppoflow.flows.artifacts import RunArtifacts, reward_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -88,6 +89,36 @@ def test_a_run_publishes_progress_table_summary_and_reward_curve(prefect_api, tm
 
     assert png == f"{tmp_path}/run/reward_curve.png"
     assert (tmp_path / "run" / "reward_curve.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@flow(flow_run_name="quick-run")
+def quick_steps(cfg, steps: int) -> str:
+    artifacts = RunArtifacts(cfg, total_steps=steps)
+    for step in range(1, steps + 1):
+        artifacts.step(step, {})
+    return flow_run.id
+
+
+def test_the_progress_is_updated_at_most_once_a_second_and_after_the_last_step(prefect_api, tmp_path, monkeypatch):
+    """Each update is a request the flow's thread waits for: 50 steps done within a second or so update
+    the progress after the first step and after the last, not after each."""
+    sent = []
+    update = artifacts_module.update_progress_artifact
+    monkeypatch.setattr(artifacts_module, "update_progress_artifact",
+                        lambda **call: sent.append(call["progress"]) or update(**call))
+    flow_run_id = quick_steps(config(tmp_path), 50)
+
+    assert sent[0] == 2.0 and sent[-1] == 100.0
+    assert len(sent) < 10  # one a second at most (a slow machine may take a few seconds)
+    key = "ppoflow-art-test-1-quick-run-progress"
+    with get_client(sync_client=True) as client:
+        for _ in range(50):
+            [progress] = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+            if progress.data == 100:
+                break
+            time.sleep(0.1)
+    assert progress.data == 100
 
 
 def test_outside_a_flow_run_only_the_png_is_written(tmp_path):
