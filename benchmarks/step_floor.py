@@ -17,7 +17,18 @@ of each stage's ``timing_s/*`` and the machine's load average:
                       concurrency slots from its server before each task run; see docs/ui.md);
 * prefect+ray against Prefect's default server - the same as prefect+ray, against a server started
                       without ppoflow's task-run recorder settings (``ppoflow server`` sets them; the
-                      other ways run against such a server).
+                      other ways run against such a server);
+* task runs alone   - Prefect's own share: per step as many task runs as prefect+ray made, named as
+                      its stage runs, each doing nothing (no model, no Ray, no batch);
+* a progress update per step, alone - one update of a Prefect progress artifact per step and nothing
+                      else: what ``ppoflow train`` paid per step before it updated the run's progress at
+                      most once a second (the other ways, like the benchmark's loop, publish none).
+
+The Prefect ways also report how many task runs a step made, read back from the server. The last line
+adds the task runs alone to the floor: what a step that keeps a task run per stage cannot go below
+while Prefect's client works in the flow's thread between the stages; and it gives the server's CPU per
+task run beyond what it spends idle (its CPU in the bare way, which makes no task runs but is counted
+over the same settling waits, :data:`SERVER_SETTLE_S`).
 
 Medians hide stalls, so the table also gives each way's mean and slowest step. And since on a small
 machine every process competes for the same cores, it gives the CPU time each process spent per step
@@ -39,7 +50,16 @@ import time
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workloads import CpuMeter, built_in, local_prefect_server, ppoflow_steps, timing_medians  # noqa: E402 (benchmarks/ is the script's folder)
+from workloads import (  # noqa: E402 (benchmarks/ is the script's folder)
+    CpuMeter, built_in, local_prefect_server, ppoflow_steps, progress_updates_alone, task_run_names_of_last_flow_run,
+    task_runs_alone, timing_medians)
+
+
+SERVER_SETTLE_S = 6.0
+"""How long the CPU counters wait, before the timed steps and after them, for the Prefect server to
+finish with what it was sent: it records task runs from their state events in the background, its
+task-run recorder flushing at least every second and its event persister every 5 s, so the CPU a step's
+task runs cost it is spent after the step (outside the steps' timing, which this wait is too)."""
 
 
 def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
@@ -148,10 +168,14 @@ def main() -> None:
         def measured(run_steps, server_pid: int | None = None) -> dict[str, float]:
             """The medians of the steps after the warm-up, their mean and slowest step, and the CPU each
             process spent per step over them."""
-            marks = {}
-            meter = CpuMeter(server_pid)
-            rows = run_steps(lambda number: marks.update({number: meter.mark()}) if number in (args.warmup, total)
-                             else None)[args.warmup:]
+            marks, meter = {}, CpuMeter(server_pid)
+
+            def settled_mark(number: int) -> None:
+                if server_pid is not None:
+                    time.sleep(SERVER_SETTLE_S)
+                marks[number] = meter.mark()
+
+            rows = run_steps(lambda number: settled_mark(number) if number in (args.warmup, total) else None)[args.warmup:]
             steps = [row["timing_s/step"] for row in rows]
             return {**timing_medians(rows), "step_mean": sum(steps) / len(steps), "step_max": max(steps),
                     **CpuMeter.per_step(marks[args.warmup], marks[total], args.steps)}
@@ -164,6 +188,17 @@ def main() -> None:
                         results[way] = measured(lambda after_step: ppoflow_steps(
                             config(mode, tags), ray_workers=ray_workers, prefect_tasks=prefect_tasks, steps=total,
                             after_step=after_step), server_pid)
+                        if prefect_tasks:
+                            names = task_run_names_of_last_flow_run()
+                            results[way]["task_runs"] = len(names) / total
+                            if way == "prefect+ray":
+                                sync_stages = [name.split("[")[0] for name in names if name.endswith(f"[step={total}]")]
+                if tuned:
+                    results["task runs alone"] = measured(lambda after_step: task_runs_alone(
+                        sync_stages, steps=total, after_step=after_step), server_pid)
+                    results["task runs alone"]["task_runs"] = float(len(sync_stages))
+                    results["a progress update per step, alone"] = measured(lambda after_step: progress_updates_alone(
+                        steps=total, after_step=after_step), server_pid)
     ray.shutdown()
 
     floor = results["floor"]["step"]
@@ -172,12 +207,18 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; medians of {args.steps} steps "
           f"after {args.warmup} (and the steps' mean and slowest); CPU ms per step of the driver, Ray's "
           f"processes and the Prefect server over the same steps; ms")
-    print("| way | step | x floor | mean step | slowest | " + " | ".join(stages + cpu) + " |\n|---|---|---|---|---|"
-          + "---|" * len(stages + cpu))
+    print("| way | step | x floor | mean step | slowest | task runs | " + " | ".join(stages + cpu) + " |\n"
+          "|---|---|---|---|---|---|" + "---|" * len(stages + cpu))
     for way, timing in results.items():
         split = " | ".join(f"{timing[name] * 1000:.1f}" if name in timing else "-" for name in stages + cpu)
+        runs = f"{timing['task_runs']:.1f}" if "task_runs" in timing else "-"
         print(f"| {way} | {timing['step'] * 1000:.1f} | {timing['step'] / floor:.2f} | "
-              f"{timing['step_mean'] * 1000:.1f} | {timing['step_max'] * 1000:.1f} | {split} |")
+              f"{timing['step_mean'] * 1000:.1f} | {timing['step_max'] * 1000:.1f} | {runs} | {split} |")
+    alone, idle = results["task runs alone"], results["bare"]["cpu_server"]  # bare: the server with no task runs
+    print(f"floor + task runs alone: {(floor + alone['step']) * 1000:.1f} ms = {1 + alone['step'] / floor:.2f}x the floor "
+          f"({alone['task_runs']:.0f} task runs at {alone['step'] / alone['task_runs'] * 1000:.1f} ms each in the flow's "
+          f"thread; the server spends {(alone['cpu_server'] - idle) / alone['task_runs'] * 1000:.1f} ms of CPU on each "
+          f"beyond the {idle * 1000:.1f} ms a step it spends with no task runs, as in the bare row)")
     print(json.dumps({way: {**timing, "ratio_to_floor": timing["step"] / floor} for way, timing in results.items()}))
 
 

@@ -77,6 +77,76 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
         run.workers.shutdown()
 
 
+def task_runs_alone(stage_names: list[str], *, steps: int,
+                    after_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+    """Prefect's own share of a step: each step one task run per name in ``stage_names``, named and
+    recorded as ppoflow's stage runs are (``<stage>[step=N]``, a :class:`~ppoflow.tasks.task_inputs.RecordedTask`
+    without caching, under ``ppoflow train``'s logging) but doing nothing, inside a flow. Per step
+    ``timing_s/step``; ``after_step`` as :func:`ppoflow_steps` takes it."""
+    from prefect import flow
+    from prefect.cache_policies import NO_CACHE
+
+    from ppoflow.flows.logs import logs_to_prefect
+    from ppoflow.tasks.task_inputs import recorded_task
+
+    @recorded_task(name="no_op", cache_policy=NO_CACHE)
+    def no_op(step: int) -> None:
+        """Nothing: the task run around it is what is measured."""
+
+    def loop() -> list[dict[str, float]]:
+        with logs_to_prefect():
+            rows = []
+            for step in range(1, steps + 1):
+                start = time.perf_counter()
+                for name in stage_names:
+                    no_op.named(f"{name}[step={step}]")(step)
+                rows.append({"timing_s/step": time.perf_counter() - start})
+                if after_step is not None:
+                    after_step(step)
+            return rows
+
+    return flow(name="benchmark-task-runs")(loop)()
+
+
+def progress_updates_alone(*, steps: int, after_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+    """What publishing the run's progress after every step would cost (what
+    :data:`~ppoflow.flows.artifacts.PROGRESS_INTERVAL_S` saves): a flow that creates a progress artifact and
+    updates it ``steps`` times, one request to the server each. Per step ``timing_s/step``;
+    ``after_step`` as :func:`ppoflow_steps` takes it."""
+    from prefect import flow
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    def loop() -> list[dict[str, float]]:
+        progress, rows = create_progress_artifact(progress=0.0, key="benchmark-progress"), []
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            update_progress_artifact(artifact_id=progress, progress=100.0 * step / steps)
+            rows.append({"timing_s/step": time.perf_counter() - start})
+            if after_step is not None:
+                after_step(step)
+        return rows
+
+    return flow(name="benchmark-progress")(loop)()
+
+
+def task_run_names_of_last_flow_run() -> list[str]:
+    """The names of the task runs the Prefect server recorded for the newest flow run (the recorder writes
+    in batches, at least every second, so this waits for it first)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    time.sleep(3)
+    with get_client(sync_client=True) as client:
+        [last] = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+        runs, names, page = FlowRunFilter(id=FlowRunFilterId(any_=[last.id])), [], 200
+        while True:
+            found = client.read_task_runs(flow_run_filter=runs, limit=page, offset=len(names))
+            names += [task_run.name for task_run in found]
+            if len(found) < page:
+                return names
+
+
 def timing_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     """The median of every ``timing_s/<name>`` over the rows that report it, by ``<name>``."""
     names = sorted({name for row in rows for name in row if name.startswith("timing_s/")})
