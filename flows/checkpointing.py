@@ -81,12 +81,12 @@ def restore_checkpoint(cfg: PPOConfig, workers: Workers, directory: str) -> tupl
 def restore_newest(cfg: PPOConfig, workers: Workers) -> Restored | None:
     """Load the checkpoint ``trainer.resume_mode`` asks for into the workers; None when the run starts fresh.
 
-    ``auto`` tries the complete checkpoints of the run directory newest first and skips, with a warning
-    naming it and why, one that fails to load (a file changed after it was committed, weights that do not
-    fit the model); if checkpoints exist but none loads, that is a :class:`ConfigError` rather than a
-    fresh start over them. ``resume_path`` loads exactly ``trainer.resume_from_path`` (a
-    :class:`ConfigError` naming that key if it cannot be loaded); ``disable`` never resumes. Temp files
-    that killed writes left in the run directory are removed first.
+    ``auto`` tries the complete checkpoints of the run directory newest first (:func:`complete_checkpoints`
+    skips an incomplete one, with a warning naming it and why) and skips, with a warning too, one that fails
+    to load (a file changed after it was committed, weights that do not fit the model); if checkpoints exist
+    but none loads, that is a :class:`ConfigError` rather than a fresh start over them. ``resume_path`` loads
+    exactly ``trainer.resume_from_path`` (a :class:`ConfigError` naming that key if it cannot be loaded);
+    ``disable`` never resumes. Temp files that killed writes left in the run directory are removed first.
     """
     run_dir = cfg.trainer.default_local_dir
     remove_stale_temp_files(*open_fs(run_dir))

@@ -14,15 +14,17 @@ Layout (verl's ``global_step_{N}`` directories)::
 cache's): a directory is *complete* only when it exists and every file it lists has the listed size;
 loading also checks the sha256. An incomplete directory (a crash mid-save) is never chosen for resuming,
 and whatever else a run directory holds (a stray file named like a checkpoint, a marker of the wrong
-shape or of another step) is skipped, never an error: :func:`complete_checkpoints` lists what is left,
-newest first, so that a resume can fall back to an older checkpoint when a newer one fails
-:func:`verify_checkpoint` (a file whose bytes changed after it was committed).
+shape or of another step) is skipped, never an error; a skipped ``global_step_N`` directory gets a
+warning naming it and why. :func:`complete_checkpoints` lists what is left, newest first, so that a
+resume can fall back to an older checkpoint when a newer one fails :func:`verify_checkpoint` (a file
+whose bytes changed after it was committed).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -32,6 +34,8 @@ from safetensors.torch import save as safetensors_save
 from ppoflow.storage.batch import read_safetensors
 from ppoflow.storage.fs import StorageError, atomic_write, join, open_fs, write_with_retries
 from ppoflow.storage.marker import MarkerFormat, file_entry, read_verified, size_problem
+
+logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint.json"
 CHECKPOINT_MARKER = MarkerFormat(version=1, fields={"global_step": int})
@@ -114,20 +118,37 @@ def commit(run_dir: str, step: int, files: dict[str, dict], trainer_state: dict)
 
 def manifest(directory: str) -> dict | None:
     """The marker of a complete checkpoint directory; None when it is absent, malformed or incomplete."""
+    return checked_manifest(directory)[0]
+
+
+def checked_manifest(directory: str) -> tuple[dict | None, str]:
+    """The marker of a complete checkpoint directory and ""; or None and why the directory is not one
+    (no marker, an unreadable or damaged one, a listed file missing or of another size)."""
     fs, path = open_fs(directory)
     try:
-        marker = CHECKPOINT_MARKER.decode(fs.cat_file(f"{path}/{MARKER}"))
+        data = fs.cat_file(f"{path}/{MARKER}")
+    except FileNotFoundError:
+        return None, f"no {MARKER} (its save did not finish)"
+    except OSError as error:
+        return None, f"unreadable {MARKER}: {error!r}"
+    try:
+        marker = CHECKPOINT_MARKER.decode(data)
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested too deeply to parse
+        return None, f"damaged {MARKER}: {type(error).__name__}: {error}"[:500]
+    try:
         sizes = {name: _size(fs, f"{path}/{name}") for name in marker["files"]}
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply to parse
-        return None
-    return None if size_problem(sizes, marker["files"]) else marker
+    except OSError as error:
+        return None, f"a listed file cannot be listed: {error!r}"
+    problem = size_problem(sizes, marker["files"])
+    return (None, problem) if problem else (marker, "")
 
 
 def complete_checkpoints(run_dir: str) -> list[str]:
     """The complete ``global_step_N`` directories under ``run_dir``, newest first.
 
     Only directories count (a file named ``global_step_5`` is skipped), and only those whose marker
-    is valid, lists every file with its size and records the directory's own step.
+    is valid, lists every file with its size and records the directory's own step; every other
+    ``global_step_N`` directory is skipped with a warning naming it and why.
     """
     return list(_complete_newest_first(run_dir))
 
@@ -167,15 +188,20 @@ def _complete_newest_first(run_dir: str) -> Iterator[str]:
     steps = sorted((int(match.group(1)) for entry in entries if entry["type"] == "directory"
                     and (match := _STEP_DIR.fullmatch(entry["name"].rstrip("/").rsplit("/", 1)[-1]))), reverse=True)
     for step in steps:
-        marker = manifest(step_url(run_dir, step))
-        if marker is not None and marker["global_step"] == step:
-            yield step_url(run_dir, step)
+        directory = step_url(run_dir, step)
+        marker, problem = checked_manifest(directory)
+        if marker is not None and marker["global_step"] != step:
+            problem = f"its {MARKER} records global_step {marker['global_step']}"
+        if problem:
+            logger.warning("skipping checkpoint %s: %s", directory, problem)
+        else:
+            yield directory
 
 
 def _complete_marker(directory: str) -> dict:
-    marker = manifest(directory)
+    marker, problem = checked_manifest(directory)
     if marker is None:
-        raise CheckpointError(directory, f"not a complete checkpoint (no valid {MARKER})")
+        raise CheckpointError(directory, f"not a complete checkpoint ({problem})")
     return marker
 
 

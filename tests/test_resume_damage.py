@@ -96,17 +96,18 @@ def run_with_one_good_checkpoint(tmp_path) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("marker", list(MALFORMED_MARKERS.values()), ids=list(MALFORMED_MARKERS))
-def test_markers_of_the_wrong_shape_are_skipped(run_with_one_good_checkpoint, marker):
+def test_markers_of_the_wrong_shape_are_skipped(run_with_one_good_checkpoint, marker, caplog):
     run_dir, good = run_with_one_good_checkpoint
     (run_dir / "global_step_6").mkdir()
     (run_dir / "global_step_6" / checkpoint.MARKER).write_bytes(marker)
     assert checkpoint.manifest(str(run_dir / "global_step_6")) is None
     assert checkpoint.complete_checkpoints(str(run_dir)) == [good]
+    assert f"skipping checkpoint {run_dir}/global_step_6: damaged checkpoint.json" in caplog.text
     with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
         checkpoint.verify_checkpoint(str(run_dir / "global_step_6"))
 
 
-def test_stray_entries_are_skipped(run_with_one_good_checkpoint):
+def test_stray_entries_are_skipped(run_with_one_good_checkpoint, caplog):
     run_dir, good = run_with_one_good_checkpoint
     older = checkpoint.commit(str(run_dir), 1, {}, {"global_step": 1})
     (run_dir / "global_step_5").write_text("not a directory")
@@ -118,6 +119,8 @@ def test_stray_entries_are_skipped(run_with_one_good_checkpoint):
     (run_dir / "global_step_9").rename(run_dir / "global_step_10")  # its marker records another step
     assert checkpoint.complete_checkpoints(str(run_dir)) == [good, older]
     assert checkpoint.latest(str(run_dir)) == good
+    assert f"skipping checkpoint {run_dir}/global_step_7: unreadable checkpoint.json" in caplog.text
+    assert f"skipping checkpoint {run_dir}/global_step_10: its checkpoint.json records global_step 9" in caplog.text
     assert checkpoint.complete_checkpoints(str(run_dir / "absent")) == []
 
 
@@ -166,6 +169,29 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(actor_run, t
     assert workers.actor.worker.weight_version == 1
     warning = f"not resuming from checkpoint {tmp_path}/run/global_step_2: "
     assert warning in caplog.text and "model.safetensors: checksum" in caplog.text
+
+
+DAMAGE = {
+    "a missing weights file": ("actor/model.safetensors", None, "missing actor/model.safetensors"),
+    "a truncated optimizer file": ("actor/optimizer.pt", b"short", "actor/optimizer.pt has 5 bytes"),
+    "a damaged marker": ("checkpoint.json", b'{"format_version": 1, "files": {', "damaged checkpoint.json"),
+    "no marker (a save that did not finish)": ("checkpoint.json", None, "no checkpoint.json"),
+}
+
+
+@pytest.mark.parametrize("name, content, reason", list(DAMAGE.values()), ids=list(DAMAGE))
+def test_an_incomplete_newest_checkpoint_is_named_with_why_and_the_older_one_loads(actor_run, tmp_path, caplog,
+                                                                                   name, content, reason):
+    overrides, workers, step_1, _ = actor_run
+    damaged = tmp_path / "run" / "global_step_2" / name
+    if content is None:
+        damaged.unlink()
+    else:
+        damaged.write_bytes(content)
+    restored = restore_newest(load_config("grpo_tiny", overrides), workers)
+    assert (restored.directory, restored.step) == (f"{tmp_path}/run/global_step_1", 1)
+    assert_holds(workers, step_1)
+    assert f"skipping checkpoint {tmp_path}/run/global_step_2: {reason}" in caplog.text
 
 
 def test_a_checkpoint_of_another_model_falls_back_too(actor_run, tmp_path, caplog):
