@@ -19,14 +19,8 @@ from __future__ import annotations
 import torch
 
 from ppoflow.algorithms.masked import masked_whiten
+from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS
 
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
-    "gae",
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-)
 
 @torch.no_grad()
 def compute_gae_advantage_return(

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from ppoflow.algorithms.masked import masked_mean
+from ppoflow.algorithms.names import IS_LEVELS
 
 _SAFETY_BOUND = 20.0
 _PREFIX = "rollout_corr/"
-IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 REJECTION_OPTIONS: tuple[str, ...] = (
     "token_k1",
     "token_k2",

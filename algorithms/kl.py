@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 
 from ppoflow.algorithms.masked import masked_mean
-
-_BASE_KINDS: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-KL_PENALTY_KINDS: tuple[str, ...] = _BASE_KINDS + tuple(f"{kind}+" for kind in _BASE_KINDS)
+from ppoflow.algorithms.names import KL_PENALTY_KINDS
 
 
 def _kl_forward(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:

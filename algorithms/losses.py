@@ -24,13 +24,7 @@ from __future__ import annotations
 import torch
 
 from ppoflow.algorithms.masked import masked_mean
-
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+from ppoflow.algorithms.names import LOSS_AGG_MODES
 
 
 def agg_loss(

@@ -4,12 +4,14 @@
 default), the preset (a name in this folder or a path to any YAML file) and Hydra-style dotlist
 overrides with OmegaConf, resolves ``${...}`` interpolations, drops a preset's model or data recipe whose
 path an override replaced (:data:`RECIPES`), and validates the result against :mod:`configs.schema` and
-:mod:`configs.rules`. Every problem is collected into one :class:`ConfigError` whose lines name the
-offending key and value, with the closest known key suggested for typos.
+:mod:`configs.rules`. Every problem - unknown keys, bad values, the rules' - is collected into one
+:class:`ConfigError` whose lines name the offending key and value; an unknown key of verl's gets its answer
+by meaning (:mod:`configs.verl_keys`), a typo the closest known key.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -24,9 +26,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 from ppoflow.configs.rules import cross_field_errors
-from ppoflow.configs.schema import PPOConfig, SkipStageConfig
+from ppoflow.configs.schema import PATH_NAME_PATTERN, PATH_NAME_RULE, PPOConfig, SkipStageConfig
 from ppoflow.configs.stages import STAGES_WITH_SKIP
-from ppoflow.storage.fs import normalize_url
+from ppoflow.configs.verl_keys import verl_answer
+from ppoflow.storage.fs import normalize_url, path_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULTS_NAME = "ppo_trainer"
@@ -58,10 +61,15 @@ def preset_names() -> list[str]:
 
 
 def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPOConfig:
-    """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides."""
+    """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides.
+
+    Every problem comes in one :class:`ConfigError`: unknown keys and bad values from the schema, and the
+    cross-field rules' problems too, checked on a stand-in config when the schema fails (:func:`_stand_in`).
+    """
     defaults = _read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
+    preset = _read_yaml(_preset_path(config or DEMO_NAME))
     given = _parse_overrides(overrides)
-    merged = OmegaConf.merge(defaults, _read_yaml(_preset_path(config or DEMO_NAME)), given)
+    merged = OmegaConf.merge(defaults, preset, given)
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
     # with "cannot resolve" and hide which key the user has to set.
     problems = [(key, f"is required; set it with {key}=...")
@@ -72,18 +80,94 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
         container = OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
-    _fill_skip_defaults(container, OmegaConf.to_container(defaults.skip.rollout))
-    _unify_trainer_mode(container)
+    skip_defaults = OmegaConf.to_container(defaults.skip.rollout)
+    problems = _normalize(container, skip_defaults)
     _drop_recipes_of_replaced_paths(container, given, [word.partition("=")[0] for word in overrides])
-    _make_paths_absolute(container)
     try:
         cfg = PPOConfig.model_validate(container)
     except ValidationError as error:
-        raise ConfigError(validation_problems(error)) from None
-    problems = cross_field_errors(cfg)
+        problems += validation_problems(error)
+        fallbacks = [_fallback(OmegaConf.merge(defaults, preset), skip_defaults), _fallback(defaults, skip_defaults)]
+        cfg = _stand_in(container, error, [fallback for fallback in fallbacks if fallback is not None])
+    if cfg is not None:
+        problems += [problem for problem in cross_field_errors(cfg) if not _names_a_reported_key(problem, problems)]
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
+    """What every resolved config gets before validation: each cache's defaults, one trainer mode, absolute
+    paths; returns the problems found on the way."""
+    _fill_skip_defaults(container, skip_defaults)
+    return _unify_trainer_mode(container) + _make_paths_absolute(container)
+
+
+def _fallback(merged: DictConfig, skip_defaults: dict) -> dict | None:
+    """``merged`` (the defaults, perhaps with the preset) resolved and normalized as a config is, with null for
+    its ``???`` keys: where a refused key takes its value from. None when it does not resolve (a broken preset)."""
+    merged = copy.deepcopy(merged)
+    for key in _missing_keys(OmegaConf.to_container(merged, resolve=False)):
+        OmegaConf.update(merged, key, None)
+    try:
+        container = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException:
+        return None
+    _normalize(container, skip_defaults)
+    return container
+
+
+def _stand_in(container: dict, error: ValidationError, fallbacks: list[dict]) -> PPOConfig | None:
+    """A valid config for the cross-field rules when the schema refused ``container``: every key it refused
+    takes its value from the first fallback (the preset, then the defaults), or is dropped where the fallback
+    has none (an unknown key, or one whose field default applies). None when no valid config comes of it."""
+    stand_in = copy.deepcopy(container)
+    for fallback in fallbacks:
+        for issue in error.errors():
+            _take_from(stand_in, fallback, _config_path(issue["loc"]))
+        try:
+            return PPOConfig.model_validate(stand_in)
+        except ValidationError as still:
+            error = still
+    return None
+
+
+def _config_path(loc: tuple) -> list[str]:
+    """The config key a pydantic error location points into: its leading names, without list indexes,
+    union-member tags or a mapping's ``[key]`` marker (``skip.rollout.steps.1`` -> skip, rollout, steps)."""
+    path = []
+    for part in loc:
+        if not isinstance(part, str) or part == "[key]" or _UNION_TAG.fullmatch(part):
+            break
+        path.append(part)
+    return path
+
+
+def _take_from(container: dict, fallback: dict, path: list[str]) -> None:
+    """Set ``path`` in ``container`` to its value in ``fallback``, or delete it where ``fallback`` has none."""
+    if not path:
+        return
+    node, source = container, fallback
+    for name in path[:-1]:
+        node, source = node.get(name), source.get(name) if isinstance(source, dict) else None
+        if not isinstance(node, dict):
+            return
+    if isinstance(source, dict) and path[-1] in source:
+        node[path[-1]] = copy.deepcopy(source[path[-1]])
+    else:
+        node.pop(path[-1], None)
+
+
+def _names_a_reported_key(problem: tuple[str, str], reported: list[tuple[str, str]]) -> bool:
+    """Whether a rule's problem is about a key already reported: the same key, a section holding it or a key
+    in it, or the reported key named in its message (its value there is a stand-in's, not the user's)."""
+    key, message = problem
+    for other, _ in reported:
+        if key == other or key.startswith(f"{other}.") or other.startswith(f"{key}."):
+            return True
+        if re.search(rf"(?<![\w.]){re.escape(other)}(?!\w)", message):
+            return True
+    return False
 
 
 def config_as_dict(cfg: PPOConfig) -> dict:
@@ -94,6 +178,9 @@ def config_as_dict(cfg: PPOConfig) -> dict:
 def _preset_path(config: str) -> Path:
     if config.endswith((".yaml", ".yml")):
         path = Path(config).expanduser()
+        problem = path_problem(str(path))  # a FIFO, a symlink loop, a dangling link: not "no such file"
+        if problem is not None:
+            raise ConfigError([("--config", f"{path} {problem}")])
         if not path.is_file():
             raise ConfigError([("--config", f"no such file: {path}")])
         return path
@@ -171,17 +258,23 @@ PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path
 directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
 
 
-def _make_paths_absolute(container: dict) -> None:
+def _make_paths_absolute(container: dict) -> list[tuple[str, str]]:
+    """Resolve the local paths of :data:`PATH_KEYS`; returns a problem for each value that is no path at all."""
     keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
+    problems = []
     for key in keys:
         node, leaf = _parent(container, key)
         if node is None or node.get(leaf) is None:
             continue
         value = node[leaf]
-        if isinstance(value, str):
-            node[leaf] = normalize_url(value)
-        elif isinstance(value, list):
-            node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+        try:
+            if isinstance(value, str):
+                node[leaf] = normalize_url(value)
+            elif isinstance(value, list):
+                node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+        except ValueError as error:  # os.path refuses a NUL byte
+            problems.append((key, f"is not a path: {error} (got {value!r})"))
+    return problems
 
 
 def _parent(container: dict, key: str) -> tuple[dict | None, str]:
@@ -194,17 +287,19 @@ def _parent(container: dict, key: str) -> tuple[dict | None, str]:
     return (node if isinstance(node, dict) else None), leaf
 
 
-def _unify_trainer_mode(container: dict) -> None:
+def _unify_trainer_mode(container: dict) -> list[tuple[str, str]]:
     """``trainer.mode`` and verl's ``trainer.v1.trainer_mode`` are one setting: whichever is given sets both
-    (neither: ``sync``); both given and different is a :class:`ConfigError` naming both."""
+    (neither: ``sync``); both given and different is a problem naming both (``trainer.mode`` then wins)."""
     trainer = container.get("trainer")
     if not isinstance(trainer, dict) or not isinstance(trainer.get("v1"), dict):
-        return  # the schema reports the malformed section
+        return []  # the schema reports the malformed section
     mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
+    problems = []
     if mode is not None and v1_mode is not None and mode != v1_mode:
-        raise ConfigError([("trainer.v1.trainer_mode", f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are "
-                                                       "one setting; set one of them")])
+        problems.append(("trainer.v1.trainer_mode", f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are "
+                                                    "one setting; set one of them"))
     trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or "sync"
+    return problems
 
 
 def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
@@ -226,29 +321,52 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
 
 def validation_problems(error: ValidationError) -> list[tuple[str, str]]:
     """A schema's :class:`ValidationError` as ``(dotted key, message)`` pairs, for a :class:`ConfigError`."""
-    return [_describe(issue) for issue in error.errors()]
+    return [problem for issue in error.errors() for problem in _describe(issue)]
 
 
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
 """How pydantic names the member of a ``Union`` in an error location (no config key is spelled so)."""
 
 
-def _describe(issue: dict) -> tuple[str, str]:
-    """Turn one pydantic error into ``(dotted key, message)``, suggesting a known key for typos."""
+def _describe(issue: dict) -> list[tuple[str, str]]:
+    """Turn one pydantic error into ``(dotted key, message)`` pairs (an unknown section may hold several
+    of verl's keys), suggesting a known key for typos."""
     if issue["loc"][:1] == ("skip",) and issue["loc"][2:3] == ("[key]",):
         stage = issue["input"]
         close = difflib.get_close_matches(stage, STAGES_WITH_SKIP, n=1)
         hint = f"; did you mean 'skip.{close[0]}'?" if close else f"; known: {', '.join(STAGES_WITH_SKIP)}"
-        return f"skip.{stage}", f"unknown cache{hint}"
+        return [(f"skip.{stage}", f"unknown cache{hint}")]
     loc = issue["loc"]
     if issue["type"] != "extra_forbidden":  # drop pydantic's union-member tags: data.train_files.str
         loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]
     key = ".".join(str(part) for part in loc)
     if issue["type"] == "extra_forbidden":
-        return key, f"unknown key{_suggestion(key)}"
+        return _unknown_key_problems(key, issue["input"])
     if issue["type"] == "missing":
-        return key, "is required"
-    return key, f"{issue['msg']} (got {issue['input']!r})"
+        return [(key, "is required")]
+    if issue["type"] == "string_pattern_mismatch" and issue["ctx"]["pattern"] == PATH_NAME_PATTERN:
+        return [(key, f"must be one directory name: {PATH_NAME_RULE} (got {issue['input']!r})")]
+    return [(key, f"{issue['msg']} (got {issue['input']!r})")]
+
+
+def _unknown_key_problems(key: str, value) -> list[tuple[str, str]]:
+    """An unknown ``key`` (holding ``value``): verl's keys in it get the answer of :mod:`configs.verl_keys`
+    (by meaning), and what is left the closest known key (by spelling)."""
+    answers, unanswered = {}, False
+    for leaf in _leaf_keys(key, value):
+        answer = verl_answer(leaf, within=key)
+        if answer is None:
+            unanswered = True
+        else:
+            answers[answer[0]] = f"unknown key; {answer[1]}"
+    return list(answers.items()) + ([(key, f"unknown key{_suggestion(key)}")] if unanswered else [])
+
+
+def _leaf_keys(key: str, value) -> list[str]:
+    """The dotted keys of the values under ``key`` (``key`` itself when it holds a plain value)."""
+    if isinstance(value, dict) and value:
+        return [leaf for name, inner in value.items() for leaf in _leaf_keys(f"{key}.{name}", inner)]
+    return [key]
 
 
 def _suggestion(key: str) -> str:

@@ -1,7 +1,9 @@
 """Rules that relate several config keys: checked after the schema, before anything starts.
 
 Each rule returns ``(key, message)`` pairs naming the key a user should change; :func:`cross_field_errors`
-collects them all, so one run of ``ppoflow config`` lists every problem at once.
+collects them all, so one run of ``ppoflow config`` lists every problem at once. A check of one key alone
+belongs in the schema (a field validator). When the schema refuses a config, the loader still runs these
+rules on a stand-in with the refused keys at their defaults, so they report in the same round.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from ppoflow.configs.schema import LOGGERS, PPOConfig
+from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 
 SECRET_OPTION = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
@@ -52,9 +54,6 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                        f"got {cfg.trainer.resume_from_path!r}"))
     if cfg.trainer.test_freq > 0 and data.val_files is None:
         errors.append(("data.val_files", f"trainer.test_freq={cfg.trainer.test_freq} needs validation files"))
-    for name in cfg.trainer.logger:
-        if name not in LOGGERS:
-            errors.append(("trainer.logger", f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}"))
     stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic,
                   SAMPLE_CACHE_KEY: cfg.actor_rollout_ref.rollout.mode == "async"}
     for stage, skip in cfg.skip.items():
@@ -71,7 +70,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
                            "Prefect run parameters, so pass credentials through the environment (e.g. "
                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
-    errors += _resource_errors(cfg) + _data_parallel_errors(cfg) + _correction_errors(cfg) + _optimizer_errors(cfg)
+    errors += _resource_errors(cfg) + _data_parallel_errors(cfg) + _correction_errors(cfg)
     if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
             and cfg.algorithm.kl_ctrl.type == "adaptive"):
         errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
@@ -284,33 +283,15 @@ def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     return errors
 
 
-def _optimizer_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """Each trained role's optimizer settings, given to ``torch.optim.AdamW`` as the worker will (on a
-    one-element parameter): whatever torch refuses is reported now, naming the key, not in the worker."""
-    import torch
-
-    roles = {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim}
-    if cfg.use_critic:
-        roles["critic.optim"] = cfg.critic.optim
-    errors: list[tuple[str, str]] = []
-    for key, optim in roles.items():
-        try:
-            torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=optim.lr, betas=tuple(optim.betas),
-                              weight_decay=optim.weight_decay)
-        except (TypeError, ValueError) as error:
-            errors.append((key, f"torch.optim.AdamW refuses lr={optim.lr!r}, betas={optim.betas!r}, "
-                                f"weight_decay={optim.weight_decay!r}: {error}"))
-    return errors
-
-
 def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """The rollout-correction thresholds parse, and bypass mode is not combined with what it skips."""
-    from ppoflow.algorithms.correction import compute_rejection_mask, parse_is_threshold
-
+    """The rollout-correction thresholds parse, and bypass mode is not combined with what it skips (the
+    parsers, and torch with them, are imported only when a correction is configured)."""
     errors: list[tuple[str, str]] = []
     correction = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
     if correction.rollout_is is not None:
+        from ppoflow.algorithms.correction import parse_is_threshold
+
         try:
             parse_is_threshold(correction.rollout_is_threshold)
         except (TypeError, ValueError) as error:
@@ -320,6 +301,8 @@ def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             errors.append((f"{key}.rollout_rs_threshold", f"rollout_rs={correction.rollout_rs!r} needs thresholds"))
         else:
             import torch
+
+            from ppoflow.algorithms.correction import compute_rejection_mask
 
             try:  # the real parser on a one-token batch: same messages as at run time
                 compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),

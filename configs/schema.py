@@ -15,10 +15,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from ppoflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from ppoflow.algorithms.correction import IS_LEVELS
-from ppoflow.algorithms.kl import KL_PENALTY_KINDS
-from ppoflow.algorithms.losses import LOSS_AGG_MODES
+from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, IS_LEVELS, KL_PENALTY_KINDS, LOSS_AGG_MODES
 from ppoflow.configs.stages import STAGES_WITH_SKIP
 
 LOGGERS = ("console", "tensorboard")
@@ -381,9 +378,19 @@ class TrainerV1Config(Section):
     sampler: SamplerConfig
 
 
+PATH_NAME_PATTERN = r"^[A-Za-z0-9_](?:[A-Za-z0-9._+=@, -]{0,98}[A-Za-z0-9._+=@,-])?$"
+"""A name that becomes one component of a path (run and cache directories): no ``/``, ``\\``, ``.``, ``..``,
+control characters or leading ``-``, so no name can point outside the directory it is joined to."""
+PATH_NAME_RULE = ("1 to 100 ASCII letters, digits, spaces and . _ - + = @ , starting with a letter, digit or _ and "
+                  "not ending in a space")
+PathName = Annotated[str, Field(pattern=PATH_NAME_PATTERN)]
+
+
 class TrainerConfig(Section):
-    project_name: str = Field(min_length=1, description="Project name (run directory, cache directory).")
-    experiment_name: str = Field(min_length=1, description="Experiment name (run directory, cache directory).")
+    project_name: PathName = Field(description=f"Project name; names the run and cache directories, so it is one "
+                                               f"directory name: {PATH_NAME_RULE}.")
+    experiment_name: PathName = Field(description=f"Experiment name; names the run and cache directories, so it is one "
+                                                  f"directory name: {PATH_NAME_RULE}.")
     mode: str = Field(
         description="Trainer mode: sync (generate, then train), one_step_off (generate the next batch while training "
                     "on this one), colocate_async or separate_async (verl's V1: a replay buffer between a continuous "
@@ -409,7 +416,25 @@ class TrainerConfig(Section):
                     "Off by default: Prefect asks its server for tag concurrency slots before each tagged task "
                     "run, a database write that stalls the step for seconds on a busy SQLite server "
                     "(docs/ui.md). Task-run names carry the stage and step either way.")
+    nonfinite: Literal["fail", "skip"] = Field(
+        description="A non-finite reward, advantage, loss or gradient norm: fail (stop the run, naming the sample, "
+                    "step and stage where it arose) or skip (drop that step's update with a warning and count it in "
+                    "training/nonfinite_skipped); a run whose every update was skipped never ends as a success.")
+    run_dir_busy: Literal["fail", "wait"] = Field(
+        description="Another live run owns default_local_dir: fail at start naming the owner, or wait for it to end.")
+    run_dir_wait_s: Optional[float] = Field(
+        gt=0, description="trainer.run_dir_busy=wait: give up after this many seconds; null = wait as long as it takes.")
     v1: TrainerV1Config
+
+    @field_validator("logger")
+    @classmethod
+    def _known_loggers(cls, names: list[str]) -> list[str]:
+        """Each name picks a metrics writer; refused here, with the other keys, rather than ignored."""
+        unknown = [name for name in names if name not in LOGGERS]
+        if unknown:
+            raise PydanticCustomError("unknown_logger", "unknown logger {unknown}; choose from {choices}",
+                                      {"unknown": ", ".join(map(repr, unknown)), "choices": ", ".join(LOGGERS)})
+        return names
 
 
 class RolloutPoolConfig(Section):

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE
-from ppoflow.storage.step_cache.sample_cache import SAMPLE_STAGE
+from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, SAMPLE_STAGE
 
 
 @dataclass(frozen=True)

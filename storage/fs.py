@@ -14,14 +14,19 @@ Why they exist:
   lists a whole tree with one paginated recursive listing instead.
 * A process killed between :func:`atomic_write`'s write and its rename leaves the temp file behind;
   :func:`remove_stale_temp_files` removes those, but only old ones, never a live writer's.
+* A local path can name what no read or write of it should meet: a symlink loop, a dangling symlink, a
+  FIFO (whose read blocks until someone writes) or another special file. :func:`path_problem` says which,
+  in one sentence, for the readers of every path key to report before they open it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,12 +49,66 @@ _TEMP_FILE = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
 def normalize_url(url: str) -> str:
     """Return ``url`` with local paths made absolute (``~`` expanded); other URLs unchanged.
 
-    ``file://`` URLs become plain absolute paths, so a local location has one spelling.
+    ``file://`` URLs become plain absolute paths, so a local location has one spelling. Symlinks are
+    resolved, except a loop or a dangling link: left as given, for :func:`path_problem` to name.
     """
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in _LOCAL_PROTOCOLS:
-        return str(Path(path).expanduser().resolve())
+        absolute = os.path.abspath(os.path.expanduser(path))
+        return absolute if _broken_link(absolute) else os.path.realpath(absolute)
     return url.rstrip("/")
+
+
+_SPECIAL_FILES = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                  stat.S_IFBLK: "a block device"}
+
+
+def path_problem(url: str, *, want: str = "file") -> str | None:
+    """Why the local ``url`` cannot be used as a ``want`` (``"file"`` or ``"directory"``), as the rest of a
+    sentence that begins with the path: ``"is a symlink loop"``, ``"is a dangling symlink to X"``, ``"is a
+    FIFO, not a file"``, ``"is a file, not a directory"``. None when it can, when it does not exist yet
+    (whether it must is the caller's rule), and for remote URLs. Never follows a FIFO's read."""
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol not in _LOCAL_PROTOCOLS:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    broken = _broken_link(path)
+    if broken is not None:
+        return broken
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # ENOTDIR: a file on the way; EACCES
+        return f"cannot be used: {error.strerror}"
+    kind = _SPECIAL_FILES.get(stat.S_IFMT(mode))
+    if kind is not None:
+        return f"is {kind}, not a {want}"
+    if want == "file" and stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    if want == "directory" and not stat.S_ISDIR(mode):
+        return "is a file, not a directory"
+    return None
+
+
+def _broken_link(path: str) -> str | None:
+    """``"is a symlink loop"`` or ``"is a dangling symlink to X"`` (or lies under one) for the absolute
+    local ``path``; None otherwise."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if error.errno != errno.ENOENT:
+            return None
+    dangling = next((link for link in (path, *map(str, Path(path).parents))
+                    if os.path.islink(link) and not os.path.exists(link)), None)
+    if dangling is None:
+        return None
+    target = os.readlink(dangling)
+    return f"is a dangling symlink to {target}" if dangling == path else \
+        f"lies under {dangling}, a dangling symlink to {target}"
 
 
 def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
@@ -133,7 +192,13 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         fs.pipe_file(path, data)
         return
     directory, name = os.path.split(fs._strip_protocol(path))
-    fs.makedirs(directory, exist_ok=True)
+    try:
+        fs.makedirs(directory, exist_ok=True)
+    except OSError as error:  # say why, when the reason is a symlink loop, a FIFO, ... where the directory goes
+        problem = path_problem(directory, want="directory")
+        if problem is None:
+            raise
+        raise NotADirectoryError(error.errno, f"{directory} {problem}") from None
     temp_path = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     try:
         with fs.open(temp_path, "wb") as temp_file:

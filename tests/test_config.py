@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 import pydantic
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from ppoflow.configs import CONFIG_DIR, ConfigError, load_config, preset_names, reference_table
-from ppoflow.configs.schema import SyntheticDataConfig
+from ppoflow.configs.schema import PATH_NAME_RULE, SyntheticDataConfig
 
 DEMO_PATHS = ["data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet"]
 
@@ -333,18 +335,16 @@ def test_adam_betas_are_each_in_zero_one():
     assert load_config("grpo_tiny", ["actor_rollout_ref.actor.optim.betas=[0.0,0.5]"]).actor_rollout_ref.actor.optim.betas == [0.0, 0.5]
 
 
-def test_optimizer_settings_are_tried_on_torch_adamw():
-    from ppoflow.configs.rules import cross_field_errors
-
-    cfg = load_config("grpo_tiny", ["algorithm.adv_estimator=gae"])
-    assert cross_field_errors(cfg) == []
-    # a value the schema would refuse, set past validation: the rule hands it to AdamW as the worker would
-    optim = cfg.critic.optim.model_copy(update={"lr": -1.0})
-    broken = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"optim": optim})})
-    (key, message), = cross_field_errors(broken)
-    assert key == "critic.optim"
-    assert message.startswith("torch.optim.AdamW refuses lr=-1.0, betas=[0.9, 0.999], weight_decay=0.01: ")
-    assert "Invalid learning rate" in message
+@pytest.mark.parametrize("word, adamw_kwargs", [
+    ("critic.optim.lr=-1e-3", {"lr": -1e-3}),
+    ("critic.optim.betas=[1.0,0.999]", {"betas": (1.0, 0.999)}), ("critic.optim.betas=[0.9,-0.1]", {"betas": (0.9, -0.1)}),
+    ("critic.optim.weight_decay=-0.01", {"weight_decay": -0.01})])
+def test_the_schema_refuses_what_torch_adamw_refuses(word, adamw_kwargs):
+    """The optimizer keys' ranges are the schema's, checked without torch: what AdamW, which the worker
+    builds, would refuse is refused before anything starts."""
+    assert only_problem(["algorithm.adv_estimator=gae", word])[0].startswith(word.partition("=")[0])
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], **adamw_kwargs)
 
 
 def test_literal_violations_list_the_choices():
@@ -428,7 +428,6 @@ def test_unresolvable_interpolation():
      "Input should be 'kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3', 'kl+', 'k1+', 'abs+', 'mse+', 'k2+', "
      "'low_var_kl+' or 'k3+' (got 'full')"),
     (["data.val_files=null"], "data.val_files", "trainer.test_freq=20 needs validation files"),
-    (["trainer.logger=[console,wandb]"], "trainer.logger", "unknown logger 'wandb'; choose from console, tensorboard"),
     (["skip.rollout.enable=true"], "skip.rollout.steps", "caching is enabled but no step is listed"),
     (["skip.reward.enable=true", "skip.reward.steps=[]"], "skip.reward.steps", "caching is enabled but no step is listed"),
     (["skip.ref.enable=true", "skip.ref.steps=[1]"], "skip.ref.enable", "this run has no ref stage to cache"),
@@ -506,13 +505,123 @@ def test_shipped_presets_are_one_rank_per_role(preset):
 
 
 def test_several_cross_field_problems_at_once():
-    problems = problems_of("grpo_tiny", ["actor_rollout_ref.rollout.n=1", "trainer.logger=[a,b]"])
-    assert problems == [
+    problems = problems_of("grpo_tiny", ["actor_rollout_ref.rollout.n=1", "data.gen_batch_size=32"])
+    assert [key for key, _ in problems] == ["data.gen_batch_size", "actor_rollout_ref.rollout.n"]
+
+
+def test_unknown_loggers_are_refused_by_the_schema():
+    assert only_problem(["trainer.logger=[console,wandb,mlflow]"]) == (
+        "trainer.logger", "unknown logger 'wandb', 'mlflow'; choose from console, tensorboard "
+                          "(got ['console', 'wandb', 'mlflow'])")
+    cfg = load_config("grpo_tiny", ["trainer.logger=[console,tensorboard]"])
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+
+
+# ------------------------------------------------------------------ every problem in one round
+
+
+@pytest.mark.reliability
+def test_unknown_keys_bad_values_and_rule_problems_come_in_one_round():
+    problems = problems_of("grpo_tiny", ["actor_rollout_ref.actor.clip_ratio=0.2",  # unknown (verl's) key
+                                         "actor_rollout_ref.rollout.top_p=1.5",  # bad value
+                                         "trainer.logger=[console,wandb]",  # bad logger
+                                         "actor_rollout_ref.rollout.name=vllm",  # rollout.name problems
+                                         "actor_rollout_ref.rollout.mode=async"])
+    keys = [key for key, _ in problems]
+    assert keys[:3] == ["actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.rollout.top_p", "trainer.logger"]
+    assert ("actor_rollout_ref.rollout.mode",
+            "async serves the hf engine only so far, not rollout.name=vllm") in problems
+    assert "actor_rollout_ref.rollout.name" in keys or "actor_rollout_ref.rollout.resources.num_gpus" in keys  # vllm's
+
+
+@pytest.mark.reliability
+def test_rule_problems_about_a_refused_key_are_left_out():
+    # with data.train_batch_size at its stand-in value the mini-batch rule would talk about a batch nobody asked for
+    assert only_problem(["data.train_batch_size=0", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]) == (
+        "data.train_batch_size", "Input should be greater than or equal to 1 (got 0)")
+    # a rule about another key is still reported, and so is one whose stand-in came from the defaults
+    assert problems_of("grpo_tiny", ["data.train_batch_size=0", "actor_rollout_ref.rollout.n=1"]) == [
+        ("data.train_batch_size", "Input should be greater than or equal to 1 (got 0)"),
         ("actor_rollout_ref.rollout.n", "algorithm.adv_estimator=grpo compares responses of one prompt and needs "
-                                        "n >= 2, got 1"),
-        ("trainer.logger", "unknown logger 'a'; choose from console, tensorboard"),
-        ("trainer.logger", "unknown logger 'b'; choose from console, tensorboard"),
-    ]
+                                        "n >= 2, got 1")]
+
+
+@pytest.mark.reliability
+def test_rules_run_when_the_preset_itself_holds_the_bad_value(tmp_path):
+    (tmp_path / "run.yaml").write_text("data: {train_files: /t.parquet, train_batch_size: 0}\n"
+                                       "actor_rollout_ref: {model: {path: /m}}\n"
+                                       "algorithm: {adv_estimator: grpo}\n")
+    problems = problems_of(str(tmp_path / "run.yaml"), ["actor_rollout_ref.rollout.n=1", "skip.rolout.enable=true"])
+    assert [key for key, _ in problems] == ["data.train_batch_size", "skip.rolout", "actor_rollout_ref.rollout.n"]
+
+
+@pytest.mark.reliability
+def test_disagreeing_trainer_modes_come_with_the_other_problems():
+    assert [key for key, _ in problems_of("grpo_tiny", ["trainer.mode=sync", "trainer.v1.trainer_mode=one_step_off",
+                                                        "data.train_batch_size=0"])] == [
+        "trainer.v1.trainer_mode", "data.train_batch_size"]
+
+
+# ------------------------------------------------------------------ names that become paths
+
+
+SAFE_NAMES = ["grpo_tiny", "Art Test_1", "qwen2.5-7b+lr=1e-6@a100,b", "_x", "7", "a" * 100]
+UNSAFE_NAMES = ["../../../somewhere", "a/b", "a\\b", "..", ".", ".hidden", "-rf", "", " lead", "trail ", "a" * 101,
+                "tab\there", "nul\x00byte", "new\nline", "é"]
+
+
+@pytest.mark.parametrize("name", SAFE_NAMES)
+def test_safe_names_become_one_directory(name):
+    cfg = load_config("grpo_tiny", [f"trainer.project_name={json.dumps(name)}",
+                                    f"trainer.experiment_name={json.dumps(name)}"])
+    assert cfg.trainer.experiment_name == name
+    assert cfg.trainer.default_local_dir == str(Path(f"checkpoints/{name}/{name}").absolute())
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("key", ["trainer.experiment_name", "trainer.project_name"])
+@pytest.mark.parametrize("name", UNSAFE_NAMES)
+def test_names_that_would_leave_their_directory_are_refused(key, name):
+    problems = problems_of("grpo_tiny", [f"{key}={json.dumps(name)}"])  # YAML reads JSON's escapes (\t, \u0000)
+    assert (key, f"must be one directory name: {PATH_NAME_RULE} (got {name!r})") in problems
+    # the run directory is built from the name: a NUL byte makes it no path either
+    assert [other for other, _ in problems if other != key] == (["trainer.default_local_dir"] if "\0" in name else [])
+
+
+@pytest.mark.reliability
+def test_a_nul_byte_in_a_path_is_a_problem_not_a_crash():
+    assert only_problem(['data.train_files="/data/a\\u0000b.parquet"']) == (
+        "data.train_files", "is not a path: embedded null byte (got '/data/a\\x00b.parquet')")
+
+
+@pytest.mark.reliability
+def test_the_command_line_refuses_a_name_outside_the_checkpoint_root(capsys, tmp_path):
+    from tests.test_preflight import assert_user_error, run_cli
+
+    code, stderr = run_cli(capsys, "config", "trainer.experiment_name=../../../somewhere")
+    assert_user_error(code, stderr, "trainer.experiment_name: must be one directory name", "'../../../somewhere'")
+
+
+@pytest.mark.reliability
+def test_the_ui_forms_experiment_name_is_checked_before_the_run_starts():
+    from ppoflow.flows.train import ppo_train
+
+    with pytest.raises(ConfigError) as caught:  # the flow's body: what a run from the deployment's form calls
+        ppo_train.fn(config="grpo_tiny", experiment_name="../../../somewhere")
+    assert caught.value.problems == [
+        ("trainer.experiment_name", f"must be one directory name: {PATH_NAME_RULE} (got '../../../somewhere')")]
+
+
+def test_the_ui_form_refuses_a_name_that_is_not_one_directory():
+    """The deployment's form carries the rule itself (Prefect validates a run's parameters against it)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from ppoflow.configs.schema import PATH_NAME_PATTERN
+    from ppoflow.flows.train import ppo_train
+
+    field = parameter_schema(ppo_train.fn).model_dump()["properties"]["experiment_name"]
+    assert PATH_NAME_PATTERN in json.dumps(field)
+    assert re.fullmatch(PATH_NAME_PATTERN, "run 7") and not re.fullmatch(PATH_NAME_PATTERN, "../x")
 
 
 # ---------------------------------------------------------------------------- reference table
@@ -537,7 +646,7 @@ def test_reference_table_mentions_every_key_once():
         expected |= {f"{section}.{name}" for name in inner}
     # skip is keyed by stage name: documented once as skip.<stage>.*
     expected = {key.replace("skip.rollout.", "skip.<stage>.") for key in expected}
-    assert len(expected) == 192  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
+    assert len(expected) == 195  # the schema's leaves; a new key must be added to ppo_trainer.yaml too
 
     table = reference_table()
     rows = table.splitlines()

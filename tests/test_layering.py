@@ -61,8 +61,16 @@ def test_every_folder_is_a_known_layer_and_an_installed_package():
 
     packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(path) for path in MODULES.values() if path.name == "__init__.py"}
+    # A folder of data only (configs/tools) is a package to setuptools too: listed, with no Python in it.
+    data_only = {package for package in packages - found - {"ppoflow"}
+                 if (folder := ROOT.joinpath(*package.split(".")[1:])).is_dir() and not any(folder.glob("*.py"))}
     assert found <= packages, f"folders missing from pyproject's packages: {sorted(found - packages)}"
-    assert packages - {"ppoflow"} <= found, f"packages without a folder: {sorted(packages - found - {'ppoflow'})}"
+    assert packages - {"ppoflow"} - data_only <= found, \
+        f"packages without a folder: {sorted(packages - found - data_only - {'ppoflow'})}"
+    data_folders = {module_name(folder / "x.py").rpartition(".")[0] for layer in LAYERS
+                    for folder in (ROOT / layer).rglob("*") if folder.is_dir() and folder.name != "__pycache__"
+                    and not (folder / "__init__.py").exists()}
+    assert data_folders <= packages, f"data folders not in pyproject's packages: {sorted(data_folders - packages)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

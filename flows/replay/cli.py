@@ -1,4 +1,8 @@
-"""``ppoflow replay record`` and ``ppoflow replay check``: the regression replay from the command line."""
+"""``ppoflow replay record`` and ``ppoflow replay check``: the regression replay from the command line.
+
+The flow, the config and the baseline are imported where a command runs them, so that adding the
+commands to the parser (``ppoflow --help``) imports neither Prefect nor the config schema.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,18 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ppoflow.configs import DEMO_NAME, ConfigError, load_config
-from ppoflow.flows.replay.baseline import ReplayError, load_baseline
 from ppoflow.flows.replay.compare import ReplayMismatch, tolerance_for
-from ppoflow.flows.replay.flow import artifact_key, record, regression_replay, replay_overrides
-from ppoflow.storage.fs import join, normalize_url
+
 
 def check(directory: str, overrides: Sequence[str] = (), tolerances: Mapping[str, float] | None = None, *,
           out=None, max_rows: int = 50) -> bool:
     """Run the ``regression-replay`` flow and print its verdict (and up to ``max_rows`` mismatches);
     returns whether every step matched. A missing baseline or a bad override raises before the flow starts."""
+    from ppoflow.configs import load_config
+    from ppoflow.flows.replay.baseline import load_baseline
+    from ppoflow.flows.replay.flow import artifact_key, regression_replay, replay_overrides
+    from ppoflow.storage.fs import join, normalize_url
+
     out = out or sys.stdout
     baseline = load_baseline(directory)
     load_config(baseline["config"], replay_overrides(normalize_url(directory), baseline, overrides,
@@ -60,6 +66,8 @@ def format_table(mismatches: list[dict], tolerances: Mapping[str, float], *, max
 
 def parse_tolerances(words: Sequence[str]) -> dict[str, float]:
     """``METRIC=VALUE`` words (a metric name or a prefix ending in ``/``) as a tolerance mapping."""
+    from ppoflow.flows.replay.baseline import ReplayError
+
     tolerances = {}
     for word in words:
         metric, _, value = word.rpartition("=")
@@ -82,7 +90,7 @@ def add_commands(subparsers) -> Any:
     recorder = commands.add_parser("record", help="train N steps (trainer.total_training_steps) into a rollout "
                                                   "cache and write DIR/baseline.json")
     recorder.add_argument("--dir", required=True, dest="directory", help="baseline folder (local path or fsspec URL)")
-    recorder.add_argument("--config", default=None, help=f"preset name or YAML path (default: {DEMO_NAME})")
+    recorder.add_argument("--config", default=None, help="preset name or YAML path (default: grpo_tiny)")
     recorder.add_argument("--force", action="store_true", help="replace an existing baseline and cache in DIR")
     recorder.add_argument("overrides", nargs="*", help="key=value overrides, lists as key=[1,2,3]")
     checker = commands.add_parser("check", help="replay DIR's steps from its cache and compare every metric "
@@ -96,6 +104,11 @@ def add_commands(subparsers) -> Any:
 
 def run_command(args: argparse.Namespace) -> int:
     """The ``replay`` command: 0 when recorded or matching, 1 on a mismatch, 2 on a usage or config error."""
+    from ppoflow.configs import ConfigError
+    from ppoflow.flows.replay.baseline import ReplayError
+    from ppoflow.flows.replay.flow import record
+    from ppoflow.storage.fs import normalize_url
+
     try:
         if args.replay_command == "record":
             baseline = record(args.directory, args.config, args.overrides, force=args.force)

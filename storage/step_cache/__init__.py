@@ -19,13 +19,22 @@ One home, in the order a reader meets it:
 
 This package exports the storage side only; the Prefect side (:mod:`.prefect`, :mod:`.stage_cache`) is
 imported from its modules, so that the workers, which read the layout's names through the config, never
-pay for importing Prefect.
+pay for importing Prefect. The store and the remap load on first use: the config reads the layout's names
+from :mod:`.manifest`, and ``ppoflow config`` must not pay for the torch that the payloads' codec imports.
 """
 
-from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, config_dir, marker_name, payload_name
-from ppoflow.storage.step_cache.remap import remap_to_prompts
-from ppoflow.storage.step_cache.scan import CacheEntry, scan
-from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache
+import importlib
 
-__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "StepCache", "config_dir", "marker_name",
-           "payload_name", "remap_to_prompts", "scan"]
+from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, config_dir, marker_name, payload_name
+from ppoflow.storage.step_cache.scan import CacheEntry, check_root, scan
+
+_LAZY = {"remap_to_prompts": "remap", "CacheCorrupt": "store", "CacheWriteError": "store", "StepCache": "store"}
+
+__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "StepCache", "check_root", "config_dir",
+           "marker_name", "payload_name", "remap_to_prompts", "scan"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

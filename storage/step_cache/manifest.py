@@ -21,6 +21,9 @@ from ppoflow.storage.fs import join, normalize_url
 from ppoflow.storage.marker import MarkerFormat, size_problem
 
 ROLLOUT_STAGE = "rollout"
+SAMPLE_STAGE = "async_rollout"
+"""The stage name of a sample entry's files (``async_rollout.safetensors``, ``async_rollout.meta.json``;
+:mod:`.sample_cache`)."""
 ACTIONS = ("cache", "repeat")
 
 STEP_MARKER = MarkerFormat(version=2, fields={"stage": str, "global_steps": int, "num_trajectories": int,

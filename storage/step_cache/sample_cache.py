@@ -33,13 +33,10 @@ from tensordict import TensorDict
 from ppoflow.storage.bounded import bounded
 from ppoflow.storage.fingerprints import rollout_identity
 from ppoflow.storage.fs import open_fs, remove_stale_temp_files
-from ppoflow.storage.step_cache.manifest import recorded_differences
+from ppoflow.storage.step_cache.manifest import SAMPLE_STAGE, recorded_differences
 from ppoflow.storage.step_cache.store import CacheCorrupt, StepCache
 
 logger = logging.getLogger(__name__)
-
-SAMPLE_STAGE = "async_rollout"
-"""The stage name of a sample entry's files (``async_rollout.safetensors``, ``async_rollout.meta.json``)."""
 
 _SAMPLE_ID = re.compile(r"(?:uid_)?sample_(0|[1-9][0-9]*)_([1-9][0-9]*)")
 

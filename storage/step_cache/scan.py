@@ -1,12 +1,15 @@
-"""Every entry under a cache root, for ``ppoflow cache ls|show|rm`` and the regression replay."""
+"""Every entry under a cache root, for ``ppoflow cache ls|show|rm`` and the regression replay.
+
+The store (and the torch its codec needs) is imported where a scan judges entries, so that the package
+can export :func:`scan` without making ``import ppoflow.storage.step_cache.manifest`` pay for torch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppoflow.storage.fs import files_by_directory, join, open_fs
+from ppoflow.storage.fs import StorageError, files_by_directory, join, open_fs, path_problem
 from ppoflow.storage.step_cache.manifest import STEP_DIR_NAME, stage_of
-from ppoflow.storage.step_cache.store import Candidate, CacheCorrupt, StepCache, judge_listed
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,19 @@ class CacheEntry:
     nbytes: int
 
 
+def check_root(dump_dir: str, storage_options: dict | None = None) -> None:
+    """:class:`StorageError` naming ``dump_dir`` unless it is a directory (an S3 prefix holding keys counts):
+    missing, a file, a symlink loop, a dangling symlink, a FIFO. :func:`scan` itself lists a missing root as
+    empty (a run's cache before its first write); a person inspecting one is told."""
+    problem = path_problem(dump_dir, want="directory")
+    if problem is None:
+        fs, root_path = open_fs(dump_dir, storage_options)
+        if not fs.isdir(root_path):
+            problem = "is a file, not a directory" if fs.exists(root_path) else "no such directory"
+    if problem is not None:
+        raise StorageError(dump_dir, problem)
+
+
 def scan(dump_dir: str, storage_options: dict | None = None, *, verify: bool = False) -> list[CacheEntry]:
     """Every stage entry under ``dump_dir`` (``{project}/{config}/{step}/``), sorted; one listing.
 
@@ -30,6 +46,8 @@ def scan(dump_dir: str, storage_options: dict | None = None, *, verify: bool = F
     the whole payload, check its sha256 and decode it, so an entry listed valid is one a run would
     replay. That costs one full read of the cache.
     """
+    from ppoflow.storage.step_cache.store import Candidate, CacheCorrupt, StepCache, judge_listed
+
     fs, root_path = open_fs(dump_dir, storage_options)
     keyed: list[tuple[str, str, Candidate]] = []
     for (project, config, step_dir), files in files_by_directory(fs, root_path, depth=3).items():

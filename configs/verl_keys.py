@@ -1,0 +1,202 @@
+"""verl's config keys that ppoflow spells differently or does not have, so "did you mean" answers by meaning.
+
+The closest spelling misleads a verl user: ``actor.clip_ratio`` (verl's symmetric PPO clip) is not the dual-clip
+constant ``clip_ratio_c``, and ``reward_model.enable`` (a reward model) is not ``skip.reward.enable``.
+:data:`RENAMED` maps a key of verl's ``ppo_trainer.yaml`` to the key (or keys) holding the same setting here;
+:data:`UNSUPPORTED` says why a verl key has no counterpart. An entry may name a section: every key under it
+gets that answer. The config loader asks :func:`verl_answer` for every unknown key before it falls back to
+difflib for plain typos; tests/test_verl_keys.py checks that each target is a key of the schema.
+"""
+
+from __future__ import annotations
+
+ACTOR, REF, ROLLOUT, MODEL = (f"actor_rollout_ref.{role}" for role in ("actor", "ref", "rollout", "model"))
+
+_FSDP1_OFFLOAD = ("param_offload", "optimizer_offload")
+"""verl's FSDP1-style offload switches; FSDP2's CPUOffloadPolicy (``fsdp_config.offload_policy``) moves
+parameters, gradients and optimizer state together."""
+
+RENAMED: dict[str, str | tuple[str, ...]] = {
+    # data
+    "data.tokenizer": f"{MODEL}.tokenizer_path",
+    "data.trust_remote_code": f"{MODEL}.trust_remote_code",
+    # actor, ref and critic: the same concepts under each role
+    **{f"{role}.fsdp_config.{offload}": f"{role}.fsdp_config.offload_policy"
+       for role in (ACTOR, REF) for offload in _FSDP1_OFFLOAD},
+    **{f"critic.{section}.{offload}": "critic.fsdp_config.offload_policy"
+       for section in ("fsdp", "model.fsdp_config") for offload in (*_FSDP1_OFFLOAD, "offload_policy")},
+    "critic.fsdp.reshard_after_forward": "critic.fsdp_config.reshard_after_forward",
+    **{f"{role}.fsdp_config.strategy": f"{role}.strategy" for role in (ACTOR, REF)},
+    "critic.fsdp.strategy": "critic.strategy",
+    **{f"{role}.fsdp_config.model_dtype": f"{MODEL}.dtype" for role in (ACTOR, REF)},
+    "critic.fsdp.model_dtype": "critic.model.dtype",
+    f"{ACTOR}.optim.clip_grad": f"{ACTOR}.grad_clip",
+    "critic.optim.clip_grad": "critic.grad_clip",
+    f"{ACTOR}.ppo_micro_batch_size": f"{ACTOR}.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size": "critic.forward_micro_batch_size_per_gpu",
+    f"{REF}.log_prob_micro_batch_size": f"{REF}.log_prob_micro_batch_size_per_gpu",
+    f"{ROLLOUT}.log_prob_micro_batch_size": f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu",
+    **{f"{role}.rollout_n": f"{ROLLOUT}.n" for role in (ACTOR, REF, "critic")},
+    f"{ACTOR}.clip_ratio": (f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high"),
+    # rollout
+    f"{ROLLOUT}.prompt_length": "data.max_prompt_length",
+    f"{ROLLOUT}.response_length": "data.max_response_length",
+    f"{ROLLOUT}.dtype": f"{MODEL}.dtype",
+    f"{ROLLOUT}.nnodes": "rollout.nnodes",
+    f"{ROLLOUT}.n_gpus_per_node": "rollout.n_gpus_per_node",
+    f"{ROLLOUT}.checkpoint_engine.backend": f"{ROLLOUT}.weight_sync.backend",
+    f"{ROLLOUT}.checkpoint_engine.update_weights_bucket_megabytes": f"{ROLLOUT}.weight_sync.bucket_mb",
+    f"{ROLLOUT}.multi_turn.function_tool_path": f"{ROLLOUT}.multi_turn.tool_config_path",
+    # reward (verl's newer reward.* layout)
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.num_workers": "reward_model.num_workers",
+    # ray
+    "ray_kwargs.ray_init.num_cpus": "ray.num_cpus",
+}
+"""verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
+
+_PLANNED_PACKING = ("planned, not supported yet: micro-batches are counted in trajectories "
+                    "(ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu), not packed by tokens")
+_PLANNED_MODEL = "planned, not supported yet: models train with plain transformers forward passes"
+_NO_REWARD_MODEL = ("not supported until reward models land: rewards come from rule-based scorers "
+                    "(custom_reward_function.path, or the built-in scorer of each data_source)")
+_NO_SCHEDULE = "not supported: the learning rate rises linearly over optim.lr_warmup_steps, then stays constant"
+_NO_PARALLELISM = ("not supported: each role is data-parallel over its ranks (FSDP2), with no sequence or "
+                   "model parallelism")
+_VLLM_ENGINE = "not supported: ppoflow sets the vLLM engine's other arguments itself"
+_MEGATRON = "not supported: the training engine is FSDP2 (strategy: fsdp2); there is no Megatron engine"
+_ENGINE_TUNING = "not supported: FSDP2 shards each decoder layer over the role's ranks with fixed settings"
+_MULTIMODAL = "not supported: prompts are text only"
+
+UNSUPPORTED: dict[str, str] = {
+    # data
+    "data.reward_fn_key": "not supported: the scorer is chosen by each row's data_source column",
+    "data.train_max_samples": "not supported: every row of data.train_files is used; cut the file instead",
+    "data.val_max_samples": "not supported: every row of data.val_files is used; cut the file instead",
+    "data.dataloader_num_workers": "not supported: the prompts are loaded in the driver, without loader workers",
+    "data.filter_overlong_prompts_workers": "not supported: overlong prompts are filtered in the driver",
+    "data.return_raw_chat": "not supported: chat prompts go through the tokenizer's chat template in the rollout",
+    "data.validation_shuffle": "not supported: validation prompts are read in file order",
+    "data.custom_cls": "not supported: data files are read by ppoflow's parquet / JSONL loader",
+    "data.use_shm": "not supported: data files are read through fsspec",
+    "data.image_key": _MULTIMODAL,
+    "data.video_key": _MULTIMODAL,
+    # model
+    f"{MODEL}.enable_gradient_checkpointing": _PLANNED_MODEL,
+    f"{MODEL}.use_remove_padding": _PLANNED_MODEL,
+    "critic.model.enable_gradient_checkpointing": _PLANNED_MODEL,
+    "critic.model.use_remove_padding": _PLANNED_MODEL,
+    f"{MODEL}.enable_activation_offload": "not supported: activations stay on the device",
+    f"{MODEL}.use_liger": "not supported: models run on plain transformers kernels",
+    f"{MODEL}.use_fused_kernels": "not supported: models run on plain transformers kernels",
+    f"{MODEL}.lora_rank": "not supported: training is full-parameter (no LoRA)",
+    f"{MODEL}.lora_alpha": "not supported: training is full-parameter (no LoRA)",
+    f"{MODEL}.target_modules": "not supported: training is full-parameter (no LoRA)",
+    "critic.model.lora_rank": "not supported: training is full-parameter (no LoRA)",
+    f"{MODEL}.external_lib": "not supported: models load through transformers (trust_remote_code for custom code)",
+    f"{MODEL}.custom_chat_template": "not supported: prompts use the tokenizer's own chat template",
+    f"{MODEL}.use_shm": "not supported: models are read through fsspec",
+    # actor, ref, critic
+    f"{ACTOR}.use_dynamic_bsz": _PLANNED_PACKING,
+    f"{ACTOR}.ppo_max_token_len_per_gpu": _PLANNED_PACKING,
+    f"{REF}.log_prob_use_dynamic_bsz": _PLANNED_PACKING,
+    f"{REF}.log_prob_max_token_len_per_gpu": _PLANNED_PACKING,
+    f"{ROLLOUT}.log_prob_use_dynamic_bsz": _PLANNED_PACKING,
+    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _PLANNED_PACKING,
+    "critic.use_dynamic_bsz": _PLANNED_PACKING,
+    "critic.ppo_max_token_len_per_gpu": _PLANNED_PACKING,
+    "critic.forward_max_token_len_per_gpu": _PLANNED_PACKING,
+    f"{ACTOR}.policy_loss": "not supported: the policy loss is verl's vanilla PPO clip (with the dual clip "
+                            "clip_ratio_c); clip_ratio_low / clip_ratio_high set its bounds",
+    f"{ACTOR}.use_torch_compile": "not supported: models run eagerly",
+    f"{ACTOR}.loss_scale_factor": "not supported: loss_agg_mode decides how token losses are reduced",
+    f"{ACTOR}.checkpoint": "not supported: a checkpoint always holds the model, optimizer and scheduler state",
+    f"{ACTOR}.megatron": _MEGATRON,
+    f"{REF}.megatron": _MEGATRON,
+    "critic.megatron": _MEGATRON,
+    **{f"{role}.ulysses_sequence_parallel_size": _NO_PARALLELISM for role in (ACTOR, REF, "critic")},
+    **{f"{role}.fsdp_config.{option}": _ENGINE_TUNING for role in (ACTOR, REF)
+       for option in ("fsdp_size", "wrap_policy", "forward_prefetch", "use_orig_params")},
+    **{f"critic.fsdp.{option}": _ENGINE_TUNING for option in ("fsdp_size", "wrap_policy", "forward_prefetch")},
+    **{f"{role}.optim.{option}": _NO_SCHEDULE for role in (ACTOR, "critic")
+       for option in ("lr_warmup_steps_ratio", "warmup_style", "lr_scheduler_type", "min_lr_ratio", "num_cycles")},
+    **{f"{role}.optim.optimizer": "not supported: the optimizer is torch's AdamW" for role in (ACTOR, "critic")},
+    **{f"{role}.optim.total_training_steps": "not needed: the warm-up counts updates from the start of training"
+       for role in (ACTOR, "critic")},
+    # rollout
+    **{f"{ROLLOUT}.{option}": _VLLM_ENGINE
+       for option in ("enforce_eager", "free_cache_engine", "enable_chunked_prefill", "enable_prefix_caching",
+                      "max_num_batched_tokens", "max_model_len", "load_format", "layered_summon",
+                      "disable_log_stats", "cudagraph_capture_sizes", "logprobs_mode")},
+    **{f"{ROLLOUT}.{option}": "not supported: the vllm engine is split by tensor_model_parallel_size only"
+       for option in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")},
+    f"{ROLLOUT}.calculate_log_probs": "not needed: the rollout always returns its sampling log-probs",
+    f"{ROLLOUT}.ignore_eos": "not supported: a response ends at the tokenizer's end-of-sequence token",
+    f"{ROLLOUT}.over_sample_rate": "not supported: every request runs to its end",
+    f"{ROLLOUT}.full_determinism": "not supported: rollout.seed seeds the sampler, but engines are not bitwise "
+                                   "deterministic",
+    f"{ROLLOUT}.multi_turn.enable": "not needed: multi-turn is the tool_agent loop of the rollout service "
+                                    "(rollout.mode=async, agent.default_agent_loop=tool_agent)",
+    f"{ROLLOUT}.multi_turn.max_user_turns": "not supported: a trajectory's turns are bounded by "
+                                            "multi_turn.max_assistant_turns",
+    f"{ROLLOUT}.multi_turn.max_parallel_calls": "not supported: a model turn makes one tool call",
+    f"{ROLLOUT}.agent.custom_async_server": "not supported: the replicas are ppoflow's own",
+    # algorithm
+    "algorithm.filter_groups": "not supported: dynamic sampling (DAPO) generates more prompts than are trained "
+                               "on, which ppoflow does not do (see data.gen_batch_size)",
+    "algorithm.use_pf_ppo": "not supported: every trajectory of a batch is trained on (no PF-PPO reweighting)",
+    "algorithm.rollout_correction.loss_type": "not supported: correction weights multiply the PPO loss",
+    # reward models
+    "reward_model.enable": _NO_REWARD_MODEL,
+    "reward_model.model": _NO_REWARD_MODEL,
+    "reward_model.enable_resource_pool": _NO_REWARD_MODEL,
+    "reward_model.n_gpus_per_node": _NO_REWARD_MODEL,
+    "reward_model.nnodes": _NO_REWARD_MODEL,
+    "reward.reward_model": _NO_REWARD_MODEL,
+    "reward.sandbox_fusion": "not supported: write a scorer (custom_reward_function.path) that calls the sandbox",
+    # trainer
+    "trainer.device": "not supported: the device follows the resources: trainer.n_gpus_per_node (0 = CPU) and "
+                      "each role's resources.num_gpus",
+    "trainer.use_v1": "not supported: one trainer runs every mode; trainer.mode picks it",
+    "trainer.balance_batch": "not supported: training ranks get equal numbers of trajectories, not of tokens",
+    "trainer.critic_warmup": "not supported: the actor trains from the first step",
+    "trainer.val_only": "not supported: validation runs within training (trainer.test_freq, trainer.val_before_train)",
+    "trainer.log_val_generations": "not supported: each validation line shows a few sample completions",
+    "trainer.rollout_data_dir": "not supported: keep each step's generations with the step cache (skip.rollout.*)",
+    "trainer.validation_data_dir": "not supported: each validation line shows a few sample completions",
+    "trainer.default_hdfs_dir": "not supported: trainer.default_local_dir takes any fsspec URL (s3://, hdfs://, ...)",
+    "trainer.del_local_ckpt_after_load": "not supported: checkpoints stay where they were written",
+    "trainer.max_actor_ckpt_to_keep": "not supported: every checkpoint is kept",
+    "trainer.max_critic_ckpt_to_keep": "not supported: every checkpoint is kept",
+    "trainer.ray_wait_register_center_timeout": "not supported: the workers are Ray actors started by the flow",
+    "trainer.v1.sampler.sync_refill_failed_groups": "not needed: the replay buffer always evicts and "
+                                                    "replaces failed prompt groups",
+    "trainer.v1.separate_async.hybrid_rollout": "not supported: the trainer's GPUs are not lent to generation",
+    # whole sections
+    "ray_kwargs.ray_init.runtime_env": "not supported: Ray workers run in the driver's environment "
+                                       "(or the cluster's, with ray.address)",
+    "ray_kwargs.timeline_json_file": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the "
+                                     "Prefect UI",
+    "global_profiler": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI",
+    "transfer_queue": "not supported: the async modes' replay buffer is ppoflow's own (trainer.v1.sampler)",
+}
+"""verl key (or section) -> why ppoflow has no such setting."""
+
+
+def verl_answer(key: str, within: str) -> tuple[str, str] | None:
+    """The table's answer for dotted ``key``, or for its nearest section that is still inside ``within`` (the
+    unknown key the schema reported): ``(the table's key, the text after "unknown key")``; None if none."""
+    parts = key.split(".")
+    for end in range(len(parts), within.count("."), -1):
+        candidate = ".".join(parts[:end])
+        if candidate in RENAMED:
+            ours = RENAMED[candidate]
+            if isinstance(ours, str):
+                return candidate, f"did you mean {ours!r}? (verl's name for it)"
+            return candidate, f"did you mean {' and '.join(map(repr, ours))}? (verl's one key for them all)"
+        if candidate in UNSUPPORTED:
+            return candidate, f"verl's key, {UNSUPPORTED[candidate]}"
+    return None
