@@ -3,11 +3,14 @@
 A scorer has verl's signature ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
 and returns a float, or a dict with a ``"score"`` float plus any extra numbers to log. ``solution_str``
 is the decoded response up to (not including) its EOS token, with other special tokens kept, so a
-policy cannot hide junk tokens from a rule checker.
+policy cannot hide junk tokens from a rule checker. A scorer that raises or returns anything else is a
+:class:`ScorerFailed` naming the scorer and the sample: user code fails the same way every time, so it is
+never retried.
 """
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable
 
@@ -53,6 +56,11 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
 }
 
 
+class ScorerFailed(Exception):
+    """A scorer could not score a response: it raised, returned something that is not a score, or (run in
+    a process of its own) ended that process; the message names the scorer and what it was scoring."""
+
+
 def load_custom_scorer(path: str, name: str) -> Scorer:
     """Import a scorer from ``module:function``, from ``module`` + ``name``, or from a ``.py`` file + ``name``.
 
@@ -63,6 +71,11 @@ def load_custom_scorer(path: str, name: str) -> Scorer:
     if not callable(scorer):
         raise ValueError(f"{path!r} has no callable {name!r}")
     return scorer
+
+
+def scorer_function(path: str, name: str) -> str:
+    """``custom_reward_function.path`` and ``.name`` as one ``module:function`` or ``file.py:function``."""
+    return path if ":" in path and not path.endswith(".py") else f"{path}:{name}"
 
 
 def scorer_for(data_source: str, custom: Scorer | None) -> Scorer:
@@ -83,22 +96,71 @@ def solution_text(token_ids: list[int], tokenizer) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
+def scorer_label(scorer: Scorer) -> str:
+    """How messages name a scorer: ``the built-in scorer copy_score``, ``the custom scorer 'reward.py:f'``."""
+    if scorer in BUILTIN_SCORERS.values():
+        return f"the built-in scorer {scorer.__name__}"
+    return f"the custom scorer {getattr(scorer, 'label', None) or repr(getattr(scorer, '__qualname__', scorer))}"
+
+
+def as_score(result) -> tuple[float, dict[str, float]]:
+    """A scorer's return value as ``(score, extras)``: a number, or a dict with a number under ``"score"``
+    and numbers under any other keys; ``ValueError`` saying what it returned instead."""
+    if isinstance(result, numbers.Real):
+        return float(result), {}
+    problem = _return_problem(result)
+    if problem:
+        raise ValueError(f"{problem}, not a number or a dict with a number under 'score'")
+    return float(result["score"]), {str(key): float(value) for key, value in result.items() if key != "score"}
+
+
+def _return_problem(result) -> str | None:
+    """What is wrong with a return value that is not a number (None for a dict of numbers with a score)."""
+    if not isinstance(result, dict):
+        return f"returned {_shown(result)}"
+    if "score" not in result:
+        return f"returned a dict without 'score' (keys: {', '.join(map(repr, result)) or 'none'})"
+    bad = [key for key, value in result.items() if not isinstance(value, numbers.Real)]
+    return f"returned a dict whose {bad[0]!r} is {_shown(result[bad[0]])}" if bad else None
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
 def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | None = None
               ) -> tuple[float, dict[str, float]]:
-    """One response's score and any extra values its scorer reported."""
-    result = scorer_for(data_source, custom)(data_source, solution, ground_truth)
-    if isinstance(result, dict):
-        return float(result["score"]), {name: float(value) for name, value in result.items() if name != "score"}
-    return float(result), {}
+    """One response's score and any extra values its scorer reported; :class:`ScorerFailed` when the scorer
+    raises or returns something else."""
+    scorer = scorer_for(data_source, custom)
+    try:
+        result = scorer(data_source, solution, ground_truth)
+    except ScorerFailed:
+        raise  # a scorer in a process of its own says itself what went wrong
+    except Exception as error:  # noqa: BLE001 - a scorer may raise anything
+        raise ScorerFailed(f"{scorer_label(scorer)} raised {type(error).__name__}: {error}") from error
+    try:
+        return as_score(result)
+    except ValueError as error:
+        raise ScorerFailed(f"{scorer_label(scorer)} {error}") from None
 
 
 def score_responses(data_sources: list[str], solutions: list[str], ground_truths: list,
-                    custom: Scorer | None = None) -> tuple[list[float], dict[str, list[float]]]:
-    """Score each response; returns the scores and any extra per-sample values the scorers reported."""
+                    custom: Scorer | None = None, prompt_ids: list[str] | None = None
+                    ) -> tuple[list[float], dict[str, list[float]]]:
+    """Score each response; returns the scores and any extra per-sample values the scorers reported.
+    A failure names the response (by its prompt's id in ``prompt_ids``, else its position) and its data source."""
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
-    for source, solution, truth in zip(data_sources, solutions, ground_truths, strict=True):
-        score, extra = score_one(source, solution, truth, custom)
+    for index, (source, solution, truth) in enumerate(zip(data_sources, solutions, ground_truths, strict=True)):
+        try:
+            score, extra = score_one(source, solution, truth, custom)
+        except ScorerFailed as error:
+            response = f"a response to prompt {prompt_ids[index]!r}" if prompt_ids else f"response {index}"
+            raise ScorerFailed(f"{error} while scoring {response} (data source {source!r})") from None
         scores.append(score)
         for name, value in extra.items():
             extras.setdefault(name, []).append(value)

@@ -5,18 +5,20 @@ they point at: the run directory and every enabled step cache can be written (wi
 the configured storage options and the credentials of the environment), a checkpoint to resume from is
 complete, the Ray cluster to join answers, every model directory holds a loadable model config and
 tokenizer whose context fits prompt + response, every data file reads, has verl's columns and tokenizes,
-and every data source has a scorer. Every problem found is collected into one
+every data source has a scorer, a custom scorer scores the first training row (in a child process, with a
+deadline), and every tool's function imports and takes its schema's arguments. Every problem found is collected into one
 :class:`~ppoflow.configs.ConfigError`, so one run lists them all. ``ppoflow train`` calls it before
 Prefect starts; :func:`~ppoflow.flows.run.start_run` calls it first, so a run started from the UI or a
 deployment fails with the same messages.
 
 What a run will build or generate (``model.build``, ``data.synthetic``) is not there yet: only its recipe
-is checked here.
+is checked here, except the first synthetic training row, generated in memory for the scorer.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import uuid
@@ -25,22 +27,26 @@ from urllib.parse import urlsplit
 
 from prefect.settings import get_current_settings
 
-from ppoflow.algorithms.scoring import load_custom_scorer, scorer_for
+from ppoflow.algorithms.scoring import ScorerFailed, score_one, scorer_for
 from ppoflow.configs import ConfigError, config_as_dict, tool_config_file
 from ppoflow.configs.cache_settings import storage_settings
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import (SYNTHETIC_SOURCES, check_batch_fits, files_to_generate, read_prompt_rows,
-                                   tokenize_rows)
+                                   tokenize_rows, write_synthetic_dataset)
 from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
-from ppoflow.storage.checkpoint import MARKER, manifest
-from ppoflow.storage.fs import atomic_write, join, open_fs, remove_if_present
+from ppoflow.storage.checkpoint import checked_manifest
+from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
 from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
+from ppoflow.workers.scorer_process import ScorerProcess
 
 STORAGE_TIMEOUT_S = 10.0
 """How long a storage probe may take before its location counts as unreachable (s3fs retries a refused
 connection for much longer)."""
 RAY_CONNECT_TIMEOUT_S = 5.0
-"""How long a TCP connection to ``ray.address`` may take (``ray.init`` itself retries for minutes)."""
+"""How long a TCP connection to ``ray.address``, and then Ray's handshake, may take (``ray.init`` itself
+retries for minutes)."""
+SCORER_TIMEOUT_S = 30.0
+"""How long the custom scorer may take to start (import) and, then, to score the preflight's one row."""
 
 Problems = list[tuple[str, str]]
 
@@ -59,8 +65,8 @@ def preflight(cfg: PPOConfig) -> None:
     problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg) + _agent_problems(cfg)
     tokenizer, found = _model_problems(cfg)
     problems += found
-    sources, found = _data_problems(cfg, tokenizer)
-    problems += found + _scorer_problems(cfg, sources)
+    sources, first_row, found = _data_problems(cfg, tokenizer)
+    problems += found + _scorer_problems(cfg, sources, first_row)
     if problems:
         raise ConfigError(problems)
     _PASSED.add(checked)
@@ -82,6 +88,10 @@ def _storage_problems(cfg: PPOConfig) -> Problems:
         probes["trainer.resume_from_path"] = (resume_dir, partial(_check_checkpoint, resume_dir))
     problems: Problems = []
     for key, (url, probe) in probes.items():
+        problem = path_problem(url, want="directory")  # a symlink loop, a dangling link, a FIFO: say so plainly
+        if problem is not None:
+            problems.append((key, f"{url} {problem}"))
+            continue
         try:
             bounded(probe, timeout_s=STORAGE_TIMEOUT_S, what=f"preflight of {key} ({url})")
         except ConfigError as error:
@@ -106,16 +116,19 @@ def _check_checkpoint(url: str) -> None:
     fs, path = open_fs(url)
     if not fs.isdir(path):
         raise ConfigError([("trainer.resume_from_path", f"no such checkpoint directory {url}")])
-    if manifest(url) is None:
-        raise ConfigError([("trainer.resume_from_path", f"{url} is not a complete checkpoint (no valid {MARKER} "
-                            "listing every file with its size); resume from another global_step_N directory")])
+    marker, why = checked_manifest(url)
+    if marker is None:
+        raise ConfigError([("trainer.resume_from_path", f"{url} is not a complete checkpoint ({why}); resume from "
+                            "another global_step_N directory")])
 
 
 # ---------------------------------------------------------------------------------------- ray
 
 
 def _ray_problems(cfg: PPOConfig) -> Problems:
-    """The Ray cluster to join (``ray.address``, else env ``RAY_ADDRESS``) accepts a TCP connection."""
+    """The Ray cluster to join (``ray.address``, else env ``RAY_ADDRESS``) answers Ray's own handshake within
+    :data:`RAY_CONNECT_TIMEOUT_S`: the GCS's ``GetClusterId`` call, the first one ``ray.init`` makes (or, for
+    ``ray://``, the Ray client server's ping), over gRPC with a deadline and without starting Ray here."""
     key, address = ("ray.address", cfg.ray.address) if cfg.ray.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
     if not address or address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
         return []  # a local Ray, or a scheme that a Ray plug-in resolves
@@ -131,7 +144,38 @@ def _ray_problems(cfg: PPOConfig) -> Problems:
     except OSError as error:
         return [(key, f"no Ray cluster answers at {address} ({type(error).__name__}: {error}); start it "
                       "(ray start --head) or leave ray.address and RAY_ADDRESS unset to start a local Ray")]
+    client = address.startswith("ray://")
+    refusal = _ray_handshake(f"{host}:{port}", client=client)
+    if refusal:
+        server = ("a Ray client server (ray://, the head's port 10001)" if client
+                  else "a Ray cluster (the head's GCS port)")
+        return [(key, f"{address} accepts connections but is not {server}: {refusal}")]
     return []
+
+
+def _ray_handshake(target: str, *, client: bool) -> str | None:
+    """Why ``target`` did not answer Ray's handshake (None when it did); gRPC calls honour their deadline."""
+    import grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            if client:
+                from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+
+                request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+                ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(request, timeout=RAY_CONNECT_TIMEOUT_S)
+            else:
+                from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                    gcs_service_pb2.GetClusterIdRequest(), timeout=RAY_CONNECT_TIMEOUT_S)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return None  # a Ray cluster with token authentication: it answered, ray.init brings the token
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer to Ray's handshake within {RAY_CONNECT_TIMEOUT_S:g} s"
+            return f"{error.code().name}: {error.details()}"
+    return None
 
 
 def _reward_manager_problems(cfg: PPOConfig) -> Problems:
@@ -199,21 +243,25 @@ def _model_problems(cfg: PPOConfig):
                                        f"{type(error).__name__}: {error}")]
 
 
-def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], Problems]:
+def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], dict | None, Problems]:
     """Every data file that exists (or is not generated) reads, has verl's columns and, when the tokenizer
-    is there, tokenizes; returns the data sources by key."""
+    is there, tokenizes; returns the data sources by key and the first training row (None when the
+    training data does not read)."""
     data = cfg.data
     try:
         generated = files_to_generate(data)
     except ConfigError as error:
-        return {}, list(error.problems)
+        return {}, None, list(error.problems)
     sources: dict[str, set[str]] = {}
+    first_row = None
     problems: Problems = []
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         if files is None:
             continue
         if key in generated:
             sources[key] = {SYNTHETIC_SOURCES[data.synthetic.task]}
+            if key == "data.train_files":
+                first_row = _first_generated_row(data)
             continue
         try:
             rows = read_prompt_rows(files, data, key=key)
@@ -221,6 +269,8 @@ def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], Prob
             problems += error.problems
             continue
         sources[key] = {row["data_source"] for row in rows}
+        if key == "data.train_files" and rows:
+            first_row = rows[0]
         if tokenizer is None:
             continue
         try:
@@ -229,18 +279,29 @@ def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], Prob
                 check_batch_fits(len(dataset), data.train_batch_size)
         except ConfigError as error:
             problems += error.problems
-    return sources, problems
+    return sources, first_row, problems
 
 
-def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]]) -> Problems:
-    """The custom scorer imports and has its function; without one, every data source has a built-in scorer."""
+def _first_generated_row(data) -> dict:
+    """The first training row ``data.synthetic`` will generate: generated (from the same seeded stream) into
+    memory and read back as the run will read its file."""
+    url = f"memory://ppoflow-preflight/{uuid.uuid4().hex}.parquet"
+    write_synthetic_dataset(data.synthetic.model_copy(update={"train_rows": 1}), url, None)
+    try:
+        return read_prompt_rows(url, data, key="data.train_files")[0]
+    finally:
+        fs, path = open_fs(url)
+        remove_if_present(fs, path)
+
+
+def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: dict | None) -> Problems:
+    """A custom scorer imports and scores the first training row (its ground truth, as text, for the
+    response), as the reward stage calls it, with a finite number or a dict with one under ``score``: in a
+    process of its own (:class:`ScorerProcess`), so that it can neither end nor hang this one. Without a
+    custom scorer, every data source has a built-in scorer."""
     custom = cfg.custom_reward_function
     if custom.path:
-        try:
-            load_custom_scorer(custom.path, custom.name)
-        except ValueError as error:
-            return [("custom_reward_function.path", str(error))]
-        return []
+        return [("custom_reward_function.path", problem) for problem in _custom_scorer_problems(custom, first_row)]
     problems: Problems = []
     for key, found in sources.items():
         for source in sorted(found):
@@ -249,3 +310,23 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]]) -> Problems:
             except ValueError as error:
                 problems.append((key, str(error)))
     return problems
+
+
+def _custom_scorer_problems(custom, row: dict | None) -> list[str]:
+    with ScorerProcess(custom.path, custom.name, start_timeout_s=SCORER_TIMEOUT_S,
+                       call_timeout_s=SCORER_TIMEOUT_S) as scorer:
+        try:
+            problem = scorer.import_error()
+            if problem or row is None:
+                return [problem] if problem else []
+            truth = row["reward_model"].get("ground_truth")
+            score, extras = score_one(row["data_source"], "" if truth is None else str(truth), truth, scorer)
+        except ScorerFailed as error:
+            return [f"{error}, called as the reward stage calls it on the first row of data.train_files "
+                    "(data_source, its ground truth as the response, ground_truth)"]
+    values = {"score": score, **extras}
+    bad = next((name for name, value in values.items() if not math.isfinite(value)), None)
+    if bad:
+        return [f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
+                "data.train_files; scores must be finite"]
+    return []

@@ -4,16 +4,21 @@ The score is placed on the response's last valid token (verl's ``token_level_sco
 else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth a Prefect task's
 overhead inside a Ray worker (sandboxed code execution, remote judges; docs/benchmarks.md) - in chunks
 as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
+A scorer that fails (:class:`~ppoflow.algorithms.scoring.ScorerFailed`: it raised, returned no score, ended
+its process) fails the stage at once, naming the scorer, the response's prompt (its uid: ``{step}-{i}`` in
+training, ``val-{row}`` in validation), its data source and the task run (``reward[step=12]``): user code fails the same
+way every time, so only other failures are retried.
 """
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import Scorer, score_responses, solution_text
+from ppoflow.algorithms.scoring import Scorer, ScorerFailed, score_responses, solution_text
 from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
 from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
@@ -31,20 +36,28 @@ def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
     return {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
 
 
-@recorded_task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def unless_a_scorer_failed(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry any failure but a scorer's."""
+    return not isinstance(state.result(raise_on_failure=False), ScorerFailed)
+
+
+@recorded_task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
+               retry_condition_fn=unless_a_scorer_failed)
 def score_chunk(data_sources: list[str], solutions: list[str], ground_truths: list,
-                custom_scorer: Scorer | None) -> tuple[list[float], dict[str, list[float]]]:
+                custom_scorer: Scorer | None, prompt_ids: list[str] | None = None
+                ) -> tuple[list[float], dict[str, list[float]]]:
     """Score one chunk of responses (runs in a Ray worker)."""
-    return score_responses(data_sources, solutions, ground_truths, custom_scorer)
+    return score_responses(data_sources, solutions, ground_truths, custom_scorer, prompt_ids)
 
 
 @flow(name="reward-on-ray", task_runner=RayTaskRunner())  # joins the run's Ray (or RAY_ADDRESS)
 def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: list, custom_scorer: Scorer | None,
-                 chunks: int) -> tuple[list[float], dict[str, list[float]]]:
+                 chunks: int, prompt_ids: list[str] | None = None) -> tuple[list[float], dict[str, list[float]]]:
     """Score the responses in ``chunks`` parallel Prefect tasks on Ray workers; same result as in the flow."""
     size = -(-len(solutions) // chunks)
     futures = [score_chunk.submit(data_sources[i:i + size], solutions[i:i + size], ground_truths[i:i + size],
-                                  custom_scorer) for i in range(0, len(solutions), size)]
+                                  custom_scorer, prompt_ids[i:i + size] if prompt_ids else None)
+               for i in range(0, len(solutions), size)]
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for part_scores, part_extras in (future.result() for future in futures):
@@ -54,7 +67,8 @@ def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: l
     return scores, extras
 
 
-@recorded_task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@recorded_task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
+               retry_condition_fn=unless_a_scorer_failed)
 @cacheable
 def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
@@ -62,7 +76,15 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
     ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`)."""
     inputs = (non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
               non_tensor_column(batch, "ground_truth"), custom_scorer)
-    scores, extras = score_on_ray(*inputs, chunks=ray_chunks) if ray_chunks else score_responses(*inputs)
+    uids = non_tensor_column(batch, "uid")
+    try:
+        scores, extras = (score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids) if ray_chunks
+                          else score_responses(*inputs, prompt_ids=uids))
+    except ScorerFailed as error:
+        context = TaskRunContext.get()
+        if context is None:
+            raise
+        raise ScorerFailed(f"{error} in {context.task_run.name}") from None
     token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
     return StageResult(TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size),
                        extra_means(extras))

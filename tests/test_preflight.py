@@ -6,11 +6,14 @@ see what a user sees on the terminal.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import s3fs
@@ -86,7 +89,7 @@ def test_the_debug_switch_shows_the_traceback(monkeypatch):
 def test_an_unwritable_run_directory(capsys, tmp_path, tiny_overrides):
     (tmp_path / "file").write_text("a regular file")
     code, stderr = run_cli(capsys, "train", *tiny_overrides, f"trainer.default_local_dir={tmp_path}/file/run")
-    assert_user_error(code, stderr, "trainer.default_local_dir: cannot use", f"{tmp_path}/file/run")
+    assert_user_error(code, stderr, f"trainer.default_local_dir: {tmp_path}/file/run cannot be used: Not a directory")
 
 
 def test_a_checkpoint_to_resume_from_must_be_complete(capsys, tmp_path, tiny_overrides):
@@ -128,6 +131,27 @@ def test_an_unreachable_ray_address(capsys, monkeypatch, tiny_overrides):
     assert_user_error(*run_cli(capsys, "train", *tiny_overrides), f"RAY_ADDRESS: no Ray cluster answers at ray://{address}")
     assert_user_error(*run_cli(capsys, "train", *tiny_overrides, "ray.address=somewhere"),
                       "ray.address: 'somewhere' is not host:port or ray://host:port")
+
+
+def test_a_tcp_listener_that_is_not_ray(capsys, tiny_overrides):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        started = time.monotonic()
+        code, stderr = run_cli(capsys, "train", *tiny_overrides, f"ray.address={address}")
+        assert_user_error(code, stderr, f"ray.address: {address} accepts connections but is not a Ray cluster")
+        assert time.monotonic() - started < 60  # bounded: ray.init would retry against it for minutes
+        code, stderr = run_cli(capsys, "train", *tiny_overrides, f"ray.address=ray://{address}")
+        assert_user_error(code, stderr, f"ray.address: ray://{address} accepts connections but is not a Ray client")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_running_ray_cluster_passes(ray_local, tiny_overrides):
+    gcs_address = ray_local.get_runtime_context().gcs_address
+    preflight(load_config("grpo_tiny", tiny_overrides + [f"ray.address={gcs_address}"]))  # no ConfigError
 
 
 # ------------------------------------------------------------------------------------ models, data
@@ -198,6 +222,49 @@ def test_a_reward_module_that_raises_on_import(capsys, tmp_path, tiny_overrides)
     code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
     assert_user_error(code, stderr, f"custom_reward_function.path: cannot import '{tmp_path}/my_reward.py': "
                                     "RuntimeError: SANDBOX_URL is not set")
+
+
+BAD_SCORERS = {
+    "raises": ("raise KeyError('judge_url')", "raised KeyError: 'judge_url'"),
+    "returns_text": ("return '1.0'", "returned a str ('1.0'), not a number or a dict with a number under 'score'"),
+    "returns_none": ("return None", "returned None, not a number"),
+    "no_score": ("return {'accuracy': 1.0}", "returned a dict without 'score' (keys: 'accuracy')"),
+    "exits": ("import os; os._exit(3)", "crashed: its process exited with code 3"),
+}
+
+
+@pytest.mark.parametrize("name", [*BAD_SCORERS, "signature"])
+def test_a_custom_scorer_is_called_on_the_first_row(capsys, tmp_path, tiny_overrides, name):
+    body, message = BAD_SCORERS.get(name, ("return 1.0", "raised TypeError: compute_score() missing 1 required "
+                                                         "positional argument: 'extra_info'"))
+    signature = "data_source, solution_str, ground_truth, extra_info" if name == "signature" else \
+        "data_source, solution_str, ground_truth, extra_info=None"
+    (tmp_path / "my_reward.py").write_text(f"def compute_score({signature}):\n    {body}\n")
+    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
+    assert_user_error(code, stderr, f"custom_reward_function.path: the custom scorer '{tmp_path}/my_reward.py:"
+                                    f"compute_score' {message}", "the first row of data.train_files")
+    assert "Connecting to existing Ray cluster" not in stderr
+
+
+def test_a_custom_scorer_that_exits_while_imported(capsys, tmp_path, tiny_overrides):
+    (tmp_path / "my_reward.py").write_text("import os\nos._exit(3)\n")
+    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
+    assert_user_error(code, stderr, "custom_reward_function.path: the custom scorer", "exited with code 3 while "
+                                    "importing")
+
+
+def test_a_working_custom_scorer_passes(tmp_path, tiny_overrides):
+    calls = tmp_path / "calls.jsonl"
+    (tmp_path / "my_reward.py").write_text(
+        "import json\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    open({str(calls)!r}, 'a').write(json.dumps([data_source, solution_str, ground_truth]) + '\\n')\n"
+        "    return {'score': 1.0, 'length': len(solution_str)}\n")
+    cfg = load_config("grpo_tiny", tiny_overrides + [f"custom_reward_function.path={tmp_path}/my_reward.py"])
+    preflight(cfg)  # data.synthetic: the first train row is generated in memory, the file is not written yet
+    assert not os.path.exists(cfg.data.train_files)
+    (source, solution, truth), = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert source == "synthetic/copy" and solution == truth and truth.isdigit()
 
 
 def test_every_problem_is_listed_at_once(tmp_path, tiny_overrides):

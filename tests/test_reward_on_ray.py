@@ -2,10 +2,11 @@
 
 import pytest
 
+from ppoflow.algorithms.scoring import ScorerFailed, score_responses
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.run import start_run
-from ppoflow.algorithms.scoring import score_responses
 from ppoflow.tasks.reward import score_on_ray
+from ppoflow.workers.scorer_process import ScorerProcess
 
 
 def test_scoring_on_ray_equals_scoring_in_the_flow(prefect_api, ray_local):
@@ -15,6 +16,40 @@ def test_scoring_on_ray_equals_scoring_in_the_flow(prefect_api, ray_local):
     state = score_on_ray(sources, solutions, truths, None, chunks=3, return_state=True)
     assert state.is_completed(), state
     assert state.result() == score_responses(sources, solutions, truths)
+
+
+SCORERS = """
+def length(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": len(solution_str) / 3, "matches": float(solution_str == ground_truth)}
+
+def counted_failure(data_source, solution_str, ground_truth, extra_info=None):
+    with open(__file__ + ".calls", "a") as calls:
+        calls.write(".")
+    raise RuntimeError("the judge is down")
+"""
+
+
+def test_a_custom_scorer_process_on_ray_scores_as_in_the_flow(prefect_api, ray_local, tmp_path):
+    (tmp_path / "scorers.py").write_text(SCORERS)
+    solutions, truths = ["12", "1", "123", "", "21"], ["12", "12", "12", "12", "21"]
+    sources = ["my/task"] * len(solutions)
+    with ScorerProcess(str(tmp_path / "scorers.py"), "length") as scorer:  # travels to the workers as path + name
+        state = score_on_ray(sources, solutions, truths, scorer, chunks=2, return_state=True)
+        assert state.is_completed(), state
+        assert state.result() == score_responses(sources, solutions, truths, scorer)
+
+
+@pytest.mark.reliability
+def test_a_failing_scorer_on_ray_is_not_retried(prefect_api, ray_local, tmp_path):
+    (tmp_path / "scorers.py").write_text(SCORERS)
+    scorer = ScorerProcess(str(tmp_path / "scorers.py"), "counted_failure")
+    state = score_on_ray(["my/task"], ["12"], ["12"], scorer, chunks=1, prompt_ids=["4-0"], return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ScorerFailed) as caught:
+        state.result()
+    assert str(caught.value) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_failure' raised RuntimeError: "
+                                 "the judge is down while scoring a response to prompt '4-0' (data source 'my/task')")
+    assert (tmp_path / "scorers.py.calls").read_text() == "."  # once: a scorer's failure is not retried
 
 
 def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):

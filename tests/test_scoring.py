@@ -1,13 +1,16 @@
-"""Rule-based reward scorers, their choice by data_source, and custom scorers from config."""
+"""Rule-based reward scorers, their choice by data_source, custom scorers from config, and scorers that fail:
+in the trainer, in a scorer process, and in a run."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
-from ppoflow.algorithms.scoring import (copy_score, gsm8k_score, load_custom_scorer, score_responses,
+from ppoflow.algorithms.scoring import (ScorerFailed, copy_score, gsm8k_score, load_custom_scorer, score_responses,
                                       scorer_for, vault_score)
+from ppoflow.workers.scorer_process import ScorerProcess
 
 
 # ------------------------------------------------------------------------------------- copy
@@ -199,3 +202,109 @@ def test_missing_or_uncallable_function(scorer_module, tmp_path):
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(str(path), "absent")
     assert str(caught.value) == f"{str(path)!r} has no callable 'absent'"
+
+
+# ------------------------------------------------------------------------ scorers that fail
+
+BAD_SCORERS = '''
+import os
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyError("judge_url")
+
+def returns_text(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"accuracy": 1.0}
+
+def exits_on_the_second(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "second":
+        os._exit(3)
+    return 0.5
+'''
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("result, message", [
+    ("1.0", "returned a str ('1.0'), not a number or a dict with a number under 'score'"),
+    (None, "returned None, not a number"),
+    ({"accuracy": 1.0}, "returned a dict without 'score' (keys: 'accuracy')"),
+    ({"score": 1.0, "note": "ok"}, "returned a dict whose 'note' is a str ('ok')"),
+])
+def test_a_return_that_is_not_a_score_names_the_scorer_and_the_response(result, message):
+    def judge(data_source, solution_str, ground_truth, extra_info=None):
+        return result
+
+    with pytest.raises(ScorerFailed) as caught:
+        score_responses(["my/task"], ["x"], ["y"], custom=judge, prompt_ids=["3-1"])
+    assert str(caught.value).startswith(f"the custom scorer 'test_a_return_that_is_not_a_score_names_the_scorer_and_"
+                                        f"the_response.<locals>.judge' {message}")
+    assert str(caught.value).endswith("while scoring a response to prompt '3-1' (data source 'my/task')")
+
+
+@pytest.mark.reliability
+def test_a_builtin_scorer_that_raises_is_a_scorer_failure():
+    with pytest.raises(ScorerFailed, match=r"^the built-in scorer copy_score raised TypeError: .* while scoring "
+                                           r"response 1 \(data source 'synthetic/copy'\)$"):
+        score_responses(["synthetic/copy", "synthetic/copy"], ["1", "2"], ["1", 2])
+
+
+def test_a_scorer_process_scores_as_the_scorer_does_in_process(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(MODULE_TEXT)
+    sources, solutions, truths = ["ab", "abc", "ab"], ["x", "", "x"], ["x", "y", ["x", 1]]
+    with ScorerProcess(str(path), "other") as scorer:
+        assert score_responses(sources, solutions, truths, scorer) == \
+            score_responses(sources, solutions, truths, load_custom_scorer(str(path), "other"))
+        assert score_responses(["d"], ["a"], ["a"], ScorerProcess(str(path), "compute_score")) == ([1.0], {})
+        child = scorer._sandbox.process.pid
+        assert child != os.getpid() and scorer("d", "s", "t")["score"] == 7.0
+        assert scorer._sandbox.process.pid == child  # one long-lived process for every call
+
+
+@pytest.mark.reliability
+def test_a_scorer_process_reports_what_its_scorer_did(tmp_path):
+    path = tmp_path / "bad_reward.py"
+    path.write_text(BAD_SCORERS)
+    expected = {"raises": "raised KeyError: 'judge_url'",
+                "returns_text": "returned a str ('1.0'), not a number or a dict with a number under 'score'",
+                "no_score": "returned a dict without 'score' (keys: 'accuracy'), not a number or a dict with a number "
+                            "under 'score'",
+                "absent": f"cannot be loaded: {str(path)!r} has no callable 'absent'"}
+    for name, message in expected.items():
+        with ScorerProcess(str(path), name) as scorer, pytest.raises(ScorerFailed) as caught:
+            score_responses(["my/task"], ["x"], ["y"], scorer, prompt_ids=["2-0"])
+        assert str(caught.value) == (f"the custom scorer '{path}:{name}' {message} while scoring a response to "
+                                     "prompt '2-0' (data source 'my/task')")
+    with ScorerProcess(str(path), "exits_on_the_second") as scorer:
+        with pytest.raises(ScorerFailed) as caught:
+            score_responses(["my/task"] * 2, ["first", "second"], ["t", "t"], scorer, prompt_ids=["5-0", "5-1"])
+        assert str(caught.value) == (f"the custom scorer '{path}:exits_on_the_second' crashed: its process exited "
+                                     "with code 3 while scoring a response to prompt '5-1' (data source 'my/task')")
+        assert scorer("my/task", "first", "t") == {"score": 0.5}  # a fresh process took the dead one's place
+
+
+@pytest.mark.reliability
+def test_a_run_whose_scorer_exits_the_process_fails_naming_it(tmp_path, tiny_overrides):
+    """The scorer passes the preflight and step 1, then ends its process while step 2 is scored: the run fails
+    with a message naming the scorer, the prompt (uid ``2-*``: step 2) and its data source."""
+    from ppoflow.configs import load_config
+    from ppoflow.flows.train import train
+
+    calls = tmp_path / "calls"
+    (tmp_path / "my_reward.py").write_text(
+        "import os\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    with open({str(calls)!r}, 'a') as calls:\n"
+        "        calls.write('.')\n"
+        f"    if os.path.getsize({str(calls)!r}) > 1 + 16:  # the preflight's row, then step 1's 4 x 4 responses\n"
+        "        os._exit(3)\n"
+        "    return float(solution_str == ground_truth)\n")
+    cfg = load_config("grpo_tiny", tiny_overrides + [f"custom_reward_function.path={tmp_path}/my_reward.py",
+                                                     "trainer.test_freq=0", "trainer.save_freq=0"])
+    with pytest.raises(ScorerFailed) as caught:
+        train(cfg, orchestrated=False)
+    assert str(caught.value).startswith(f"the custom scorer '{tmp_path}/my_reward.py:compute_score' crashed: its "
+                                        "process exited with code 3 while scoring a response to prompt '2-")
+    assert str(caught.value).endswith("(data source 'synthetic/copy')")

@@ -295,6 +295,26 @@ def test_a_process_that_cannot_start_is_reported_by_check(tool_folder):
         assert result.error == "start_failed" and "exited with code 7" in result.text
 
 
+@pytest.mark.reliability
+def test_check_reports_a_schema_that_does_not_match_the_function(tool_folder):
+    (tool_folder / "mismatched.py").write_text("def by_name(key, count=1):\n    return key\n\n"
+                                               "def by_position(key, /):\n    return key\n\n"
+                                               "def anything(**kwargs):\n    return kwargs\n")
+    properties = {"key": {"type": "string"}, "limit": {"type": "integer"}}
+    schema = {"type": "object", "properties": properties}
+    specs = [ToolSpec(name=name, function=f"{tool_folder / 'mismatched.py'}:{name}",
+                      schema={"type": "function", "function": {"name": name, "parameters": schema}})
+             for name in ("by_name", "by_position", "anything")]
+    with ToolRunner(specs) as runner:
+        assert runner.check() == [
+            f"tool 'by_name' ({tool_folder / 'mismatched.py'}:by_name): its tool_schema declares 'limit', which "
+            "by_name(key, count=1) does not take",
+            f"tool 'by_position' ({tool_folder / 'mismatched.py'}:by_position): by_position(key, /) takes 'key' by "
+            "position only; tools are called with keywords"]
+        assert runner.call_sync("anything", {"key": "a", "limit": 2}).text == '{"key": "a", "limit": 2}'
+        assert runner.call_sync("by_name", {"key": "a"}).error == "unavailable"
+
+
 def test_the_caller_never_imports_a_tool_module(tmp_path, monkeypatch):
     module_name = "ppoflow_test_tool_module"
     (tmp_path / f"{module_name}.py").write_text(TOOL_FUNCTIONS)

@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import load_custom_scorer, score_one, solution_text
+from ppoflow.algorithms.scoring import score_one, solution_text
 from ppoflow.configs import tool_config_file
 from ppoflow.configs.cache_settings import entry_size_bound, run_cache_dir, storage_settings
 from ppoflow.configs.schema import PPOConfig
@@ -38,6 +38,7 @@ from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
 from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
 from ppoflow.workers.rollout import SamplingParams
+from ppoflow.workers.scorer_process import ScorerProcess
 from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, TokenOutput
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
 
@@ -189,7 +190,7 @@ class AgentLoopWorker:
                                     processes=rollout.multi_turn.tool_processes)
         self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
         custom = cfg.custom_reward_function
-        self.custom_scorer = load_custom_scorer(custom.path, custom.name) if custom.path else None
+        self.custom_scorer = ScorerProcess(custom.path, custom.name) if custom.path else None  # user code: its own process
         self.settings = AgentSettings(response_length=cfg.data.max_response_length,
                                       max_assistant_turns=rollout.multi_turn.max_assistant_turns,
                                       max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,

@@ -6,7 +6,8 @@ answer to the trajectory; the tools are declared in YAML and read by :mod:`worke
 actor, which must not ``fork``). Each process imports the tool functions once, when it starts, and runs
 every call under resource limits. Whatever goes wrong (bad arguments, a tool that raises, hangs, eats
 memory or kills its process) becomes an error observation for the model, never an exception or a hang
-in the trainer; a process that timed out or died is killed and replaced by a fresh one.
+in the trainer; a process that timed out or died is killed and replaced by a fresh one. The same process
+machinery runs custom reward scorers (:mod:`ppoflow.workers.scorer_process`).
 
 How a tool process is confined:
 
@@ -85,11 +86,11 @@ class _BadArguments(ValueError):
     """The arguments of a call do not fit the tool's schema; the message says how."""
 
 
-class _ProcessEnded(Exception):
+class ProcessEnded(Exception):
     """A tool process died (or broke the message protocol); the message says how it ended."""
 
 
-class _SandboxFailed(Exception):
+class SandboxFailed(Exception):
     """A tool process timed out, died or did not start; ``kind`` is the error kind, the message says what
     happened (the observation is ``error: <message>``)."""
 
@@ -116,15 +117,17 @@ class ToolRunner:
         self.processes = processes
         self.start_timeout_s = start_timeout_s
         self._functions = {spec.name: spec.function for spec in specs}
+        self._parameters = {spec.name: list(spec.schema["function"].get("parameters", {}).get("properties", {}))
+                            for spec in specs}
         self._context = multiprocessing.get_context("spawn")
-        self._idle: queue.SimpleQueue[_Sandbox | None] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[Sandbox | None] = queue.SimpleQueue()
         for _ in range(processes):
             self._idle.put(None)  # a process starts when a call (or check) first needs it
         self._executor = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="ppoflow-tools")
         self._lock = threading.Lock()
         self._closed = False
-        self._live: set[_Sandbox] = set()
-        self._finalizer = weakref.finalize(self, _kill_all, self._live)
+        self._live: set[Sandbox] = set()
+        self._finalizer = weakref.finalize(self, kill_sandboxes, self._live)
         self._calls = 0
         self._total_seconds = 0.0
         self._errors = dict.fromkeys(ERROR_KINDS, 0)
@@ -151,9 +154,10 @@ class ToolRunner:
         return self._finish(name, *(failure or self._run(spec, parsed)), started)
 
     def check(self) -> list[str]:
-        """Start every process and return one message per tool whose function cannot be imported (empty when
-        all can), for the trainer to raise as a config error before training starts. A process that cannot
-        start at all (it dies or hangs while importing) gives one message naming every tool."""
+        """Start every process and return one message per tool whose function cannot be imported or does not
+        take the arguments its schema declares (empty when all can), for the trainer to raise as a config error
+        before training starts. A process that cannot start at all (it dies or hangs while importing) gives
+        one message naming every tool."""
         self._raise_if_closed()
         sandboxes = [self._idle.get() for _ in range(self.processes)]
         # all started before any is waited for, so that they import the tool functions in parallel
@@ -164,7 +168,7 @@ class ToolRunner:
                 _ready(sandbox)
                 problems.update(f"tool {name!r} ({self.specs[name].function}): {message}"
                                 for name, message in sandbox.import_errors.items())
-            except _SandboxFailed as failure:
+            except SandboxFailed as failure:
                 self._retire(sandbox)
                 sandboxes[position] = None
                 problems.add(f"tools {', '.join(self.specs)}: {failure}")
@@ -239,13 +243,13 @@ class ToolRunner:
             outcome = _ready(sandbox).run(spec, arguments)
             healthy = True
             return outcome
-        except _SandboxFailed as failure:
+        except SandboxFailed as failure:
             logger.warning("tool %s: %s; starting a fresh tool process", spec.name, failure)
             return failure.kind, _truncate(f"error: {failure}", spec.max_output_chars)
         finally:
             self._idle.put(sandbox if healthy else self._replace(sandbox))
 
-    def _replace(self, sandbox: _Sandbox | None) -> _Sandbox | None:
+    def _replace(self, sandbox: Sandbox | None) -> Sandbox | None:
         """Kill ``sandbox`` (if any) and start a fresh process in its place; None when the runner is closed or
         the start failed (logged; the next call tries again)."""
         self._retire(sandbox)
@@ -253,33 +257,33 @@ class ToolRunner:
             if self._closed:
                 return None
             try:
-                fresh = _Sandbox(self._context, self._functions, self.start_timeout_s)
+                fresh = Sandbox(self._context, self._functions, self.start_timeout_s, parameters=self._parameters)
             except OSError as error:
                 logger.error("cannot start a tool process: %s", error)
                 return None
             self._live.add(fresh)
         return fresh
 
-    def _retire(self, sandbox: _Sandbox | None) -> None:
+    def _retire(self, sandbox: Sandbox | None) -> None:
         if sandbox is not None:
             sandbox.kill()
             with self._lock:
                 self._live.discard(sandbox)
 
 
-def _is_alive(sandbox: _Sandbox | None) -> bool:
+def _is_alive(sandbox: Sandbox | None) -> bool:
     return sandbox is not None and sandbox.process.is_alive()
 
 
-def _ready(sandbox: _Sandbox | None) -> _Sandbox:
-    """``sandbox`` once it has imported the tool functions; raises :class:`_SandboxFailed` if it cannot."""
+def _ready(sandbox: Sandbox | None) -> Sandbox:
+    """``sandbox`` once it has imported the tool functions; raises :class:`SandboxFailed` if it cannot."""
     if sandbox is None:
-        raise _SandboxFailed("start_failed", "cannot start a tool process (see the trainer's log)")
+        raise SandboxFailed("start_failed", "cannot start a tool process (see the trainer's log)")
     sandbox.wait_ready()
     return sandbox
 
 
-def _kill_all(sandboxes: set[_Sandbox]) -> None:
+def kill_sandboxes(sandboxes: set[Sandbox]) -> None:
     """Kill and reap every process in ``sandboxes`` (ToolRunner.close, garbage collection, interpreter exit)."""
     for sandbox in list(sandboxes):
         sandbox.kill()
@@ -340,19 +344,25 @@ def _truncate(text: str, limit: int) -> str:
     return f"{text[:limit]}... [truncated: {len(text)} characters in all]"
 
 
-class _Sandbox:
+class Sandbox:
     """One tool process and the trainer's end of its pipe.
 
-    ``import_errors`` (tool name -> why its function cannot be imported) is None until the process has
-    imported the tool functions and said so.
+    ``import_errors`` (tool name -> why its function cannot be imported, or cannot take the arguments its
+    schema declares: ``parameters``, tool name -> property names) is None until the process has imported
+    the functions and said so. ``answer`` (a module-level function, run in the process) answers each request:
+    :func:`_answer` runs tool calls, :mod:`ppoflow.workers.scorer_process` passes its own; ``role`` names the
+    process in messages.
     """
 
-    def __init__(self, context, functions: dict[str, str], start_timeout_s: float):
+    def __init__(self, context, functions: dict[str, str], start_timeout_s: float, *,
+                 parameters: dict[str, list[str]] | None = None, answer=None, role: str = "tool"):
         self.connection, child_end = context.Pipe()
         self.tool_names = set(functions)
         self.start_timeout_s = start_timeout_s
-        self.process = context.Process(target=_serve, args=(child_end, functions, _cpu_budget_s(start_timeout_s)),
-                                       name="ppoflow-tools", daemon=True)
+        self.process = context.Process(target=_serve, args=(child_end, functions, _cpu_budget_s(start_timeout_s),
+                                                            parameters or {}, answer or _answer),
+                                       name=f"ppoflow-{role}s", daemon=True)
+        self.role = role
         try:
             self.process.start()
         finally:
@@ -360,44 +370,50 @@ class _Sandbox:
         self.import_errors: dict[str, str] | None = None
 
     def wait_ready(self) -> None:
-        """Wait until the process has imported the tool functions; raises :class:`_SandboxFailed`."""
+        """Wait until the process has imported the tool functions; raises :class:`SandboxFailed`."""
         if self.import_errors is not None:
             return
         try:
             message = self._receive(self.start_timeout_s)
-        except _ProcessEnded as ended:
-            raise _SandboxFailed("start_failed", f"the tool process {ended} while importing the tool functions") \
-                from None
+        except ProcessEnded as ended:
+            raise SandboxFailed("start_failed", f"the {self.role} process {ended} while importing the {self.role} "
+                                                 "functions") from None
         if message is None:
-            raise _SandboxFailed("start_failed", f"the tool process did not finish importing the tool functions "
-                                                 f"within {self.start_timeout_s:g} s")
+            raise SandboxFailed("start_failed", f"the {self.role} process did not finish importing the {self.role} "
+                                                 f"functions within {self.start_timeout_s:g} s")
         errors = message.get("import_errors")
         if not isinstance(errors, dict) or not set(errors) <= self.tool_names or \
                 not all(isinstance(text, str) for text in errors.values()):
-            raise _SandboxFailed("start_failed", "the tool process broke the message protocol")
+            raise SandboxFailed("start_failed", f"the {self.role} process broke the message protocol")
         self.import_errors = errors
 
     def run(self, spec: ToolSpec, arguments: dict) -> tuple[str, str]:
-        """Run one call in the (ready) process: ``(kind, text)`` as it answered; raises :class:`_SandboxFailed`
+        """Run one call in the (ready) process: ``(kind, text)`` as it answered; raises :class:`SandboxFailed`
         when it timed out or died (the caller then replaces it)."""
         request = {"tool": spec.name, "arguments": arguments, "memory_mb": spec.memory_mb,
                    "cpu_s": _cpu_budget_s(spec.timeout_s), "max_output_chars": spec.max_output_chars}
         try:
-            self.connection.send_bytes(json.dumps(request).encode())
-            reply = self._receive(spec.timeout_s)
-        except _ProcessEnded as ended:
-            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process {ended}") from None
-        except OSError:  # the pipe broke on sending: the process is gone
-            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process {self._ending()}") from None
+            reply = self.exchange(request, spec.timeout_s)
+        except ProcessEnded as ended:
+            raise SandboxFailed("crashed", f"{spec.name} crashed: its process {ended}") from None
         if reply is None:
-            raise _SandboxFailed("timeout", f"{spec.name} timed out after {spec.timeout_s:g} s")
+            raise SandboxFailed("timeout", f"{spec.name} timed out after {spec.timeout_s:g} s")
         if reply.get("kind") not in _PROCESS_KINDS or not isinstance(reply.get("text"), str):
-            raise _SandboxFailed("crashed", f"{spec.name} crashed: its process broke the message protocol")
+            raise SandboxFailed("crashed", f"{spec.name} crashed: its process broke the message protocol")
         return reply["kind"], reply["text"]
 
-    def _receive(self, timeout_s: float) -> dict | None:
+    def exchange(self, request: dict, timeout_s: float | None) -> dict | None:
+        """Send ``request`` to the (ready) process and return its reply, or None when none came within
+        ``timeout_s`` (None: wait as long as it takes); raises :class:`ProcessEnded` when the process died."""
+        try:
+            self.connection.send_bytes(json.dumps(request).encode())
+        except OSError:  # the pipe broke on sending: the process is gone
+            raise ProcessEnded(self._ending()) from None
+        return self._receive(timeout_s)
+
+    def _receive(self, timeout_s: float | None) -> dict | None:
         """The process's next message, or None when none came within ``timeout_s``; raises
-        :class:`_ProcessEnded` when the process died (or sent something that is not a message)."""
+        :class:`ProcessEnded` when the process died (or sent something that is not a message)."""
         try:
             if not self.connection.poll(timeout_s):
                 return None
@@ -405,7 +421,7 @@ class _Sandbox:
         except (EOFError, OSError, ValueError):
             message = None
         if not isinstance(message, dict):
-            raise _ProcessEnded(self._ending())
+            raise ProcessEnded(self._ending())
         return message
 
     def _ending(self) -> str:
@@ -436,11 +452,12 @@ class _NotSerialisable(Exception):
     """The tool returned a value that is neither ``str`` nor JSON-serialisable; the message names its type."""
 
 
-def _serve(connection, functions: dict[str, str], start_cpu_s: int) -> None:
-    """The main function of a tool process: import the tool functions, then answer calls until the trainer
-    closes the pipe (or dies)."""
+def _serve(connection, functions: dict[str, str], start_cpu_s: int, parameters: dict[str, list[str]],
+           answer) -> None:
+    """The main function of a tool process: import the functions (and check that each takes its schema's
+    ``parameters`` by name), then ``answer`` requests until the trainer closes the pipe (or dies)."""
     threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
-    _set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + start_cpu_s)
+    set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + start_cpu_s)
     callables, import_errors = {}, {}
     for name, path in functions.items():
         source, _, attribute = path.rpartition(":")
@@ -448,13 +465,38 @@ def _serve(connection, functions: dict[str, str], start_cpu_s: int) -> None:
             callables[name] = load_custom_scorer(source, attribute)
         except ValueError as error:
             import_errors[name] = str(error)
+            continue
+        mismatch = _signature_mismatch(callables[name], parameters.get(name, []))
+        if mismatch:
+            import_errors[name] = mismatch
     _send(connection, {"import_errors": import_errors})
     while True:
         try:
             request = json.loads(connection.recv_bytes())
         except (EOFError, OSError):  # the trainer closed the pipe, or died
             return
-        _send(connection, _answer(request, callables, import_errors))
+        _send(connection, answer(request, callables, import_errors))
+
+
+def _signature_mismatch(function, parameters: list[str]) -> str | None:
+    """Why ``function`` cannot be called with its schema's ``parameters`` as keyword arguments (None when it
+    can). Parameters the schema leaves out may still come from the dataset's ``tools_kwargs``."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to read (some builtins): a call will tell
+        return None
+    accepted = signature.parameters.values()
+    shown = f"{getattr(function, '__name__', 'the function')}{signature}"
+    positional = [p.name for p in accepted if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        return f"{shown} takes {', '.join(map(repr, positional))} by position only; tools are called with keywords"
+    if any(p.kind is p.VAR_KEYWORD for p in accepted):
+        return None
+    by_name = {p.name for p in accepted if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = [name for name in parameters if name not in by_name]
+    if unknown:
+        return f"its tool_schema declares {', '.join(map(repr, unknown))}, which {shown} does not take"
+    return None
 
 
 def _exit_when_parent_dies() -> None:
@@ -474,8 +516,8 @@ def _answer(request: dict, callables: dict, import_errors: dict[str, str]) -> di
     if name in import_errors:
         kind, text = "unavailable", f"error: tool {name} is unavailable: {import_errors[name]}"
     else:
-        _set_soft_limit(resource.RLIMIT_AS, _address_space_bytes() + (request["memory_mb"] << 20))
-        _set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + request["cpu_s"])
+        set_soft_limit(resource.RLIMIT_AS, _address_space_bytes() + (request["memory_mb"] << 20))
+        set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + request["cpu_s"])
         try:
             kind, text = "ok", _call(callables[name], request["arguments"])
         except MemoryError:
@@ -483,7 +525,7 @@ def _answer(request: dict, callables: dict, import_errors: dict[str, str]) -> di
         except _NotSerialisable as error:
             kind, text = "bad_return", f"error: {name} returned {error}, which is neither text nor JSON-serialisable"
         except BaseException as error:  # noqa: BLE001 - whatever a tool raises (SystemExit too) is an observation
-            kind, text = "raised", f"error: {name} raised {type(error).__name__}: {_describe(error)}"
+            kind, text = "raised", f"error: {name} raised {type(error).__name__}: {describe_error(error)}"
     return {"kind": kind, "text": _truncate(text, request["max_output_chars"])}
 
 
@@ -500,7 +542,7 @@ def _call(function, arguments: dict) -> str:
         raise _NotSerialisable(f"a {type(value).__name__}") from None
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     try:
         return str(error)
     except Exception:  # noqa: BLE001 - a broken __str__ must not take the tool process down
@@ -513,7 +555,7 @@ def _address_space_bytes() -> int:
         return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _set_soft_limit(which: int, soft: int) -> None:
+def set_soft_limit(which: int, soft: int) -> None:
     """Set a soft resource limit, capped by the hard one (left as it is, so later calls can raise the soft one)."""
     _, hard = resource.getrlimit(which)
     resource.setrlimit(which, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
