@@ -29,7 +29,7 @@ from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import DataConfig, SyntheticDataConfig
 from ppoflow.data.vault import vault_code
 from ppoflow.storage.batch import with_non_tensor_columns
-from ppoflow.storage.fs import atomic_write, open_fs
+from ppoflow.storage.fs import atomic_write, open_fs, path_problem
 
 SYNTHETIC_SOURCES = {"copy": "synthetic/copy", "vault": "synthetic/vault"}
 
@@ -77,7 +77,7 @@ def files_to_generate(data: DataConfig) -> dict[str, str]:
         return {}
     files = {key: _single_file(value, key) for key, value in (("data.train_files", data.train_files),
                                                              ("data.val_files", data.val_files)) if value is not None}
-    return {key: url for key, url in files.items() if not _exists(url)}
+    return {key: url for key, url in files.items() if not _exists(url, key)}
 
 
 def ensure_datasets(data: DataConfig) -> None:
@@ -122,7 +122,7 @@ def read_rows(files: str | Sequence[str], *, key: str) -> list[dict]:
 def _read_file(url: str, key: str) -> list[dict]:
     if not url.endswith((".parquet", ".jsonl", ".json")):
         raise ConfigError([(key, f"{url!r} is neither .parquet nor .jsonl")])
-    if not _exists(url):
+    if not _exists(url, key):
         raise ConfigError([(key, f"no such file {url!r}")])
     try:
         with fsspec.open(os.path.expanduser(url), "rb") as handle:
@@ -289,6 +289,11 @@ def _single_file(files: str | list[str], key: str) -> str:
     return files
 
 
-def _exists(url: str) -> bool:
+def _exists(url: str, key: str) -> bool:
+    """Whether the data file ``url`` exists; :class:`ConfigError` naming ``key`` when it is a path no read
+    should open (a symlink loop, a dangling symlink, a FIFO, a directory; :func:`path_problem`)."""
+    problem = path_problem(url)
+    if problem is not None:
+        raise ConfigError([(key, f"{url} {problem}")])
     fs, path = open_fs(url)
     return fs.exists(path)

@@ -8,7 +8,9 @@ random-init model and tokenizer.
 
 A user error (a bad value, file, module or location) ends with exit code 2 and a message naming the key
 or file, before Prefect or Ray start (``train`` runs :func:`~ppoflow.flows.preflight.preflight` first);
-``ppoflow --debug ...`` (or ``PPOFLOW_DEBUG=1``) shows its traceback too.
+``ppoflow --debug ...`` (or ``PPOFLOW_DEBUG=1``) shows its traceback too. Ctrl-C or SIGTERM stops a
+``train`` cleanly (:func:`_train`): exit 130 / 143 and one line naming the checkpoint a rerun resumes from.
+Nothing but argparse is imported before a command runs, so ``ppoflow --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "ls":
             sub.add_argument("--quick", action="store_true",
                              help="check markers and payload sizes only, without reading the payloads")
+            sub.add_argument("--list-only", action="store_true",
+                             help="exit 0 even when entries are invalid (by default: exit 1 after listing them)")
         else:
             sub.add_argument("--step", type=int, required=True)
             sub.add_argument("--project", help="{experiment}_{project} directory (needed when there are several)")
@@ -128,20 +133,82 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+INTERRUPT_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+"""The shell's codes for a process ended by the signal (128 + its number)."""
+
+RAY_SIGNAL_ENV = {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
+"""Ray's C++ failure-signal handler takes SIGTERM for a crash: it prints a stack dump and the process aborts
+at exit (134) however cleanly it stopped. ``ppoflow train`` turns it off (set it to 0 to keep it)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived during ``ppoflow train``; a BaseException, like KeyboardInterrupt, so that
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 def _train(args) -> int:
+    """Check, then run the flow. SIGINT and SIGTERM raise :class:`Interrupted` in the flow, which stops
+    like any crash: the workers are shut down on the way out (the run's ``finally``), Prefect records the
+    run as crashed, the last complete checkpoint stays as it is; then Ray is shut down, and the temporary
+    Prefect server stops as the process exits. One line says where a rerun of the same command resumes."""
     from ppoflow.configs import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
-    from ppoflow.flows.logs import hide_user_error_tracebacks
+    for name, value in RAY_SIGNAL_ENV.items():  # before Ray is imported: it reads the setting then
+        os.environ.setdefault(name, value)
+    from ppoflow.flows.logs import hide_user_error_tracebacks, run_failures
     from ppoflow.flows.preflight import preflight
     from ppoflow.flows.train import check_mode, ppo_train
 
     check_mode(cfg)
     preflight(cfg)
     hide_user_error_tracebacks()  # bad input found once Ray runs (resources) is reported like the rest
+    previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPT_EXIT_CODES}
+    try:
+        ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
+        return 0
+    except run_failures() as failure:
+        if args.debug:
+            raise
+        print(f"ppoflow: the run failed: {failure}", file=sys.stderr)
+        return 1
+    except Interrupted as interrupted:
+        signum = interrupted.signum
+    except SystemExit as exit_:
+        if exit_.code != signal.SIGTERM:
+            raise
+        signum = signal.SIGTERM  # once Ray runs, its driver's SIGTERM handler (sys.exit(SIGTERM)) replaces ours
+    finally:
+        for other, handler in previous.items():  # a second signal during the shutdown acts as it did before
+            signal.signal(other, handler)
+    import ray
 
-    ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
-    return 0
+    ray.shutdown()  # the workers are gone before the line saying that the run stopped
+    print(f"ppoflow: {_interrupted_line(cfg.trainer.default_local_dir, signum)}", file=sys.stderr)
+    return INTERRUPT_EXIT_CODES[signum]
+
+
+def _interrupted_line(run_dir: str, signum: int) -> str:
+    """``interrupted (SIGTERM) after step 3; the last checkpoint is .../global_step_3; rerun ...``."""
+    from ppoflow.flows.tracking import read_metrics
+    from ppoflow.storage.checkpoint import latest
+
+    try:
+        steps = [row["step"] for row in read_metrics(run_dir)]
+    except (OSError, ValueError):  # no step logged yet
+        steps = []
+    checkpoint = latest(run_dir)
+    return (f"interrupted ({signal.Signals(signum).name})" + (f" after step {max(steps)}" if steps else "")
+            + (f"; the last checkpoint is {checkpoint}; rerun the same command to resume from it" if checkpoint
+               else "; no checkpoint was written yet: a rerun starts over"))
 
 
 def _config(args) -> int:
@@ -172,7 +239,9 @@ def _build_tiny_model(args) -> int:
 
 
 def _cache(args) -> int:
-    """``cache ls|show|rm``; bad options, an unreadable dump_dir or a damaged entry end in one line and exit 2."""
+    """``cache ls|show|rm``. Bad options, a dump_dir that is no directory (missing, a file, a symlink loop,
+    ...) or an entry ``show`` cannot read end in one line naming the path and exit 2; ``ls`` exits 1 after
+    listing every entry when any is invalid (unless ``--list-only``)."""
     from ppoflow.configs import ConfigError
     from ppoflow.storage.fs import StorageError
 
@@ -183,7 +252,7 @@ def _cache(args) -> int:
             raise
         if isinstance(error, ConfigError):  # --storage-options
             message = "; ".join(f"{key}: {text}" for key, text in error.problems)
-        elif isinstance(error, StorageError):  # a damaged or oversized entry: "path: reason"
+        elif isinstance(error, StorageError):  # the dump_dir, or a damaged or oversized entry: "path: reason"
             message = str(error)
         else:  # dump_dir itself: permissions, an unreachable endpoint
             message = f"{args.dump_dir}: {type(error).__name__}: {error}"
@@ -207,6 +276,7 @@ def _storage_options(text: str) -> dict:
 def _cache_command(args, options: dict) -> int:
     from ppoflow.storage import step_cache
 
+    step_cache.check_root(args.dump_dir, options)
     verify = args.cache_command == "ls" and not args.quick
     entries = step_cache.scan(args.dump_dir, options, verify=verify)
     if args.cache_command == "ls":
@@ -218,6 +288,11 @@ def _cache_command(args, options: dict) -> int:
               f"{sum(e.nbytes for e in entries)} payload bytes "
               + ("(every payload read, checksummed and decoded, as a replay would)" if verify
                  else "(markers and sizes checked; payloads not read)"))
+        invalid = sum(not entry.valid for entry in entries)
+        if invalid and not args.list_only:
+            print(f"ppoflow: {args.dump_dir}: {invalid} of {len(entries)} entries are invalid (listed above; "
+                  "`ppoflow cache rm` removes one, --list-only lists without failing)", file=sys.stderr)
+            return 1
         return 0
     matches = [e for e in entries if e.step == args.step and (args.project in (None, e.project))
                and (args.config_dir in (None, e.config)) and (args.stage in (None, e.stage))]

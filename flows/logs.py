@@ -50,19 +50,29 @@ class _WarningsOnward(logging.Handler):
         logging.getLogger().callHandlers(record)
 
 
+def run_failures() -> tuple[type[Exception], ...]:
+    """What ends a run for a reason its one-line message says whole - a training value that is not finite,
+    a custom scorer that failed - and is reported as that line (exit 1), as bad input is (exit 2)."""
+    from ppoflow.algorithms.finite import NonFiniteError
+    from ppoflow.algorithms.scoring import ScorerFailed
+
+    return NonFiniteError, ScorerFailed
+
+
 def _without_user_error_traceback(record: logging.LogRecord) -> bool:
-    """Keep the record, without its traceback when its exception is the user's input (a ConfigError)."""
+    """Keep the record, without its traceback when its exception is the user's input (a ConfigError) or a
+    run failure whose message says it all (:func:`run_failures`)."""
     from ppoflow.configs import ConfigError
 
-    if record.exc_info and isinstance(record.exc_info[1], ConfigError):
+    if record.exc_info and isinstance(record.exc_info[1], (ConfigError, *run_failures())):
         record.exc_info = record.exc_text = None
     return True
 
 
 def hide_user_error_tracebacks() -> None:
     """Prefect logs a failed task or flow run's exception with its traceback. A :class:`ConfigError` raised
-    inside a run (a role asking for more than the Ray cluster has, say) is bad input, not a bug: its lines
-    keep the message (which names the key) and drop the traceback, as ``ppoflow train`` reports bad input
+    inside a run (a role asking for more than the Ray cluster has, say) is bad input, not a bug, and a run
+    failure (:func:`run_failures`) says where it arose: their lines keep the message and drop the traceback, as ``ppoflow train`` reports bad input
     found before Prefect starts. Idempotent."""
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)

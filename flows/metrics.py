@@ -32,12 +32,12 @@ def data_metrics(batch: TensorDict) -> dict[str, float]:
 
 def aggregate_updates(parts: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from those of its mini-batch updates (separate_async's ``parameter_sync_step``),
-    as verl's MetricsAggregator combines them: ``timing_s/*`` and evicted-sample counts summed, names
+    as verl's MetricsAggregator combines them: ``timing_s/*``, evicted-sample and skipped-update counts summed, names
     with ``max``/``min`` taking the max/min, every other value the mean over the updates."""
     combined: dict[str, float] = {}
     for name in {name for part in parts for name in part}:
         values = [part[name] for part in parts if name in part]
-        if name.startswith("timing_s/") or "evicted_samples" in name.split("/")[-1]:
+        if name.startswith("timing_s/") or name.split("/")[-1] in ("evicted_samples", "nonfinite_skipped"):
             combined[name] = sum(values)
         elif "max" in name.rsplit("/", 1)[-1]:
             combined[name] = max(values)

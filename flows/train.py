@@ -16,12 +16,15 @@ Stage 3's passes read the same batch and not each other's results, so they are s
 computed side by side on their workers. Stages 2-5 are :func:`ppo_update`. When 1 and 6 happen is the
 trainer mode's business (:mod:`ppoflow.flows.modes`): ``sync`` generates, trains, then pushes the
 weights; ``one_step_off`` pushes the weights and starts the next step's generation before training on
-this one, so generation overlaps training. Every stage is a Prefect task whose heavy work runs in a long-lived Ray actor;
-:func:`train` runs the same steps without Prefect or Ray when asked (the overhead benchmark's baseline).
+this one, so generation overlaps training. A non-finite reward, advantage, loss or gradient fails the run or
+drops the step's update (``trainer.nonfinite``). Every stage is a Prefect task whose heavy work runs in a
+long-lived Ray actor; :func:`train` runs the same steps without Prefect or Ray when asked (the overhead
+benchmark's baseline).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Annotated, Literal, Optional
 
@@ -29,9 +32,10 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from ppoflow.algorithms.correction import correct_off_policy
+from ppoflow.algorithms.finite import NonFiniteError, describe_rows, nonfinite_rows
 from ppoflow.algorithms.user_code import import_module
 from ppoflow.configs import ConfigError, load_config
-from ppoflow.configs.schema import PPOConfig
+from ppoflow.configs.schema import PATH_NAME_PATTERN, PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
@@ -39,24 +43,47 @@ from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
 from ppoflow.flows import async_modes  # noqa: F401 - registers colocate_async and separate_async
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
+from ppoflow.flows.ownership import own_run_directory
 from ppoflow.flows.run import RunContext, start_run
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
-from ppoflow.storage.batch import concatenate
+from ppoflow.storage.batch import concatenate, non_tensor_column
 from ppoflow.storage.checkpoint import latest
 from ppoflow.storage.replay_buffer import load_sampler
 
+logger = logging.getLogger(__name__)
 
-def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
-    """Stages 2-5 on the step's generated batch: reward, log-probs, advantage, critic and actor updates."""
+
+def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> bool:
+    """Stages 2-5 on the step's generated batch: reward, log-probs, advantage, critic and actor updates.
+    Returns whether the update was made: a non-finite reward, advantage, loss or gradient fails the run
+    (``trainer.nonfinite=fail``) or drops the update (``skip``, :func:`drop_update`)."""
+    kl_controller = state.kl_controller.state_dict()
+    try:
+        ppo_stages(run, state, step)
+    except NonFiniteError as error:
+        reason = str(getattr(error, "cause", error))  # a worker's error comes wrapped by Ray (RayTaskError)
+        if run.cfg.trainer.nonfinite == "fail":
+            raise NonFiniteError(f"{reason} (trainer.nonfinite=fail; =skip drops such a step's update)") from None
+        state.kl_controller.load_state_dict(kl_controller)  # the advantage stage may have moved it
+        drop_update(run, step, reason)
+        return False
+    step.metrics["training/nonfinite_skipped"] = 0.0
+    return True
+
+
+def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
+    """Stages 2-5, raising :class:`NonFiniteError` where a reward or advantage is not finite, or where the
+    actor took no optimizer step (a loss or gradient: the update's worker skips or raises, per mini-batch)."""
     cfg, stages, batch = run.cfg, run.stages, step.batch
     correction = cfg.algorithm.rollout_correction
     # 2. reward: score each response, on its last token (a rollout that streams the reward has scored each
     #    trajectory as it finished)
     if "token_level_scores" not in batch.keys():
         stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
+    check_finite(step, "reward", "token_level_scores")
     # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
     #    in stage 5), reference log-probs, values; the batch is placed once for the passes that run
     recompute_old = not correction.bypass_mode and not cfg.old_log_probs_from_update
@@ -75,15 +102,39 @@ def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> None:
         correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
     # 4. advantage: token rewards (scores minus an optional KL penalty), then the estimator
     stages.call("advantage", step, batch, cfg.algorithm, state.kl_controller)
+    check_finite(step, "advantage", "advantages", "returns")
     # 5. update the critic, then the actor
     shared = run.share(batch)
     if cfg.use_critic:
         stages.call("update_critic", step, run.workers, shared, step.step)
     stages.call("update_actor", step, run.workers, shared, step.step)
+    if not step.metrics["actor/optimizer_steps"]:  # trainer.nonfinite=skip skipped each (the actor warned which)
+        raise NonFiniteError(f"step {step.step} update_actor: every optimizer step was skipped on a non-finite loss or "
+                             "gradient norm")
     if cfg.old_log_probs_from_update:  # the update returned its old log-probs: how far was the rollout from them
         correct_for_the_rollout(step, correction)
         step.metrics["training/old_log_prob_skipped"] = 1.0
     step.metrics.update(data_metrics(batch))
+
+
+def check_finite(step: StepData, stage: str, *fields: str) -> None:
+    """:class:`NonFiniteError` naming the samples (row, uid, data source, value) where one of the batch's
+    ``fields`` is NaN or infinite after ``stage``."""
+    batch = step.batch
+    for name in fields:
+        found = nonfinite_rows(batch[name])
+        if found:
+            columns = {column: non_tensor_column(batch, column) for column in ("uid", "data_source")}
+            what = "reward" if stage == "reward" else name
+            raise NonFiniteError(f"step {step.step} {stage}: {describe_rows(what, found, len(batch), columns)}")
+
+
+def drop_update(run: RunContext, step: StepData, reason: str) -> None:
+    """``trainer.nonfinite=skip``: the step's update is dropped - no actor optimizer step from its values, the
+    actor's unchanged weights take the step's version - with a warning, counted in ``training/nonfinite_skipped``."""
+    logger.warning("%s; step %d's update is dropped (trainer.nonfinite=skip)", reason, step.step)
+    run.workers.get(run.workers.actor.submit("skip_update"))
+    step.metrics["training/nonfinite_skipped"] = 1.0
 
 
 def correct_for_the_rollout(step: StepData, correction) -> None:
@@ -108,20 +159,22 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
         step = StepData(number)
         with step.timed("step"):
             mode.on_step_begin(step)
-            updates = []
+            updates, made = [], []
             for round_ in range(mode.updates_per_step):  # one, but separate_async's parameter_sync_step
                 update = StepData(number, round=round_)
                 mode.on_sample_begin(update)
                 with update.timed(STAGE_NAMES["generate"].timing):
                     mode.sample(update)  # 1. generate (the async modes: sample the replay buffer)
                 mode.on_sample_end(update)
-                ppo_update(run, state, update)  # 2.-5.
+                if ppo_update(run, state, update):  # 2.-5.
+                    made.append(update)
                 updates.append(update)
+            trained = made or updates  # the samples the step trained on (every update dropped: those it drew)
             if len(updates) == 1:
                 step.batch = updates[0].batch
                 step.metrics.update(updates[0].metrics)
             else:  # the step trained on every round's samples
-                step.batch = concatenate(*(update.batch for update in updates), pad_token_id=run.tokenizer.pad_token_id)
+                step.batch = concatenate(*(update.batch for update in trained), pad_token_id=run.tokenizer.pad_token_id)
                 step.metrics.update(aggregate_updates([update.metrics for update in updates]))
             state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
             mode.on_step_end(step)  # (sync: 6. push the new weights)
@@ -133,6 +186,11 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
 def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
     """Run the whole training loop (resuming from a checkpoint when there is one); returns the last step's metrics."""
     check_mode(cfg)
+    with own_run_directory(cfg):  # one run at a time in a run directory
+        return _train(cfg, orchestrated)
+
+
+def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
     run = start_run(cfg, orchestrated=orchestrated)
     state = TrainerState(cfg, len(run.train_set))
     mode = make_trainer(run, state)
@@ -158,7 +216,9 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
             val_metrics, samples = validate(run, step=0)
             artifacts.validated_before_training(val_metrics)
             note(validation_line(0, val_metrics, samples))
-        for step in train_steps(run, state, mode, range(first_step, run.total_steps + 1)):
+        steps, dropped = range(first_step, run.total_steps + 1), 0
+        for step in train_steps(run, state, mode, steps):
+            dropped += step.metrics["training/nonfinite_skipped"] == mode.updates_per_step
             last = step.step == run.total_steps
             if test_freq > 0 and (step.step % test_freq == 0 or last):
                 mode.on_validate_begin(step.step)
@@ -172,6 +232,9 @@ def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
                 directory = save_checkpoint(cfg, run.workers, step.step,
                                             {"trainer": state.state_dict(), "mode": mode.state_dict()})
                 note(f"checkpoint written to {directory}")
+        if steps and dropped == len(steps):
+            raise NonFiniteError(f"every update of the run was dropped on non-finite values ({dropped} of {dropped} "
+                                 f"steps, trainer.nonfinite=skip): the policy is the one it started from")
         final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"
         run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
         note(f"trained policy written to {final_model}")
@@ -213,7 +276,7 @@ FORM_FIELDS = {"experiment_name": "trainer.experiment_name", "total_training_ste
 def ppo_train(
     config: str = "grpo_tiny",
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
-    experiment_name: Optional[str] = None,
+    experiment_name: Optional[Annotated[str, Field(pattern=PATH_NAME_PATTERN)]] = None,
     total_training_steps: Annotated[Optional[int], Field(ge=1)] = None,
     mode: Optional[Literal["sync", "one_step_off", "colocate_async", "separate_async"]] = None,
 ) -> dict[str, float]:
@@ -233,7 +296,9 @@ def ppo_train(
             separate_async (a replay buffer; they need actor_rollout_ref.rollout.mode=async); blank: the config's.
     """
     typed = {"experiment_name": experiment_name, "total_training_steps": total_training_steps, "mode": mode}
-    cfg = load_config(config, [*overrides, *(f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
+    # a name is quoted so that it stays a string ("123" is a name, not a number)
+    cfg = load_config(config, [*overrides, *(f"{FORM_FIELDS[name]}='{value}'" if isinstance(value, str) else
+                                             f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
                                              if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
     with logs_to_prefect():

@@ -29,7 +29,7 @@ class CriticWorker:
         self.seed = cfg.data.seed
         self.model = self.parallel.shard(load_value_model(critic.model, seed=cfg.data.seed).to(self.device), critic.fsdp_config)
         self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device,
-                               parallel=self.parallel)
+                               parallel=self.parallel, nonfinite=cfg.trainer.nonfinite)
 
     def compute_values(self, batch: TensorDict) -> TensorDict | None:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
@@ -71,7 +71,7 @@ class CriticWorker:
         metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
                                      micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
                                      generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
-                                     prefix="critic")
+                                     prefix="critic", step=step)
         return metrics if self.parallel.is_rank_zero else None
 
     def _values(self, batch: TensorDict) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
+from ppoflow.storage.fs import path_problem
 from ppoflow.workers.transport import send_batches_as_plain_values
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -122,10 +123,25 @@ def _name_unwrapped_architecture(config_path: Path, model) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def check_model_paths(model: ModelConfig, key: str) -> None:
+    """:class:`ConfigError` naming the key when ``model.path`` or ``model.tokenizer_path`` (or the model's
+    ``config.json``) is a path no load should open: a symlink loop, a dangling symlink, a FIFO or other
+    special file, a file where a directory belongs (:func:`~ppoflow.storage.fs.path_problem`)."""
+    paths = ((key, model.path, "directory"), (key, f"{model.path.rstrip('/')}/config.json", "file"),
+             (f"{key.removesuffix('.path')}.tokenizer_path", model.tokenizer_path, "directory"))
+    problems: dict[str, str] = {}
+    for name, path, want in paths:  # one problem per key: config.json is not checked under a broken model.path
+        if path and name not in problems and (problem := path_problem(path, want=want)) is not None:
+            problems[name] = f"{path} {problem}"
+    if problems:
+        raise ConfigError(list(problems.items()))
+
+
 def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
     """:class:`ConfigError` naming ``key`` when prompt + response would exceed the model's
     ``max_position_embeddings`` (the build recipe's when the model is still to be built), or when the model's
-    config is unusable (:func:`model_config`)."""
+    paths or config are unusable (:func:`check_model_paths`, :func:`model_config`)."""
+    check_model_paths(model, key)
     if builds_model(model):
         limit, source = model.build.max_position_embeddings, _build_key(key)
     else:

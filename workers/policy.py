@@ -77,7 +77,7 @@ class ActorWorker(PolicyModel):
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
         self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device,
-                               parallel=self.parallel)
+                               parallel=self.parallel, nonfinite=cfg.trainer.nonfinite)
         # A mode other than sync may sample with weights older than the actor's: keep what was last pushed.
         self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=cfg.trainer.mode != "sync")
         self._outgoing: dict[str, torch.Tensor] = {}
@@ -150,8 +150,9 @@ class ActorWorker(PolicyModel):
                                      micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
                                      shuffle=cfg.shuffle and not on_policy,
                                      generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
-                                     prefix="actor")
-        self.weight_version += 1
+                                     prefix="actor", step=step)
+        if metrics["actor/optimizer_steps"]:  # else every step was skipped on non-finite values: the trainer drops it
+            self.weight_version += 1
         if not on_policy:
             return StageResult(None, metrics) if self.parallel.is_rank_zero else None
         old_log_probs = self.parallel.gather_indexed(torch.cat(own_rows).tolist(),
@@ -159,6 +160,11 @@ class ActorWorker(PolicyModel):
         if old_log_probs is None:
             return None
         return StageResult(TensorDict({"old_log_probs": old_log_probs}, batch_size=batch.batch_size), metrics)
+
+    def skip_update(self) -> None:
+        """A step whose update was dropped (non-finite values, ``trainer.nonfinite=skip``): the weights stay
+        as they are and take the step's version, as the trainer's count of steps does."""
+        self.weight_version += 1
 
     def save_checkpoint(self, directory: str) -> dict[str, dict]:
         """Write weights and optimizer into ``directory`` (a checkpoint's ``actor/``); manifest entries."""

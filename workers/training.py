@@ -1,19 +1,23 @@
 """What the actor and critic workers share: building model inputs from a step batch, walking
-mini- and micro-batches, and the optimizer loop of a PPO update (:class:`Learner`).
+mini- and micro-batches, and the optimizer loop of a PPO update (:class:`Learner`), which takes no
+optimizer step from a non-finite loss or gradient (``trainer.nonfinite``).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 from tensordict import TensorDict
 
+from ppoflow.algorithms.finite import NonFiniteError, describe_values, nonfinite_values
 from ppoflow.configs.schema import OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
 from ppoflow.workers.data_parallel import DataParallel, unique_state_names
+
+logger = logging.getLogger(__name__)
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,11 +84,13 @@ they are means over its tokens however it is cut into micro-batches and ranks)."
 
 class Learner:
     """A model with its AdamW optimizer and warm-up schedule, trained by verl's PPO update loop; with
-    several data-parallel ranks each trains on its share of every mini-batch (:mod:`.data_parallel`)."""
+    several data-parallel ranks each trains on its share of every mini-batch (:mod:`.data_parallel`).
+    ``nonfinite`` is ``trainer.nonfinite``: what a mini-batch with a non-finite loss or gradient does."""
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, grad_clip: float, device: torch.device,
-                 parallel: DataParallel):
+                 parallel: DataParallel, nonfinite: str):
         self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
+        self.nonfinite = nonfinite
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
         warmup = optim.lr_warmup_steps
@@ -92,13 +98,20 @@ class Learner:
             self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0)
 
     def train(self, batch: TensorDict, micro_loss: MicroLoss, *, epochs: int, mini_batch_size: int,
-              micro_batch_size: int | None, shuffle: bool, generator: torch.Generator, prefix: str) -> dict[str, float]:
+              micro_batch_size: int | None, shuffle: bool, generator: torch.Generator, prefix: str,
+              step: int) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate the micro-batch losses of this rank's rows (normalised by
-        the whole mini-batch), sum over ranks, clip, step; mean metrics."""
+        the whole mini-batch), sum over ranks, clip, step; mean metrics.
+
+        A mini-batch whose loss, metrics or gradient norm is not finite takes no optimizer (or schedule) step:
+        ``fail`` raises :class:`NonFiniteError` naming the step, stage, epoch and mini-batch; ``skip`` warns,
+        counts it in ``<prefix>/nonfinite_skipped`` and goes on (``<prefix>/optimizer_steps``: those made).
+        Every rank sees the same summed values and norm, so all decide alike."""
         self.model.train()
-        rows = []
-        for _ in range(epochs):
-            for mini in mini_batches(batch, mini_batch_size, shuffle=shuffle, generator=generator):
+        rows, skipped = [], 0
+        count = -(-batch.batch_size[0] // mini_batch_size)
+        for epoch in range(epochs):
+            for index, mini in enumerate(mini_batches(batch, mini_batch_size, shuffle=shuffle, generator=generator)):
                 num_tokens = float(mini["response_mask"].sum())
                 num_seqs = float(mini["response_mask"].any(dim=1).sum())
                 totals: dict[str, float] = {}
@@ -111,10 +124,21 @@ class Learner:
                     for name, value in averaged.items():
                         totals[name] = totals.get(name, 0.0) + float(value.detach()) * share
                 totals = self.parallel.sum_metrics(totals)
-                totals[f"{prefix}/grad_norm"] = self._step()
+                totals[f"{prefix}/grad_norm"] = self._clip_gradients()
+                if nonfinite_values(totals):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    problem = (f"step {step} update_{prefix}, epoch {epoch + 1} of {epochs}, mini-batch {index + 1} of "
+                               f"{count}: non-finite {describe_values(totals)}")
+                    if self.nonfinite == "fail":
+                        raise NonFiniteError(problem)
+                    logger.warning("%s; its optimizer step is skipped (trainer.nonfinite=skip)", problem)
+                    skipped += 1
+                    continue
+                self._step()
                 totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
                 rows.append(totals)
-        return mean_metrics(rows)
+        return {**mean_metrics(rows), f"{prefix}/optimizer_steps": float(len(rows)),
+                f"{prefix}/nonfinite_skipped": float(skipped)}
 
     def save(self, directory: str) -> dict[str, dict]:
         """Checkpoint the model, optimizer and LR schedule into ``directory``; manifest entries by file name
@@ -140,15 +164,16 @@ class Learner:
             self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
-    def _step(self) -> float:
-        """Clip gradients, then step; a non-finite gradient norm skips the step (as verl does)."""
+    def _clip_gradients(self) -> float:
+        """Clip the gradients to ``grad_clip``; their norm before clipping, over all ranks."""
         total_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        grad_norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        return float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
+
+    def _step(self) -> None:
+        """One optimizer and schedule step on the (finite) gradients, which are then cleared."""
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return grad_norm
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
