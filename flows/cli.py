@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     server = commands.add_parser("server", help="start a Prefect server set up for training runs (prefect server "
                                                  "start with ppoflow's task-run recorder settings)")
-    server.epilog = "Other arguments (--host, --port, ...) are passed on to `prefect server start`."
+    server.add_argument("--host", help="address to serve on (default: PREFECT_SERVER_API_HOST)")
+    server.add_argument("--port", type=int, help="port to serve on (default: PREFECT_SERVER_API_PORT)")
+    server.epilog = "Other arguments (--log-level, ...) are passed on to `prefect server start`."
 
     build = commands.add_parser("build-tiny-model", help="write the demo's random-init Llama + char tokenizer")
     build.add_argument("path")
@@ -166,14 +168,14 @@ def _train(args) -> int:
         os.environ.setdefault(name, value)
     from ppoflow.flows.logs import hide_user_error_tracebacks, run_failures
     from ppoflow.flows.preflight import preflight
-    from ppoflow.flows.train import check_mode, ppo_train
+    from ppoflow.flows.train import check_mode, run_ppo_train
 
     check_mode(cfg)
     preflight(cfg)
     hide_user_error_tracebacks()  # bad input found once Ray runs (resources) is reported like the rest
     previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPT_EXIT_CODES}
     try:
-        ppo_train(config=args.config or "grpo_tiny", overrides=list(args.overrides))
+        run_ppo_train(args.config or "grpo_tiny", args.overrides, cfg)
         return 0
     except run_failures() as failure:
         if args.debug:
@@ -368,10 +370,31 @@ def _serve(args) -> int:
 
 
 def _server(args) -> int:
-    """``prefect server start`` in this process's place, with :data:`SERVER_ENV` (unless already set)."""
+    """``prefect server start`` in this process's place, with :data:`SERVER_ENV` (unless already set), serving on
+    ``--host``/``--port`` (default: Prefect's settings). The server's own settings and the UI's API URL are set
+    to that address too: Prefect's UI otherwise reaches for PREFECT_API_URL as this process saw it, or the
+    default port, whatever port it serves on. A PREFECT_UI_API_URL the user set (a proxy) is kept."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    host, port = args.host or settings.server.api.host, args.port or settings.server.api.port
+    own = {"PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
+    if "api_url" not in settings.server.ui.model_fields_set:  # Prefect's default, not the user's
+        own["PREFECT_UI_API_URL"] = f"http://{_url_host(host)}:{port}/api"
     env = {name: value for name, value in os.environ.items()
            if not (name in TEMPORARY_SERVER_QUIET and value == TEMPORARY_SERVER_QUIET[name])}
-    os.execve(sys.executable, [sys.executable, "-m", "prefect", "server", "start", *args.server_args], env)
+    command = ["server", "start", "--host", host, "--port", str(port), *args.server_args]
+    os.execve(sys.executable, [sys.executable, "-m", "prefect", *command], {**env, **own})
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    import ipaddress
+
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:  # a name
+        return host
 
 
 COMMANDS = {"train": _train, "config": _config, "cache": _cache, "serve": _serve, "server": _server,

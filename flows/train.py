@@ -26,9 +26,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from datetime import datetime, timezone
+from operator import attrgetter
+from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 from prefect import flow, get_run_logger
+from prefect import tags as prefect_tags
+from prefect.context import TagsContext
+from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import Field
 
 from ppoflow.algorithms.correction import correct_off_policy
@@ -272,7 +278,34 @@ FORM_FIELDS = {"experiment_name": "trainer.experiment_name", "total_training_ste
 """The typed fields of :func:`ppo_train` and the config key each one sets."""
 
 
-@flow(name="ppo-train", log_prints=True)
+def typed_fields(cfg: PPOConfig) -> dict:
+    """The values :data:`FORM_FIELDS` take in ``cfg`` (those that are set)."""
+    values = {name: attrgetter(key)(cfg) for name, key in FORM_FIELDS.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def flow_run_name() -> str:
+    """``<experiment>-<UTC time>``, e.g. ``grpo_tiny-20261203-014500``: the runs list tells experiments apart.
+    The experiment is the typed field, else the config's (else, for a config that does not load, the preset:
+    the run then fails at once, naming the key)."""
+    parameters = prefect_flow_run.parameters
+    experiment = parameters.get("experiment_name")
+    if not experiment:
+        try:
+            cfg = load_config(parameters.get("config"), parameters.get("overrides", []))
+            experiment = cfg.trainer.experiment_name
+        except ConfigError:
+            experiment = preset_tag(parameters.get("config"))
+    return f"{experiment}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+
+
+def preset_tag(config: str | None) -> str:
+    """The preset's name, or a YAML file's stem."""
+    config = config or "grpo_tiny"
+    return Path(config).stem if config.endswith((".yaml", ".yml")) else config
+
+
+@flow(name="ppo-train", log_prints=True, flow_run_name=flow_run_name)
 def ppo_train(
     config: str = "grpo_tiny",
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
@@ -301,5 +334,16 @@ def ppo_train(
                                              f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
                                              if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
-    with logs_to_prefect():
+    # the caller's tags are the flow run's: a tagged task run costs the server a request (trainer.task_run_tags)
+    with logs_to_prefect(), TagsContext(current_tags=set()):
         return train(cfg)
+
+
+def run_ppo_train(config: str, overrides: list[str], cfg: PPOConfig, *tags: str, return_state: bool = False):
+    """Call :func:`ppo_train` on ``config`` + ``overrides`` (``cfg``, as loaded from them) so that its flow run
+    tells what it is: the Parameters show the effective typed fields, and the run is created tagged
+    ``experiment:``, ``preset:``, ``mode:`` and ``tags`` (``record``, ``replay``) - no request of its own."""
+    trainer = cfg.trainer
+    with prefect_tags(f"experiment:{trainer.experiment_name}", f"preset:{preset_tag(config)}",
+                      f"mode:{trainer.mode}", *tags):
+        return ppo_train(config=config, overrides=list(overrides), **typed_fields(cfg), return_state=return_state)

@@ -131,3 +131,43 @@ def test_a_bad_override_fails_the_run_at_once_naming_the_key(prefect_api):
 
     state = ppo_train(overrides=["actor_rollout_ref.rollout.temprature=0.5"], return_state=True)
     assert state.is_failed() and "did you mean 'actor_rollout_ref.rollout.temperature'" in state.message
+
+
+def test_serve_registers_the_nightly_replay_inactive_when_there_is_no_golden_baseline(prefect_api, tmp_path,
+                                                                                      capsys):
+    from ppoflow.flows.deploy import deployments
+
+    missing = str(tmp_path / "no-golden")
+    replay = next(d for d in deployments(missing) if d.name == "regression-replay")
+    assert f"--replay-dir {missing} holds no baseline.json" in capsys.readouterr().err
+    replay.apply()
+    with client() as api:
+        registered = api.read_deployment_by_name("regression-replay/regression-replay")
+    assert [(s.schedule.cron, s.active) for s in registered.schedules] == [("0 3 * * *", False)]
+
+
+def test_a_golden_baseline_keeps_the_nightly_replay_active(replay_baseline, capsys):
+    from ppoflow.flows.deploy import deployments
+
+    replay = next(d for d in deployments(str(replay_baseline)) if d.name == "regression-replay")
+    assert [schedule.active for schedule in replay.schedules] == [True]
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_recorded_run_is_named_for_its_experiment_and_tagged(prefect_api, replay_baseline):
+    """``ppoflow replay record`` trains through the same call as ``ppoflow train``: the flow run is named
+    ``<experiment>-<time>``, created with its tags, and its Parameters show the effective typed fields."""
+    import re
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
+
+    from tests.conftest import REPLAY_STEPS
+
+    with client() as api:
+        (run,) = api.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["record"])))
+        task_runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])), limit=5)
+    assert re.fullmatch(r"grpo_tiny-\d{8}-\d{6}", run.name), run.name
+    assert set(run.tags) == {"experiment:grpo_tiny", "preset:grpo_tiny", "mode:sync", "record"}
+    assert {name: run.parameters[name] for name in ("experiment_name", "mode", "total_training_steps")} == {
+        "experiment_name": "grpo_tiny", "mode": "sync", "total_training_steps": REPLAY_STEPS}
+    assert task_runs and all(task.tags == [] for task in task_runs)  # the run's tags are not every task run's

@@ -1,6 +1,6 @@
 """What the Prefect UI shows of a run, read through Prefect's API from a real server: task runs named and
 tagged for their stage and step, the start-up as task runs, a cache hit's key and the entry it loaded,
-the notes a user follows a run by, per-run artifacts, and the server settings `ppoflow server` starts with.
+the notes a user follows a run by, per-run artifacts (`ppoflow server` itself: tests/test_server.py).
 
 The runs are the session's golden run (dumps steps 1-4, validates at steps 0 and 4) and one replay of
 its cache made here."""
@@ -8,11 +8,7 @@ its cache made here."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 from prefect import get_client
@@ -20,8 +16,7 @@ from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRu
                                             FlowRunFilterId, LogFilter, LogFilterFlowRunId)
 from prefect.client.schemas.sorting import TaskRunSort
 
-from ppoflow.flows.cli import SERVER_ENV
-from tests.conftest import drain_prefect_logs, free_port
+from tests.conftest import drain_prefect_logs
 from tests.flow_runs import CONFIG, PROJECT, copy_dump, train_run
 
 SLUG = "ppoflow-grpo-tiny"
@@ -219,28 +214,3 @@ def test_a_submitted_task_run_records_its_plain_inputs_too(prefect_api):
     again = runs["probe[again]"]
     assert [link.id for link in again.task_inputs["step"]] == [submitted.id]  # a link stays a link only
     assert [link.type for link in again.task_inputs["texts"]] == ["list of 1"]
-
-
-def test_ppoflow_server_starts_prefect_with_batched_task_run_recording(tmp_path):
-    """``ppoflow server`` is ``prefect server start`` (its arguments passed on) with the task-run recorder
-    writing state events in batches, as ``SERVER_ENV`` says - read back from the server's own settings."""
-    port = free_port()
-    env = {name: value for name, value in os.environ.items() if name not in SERVER_ENV and name != "PREFECT_API_URL"}
-    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port",
-                               str(port)], env={**env, "PREFECT_HOME": str(tmp_path), "PREFECT_UI_ENABLED": "false"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/admin/settings", timeout=2) as response:
-                    settings = json.load(response)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "ppoflow server did not start"
-                time.sleep(0.5)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    recorder = settings["server"]["services"]["task_run_recorder"]
-    assert (recorder["batch_size"], recorder["read_batch_size"], recorder["flush_interval"]) == (50, 50, 1.0)

@@ -27,8 +27,11 @@ def check(directory: str, overrides: Sequence[str] = (), tolerances: Mapping[str
     baseline = load_baseline(directory)
     load_config(baseline["config"], replay_overrides(normalize_url(directory), baseline, overrides,
                                                      join(normalize_url(directory), "replays", "check")))
-    state = regression_replay(directory=directory, overrides=list(overrides), tolerances=dict(tolerances or {}),
-                              return_state=True)
+    from prefect import tags
+
+    with tags("replay"):  # the check's flow run, and the training run inside it
+        state = regression_replay(directory=directory, overrides=list(overrides), tolerances=dict(tolerances or {}),
+                                  return_state=True)
     if state.is_completed():
         summary = state.result()
         print(f"replay of {summary['directory']}: all {summary['steps']} steps match the baseline "

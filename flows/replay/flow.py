@@ -62,11 +62,12 @@ def record(directory: str, config: str | None = None, overrides: Sequence[str] =
     for name in existing:
         fs.rm(f"{root}/{name}", recursive=True)
     run_dir = join(directory, "record")
-    from ppoflow.flows.train import ppo_train  # torch, Ray and the workers: imported when a run starts, not by the CLI
+    from ppoflow.flows.train import run_ppo_train  # torch, Ray, workers: imported when a run starts, not by the CLI
 
     words = overrides + list(FORCED) + cache_overrides(directory, steps) + [f"trainer.default_local_dir={run_dir}"]
-    ppo_train(config=config, overrides=words)
-    incomplete = missing_cache_steps(load_config(config, words), steps)
+    recorded = load_config(config, words)
+    run_ppo_train(config, words, recorded, "record")
+    incomplete = missing_cache_steps(recorded, steps)
     if incomplete:  # a dump failed (see the run's warnings): a check of this baseline could only fail
         raise ReplayError(f"recorded {steps} steps but the cache under {join(directory, 'cache')} lacks "
                           + "; ".join(f"step {step} ({reason})" for step, reason in incomplete)
@@ -120,9 +121,9 @@ def regression_replay(directory: str, overrides: list[str] = [], tolerances: dic
     fingerprint = config_fingerprint(cfg)
     logger.info("replaying %d steps of %s into %s (config %s the baseline's)", steps, directory, run_dir,
                 "same as" if fingerprint == baseline["config_fingerprint"] else "changed from")
-    from ppoflow.flows.train import ppo_train
+    from ppoflow.flows.train import run_ppo_train
 
-    train_state = ppo_train(config=baseline["config"], overrides=words, return_state=True)
+    train_state = run_ppo_train(baseline["config"], words, cfg, "replay", return_state=True)
     train_state.result()  # a failed training run fails the replay with its own error
     rows = read_metrics(run_dir)
     hits = {row["step"]: row.get(f"skip/{ROLLOUT_STAGE}/hit") for row in rows}
