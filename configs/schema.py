@@ -288,6 +288,12 @@ class CriticConfig(PPOUpdateConfig):
 class CustomRewardConfig(Section):
     path: Optional[str] = Field(description="`module:function`, `module`, or a .py file; null = built-in scorers by data_source.")
     name: str = Field(description="Function name when `path` names a module or file.")
+    timeout_s: float = Field(gt=0, description="How long one call of the custom scorer may take; a stall is reported "
+                                               "while it lasts, and a call past this is handled by `on_timeout`.")
+    on_timeout: Literal["fail", "score"] = Field(
+        description="A scorer call past `timeout_s`: fail the step (naming the sample), or give the response "
+                    "`timeout_score` and go on (counted in reward/scorer_timeouts).")
+    timeout_score: float = Field(description="The score of a response whose scorer timed out (on_timeout=score).")
 
 
 class RewardModelConfig(Section):
