@@ -48,7 +48,7 @@ def parse_is_threshold(value: float | int | str) -> tuple[float | None, float]:
 
     A number or numeric string gives ``(None, upper)`` (truncation); a string ``"lo_hi"`` (e.g.
     ``"0.5_2.0"``) gives ``(lo, hi)`` (IcePop bounds).  Bools and other types raise ``TypeError``;
-    unparsable strings, bounds <= 0 and ``lo > hi`` raise ``ValueError`` naming the value.
+    unparsable strings, NaN bounds, bounds <= 0 and ``lo > hi`` raise ``ValueError`` naming the value.
     """
     if isinstance(value, bool):
         raise TypeError(f"Threshold must be a number or a string, not a bool ({value!r}).")
@@ -66,6 +66,8 @@ def parse_is_threshold(value: float | int | str) -> tuple[float | None, float]:
             raise ValueError(f"Invalid threshold {value!r}: expected a number or 'lower_upper'.") from exc
     else:
         raise TypeError(f"Threshold must be a number or a string, got {type(value).__name__} ({value!r}).")
+    if math.isnan(upper) or (lower is not None and math.isnan(lower)):
+        raise ValueError(f"Invalid threshold {value!r}: a bound is NaN.")
     if upper <= 0:
         raise ValueError(f"Invalid threshold {value!r}: the upper bound must be > 0.")
     if lower is not None:
@@ -161,6 +163,9 @@ def _parse_rejection_thresholds(
     for option, spec in zip(options, specs):
         lower, upper = parse_is_threshold(spec)
         if option.endswith("k1"):
+            if lower is None and upper < 1:  # [1/u, u] would be empty: every token rejected
+                raise ValueError(f"rollout rejection option {option!r}: a single ratio bound {spec!r} means "
+                                 f"[1/{spec}, {spec}], which needs a bound >= 1; give 'lower_upper' otherwise.")
             parsed.append((1.0 / upper if lower is None else lower, upper))
         elif lower is not None:
             raise ValueError(f"rollout rejection option {option!r} takes a single upper bound, got {spec!r}.")

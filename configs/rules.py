@@ -266,9 +266,13 @@ def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                        f"{'s' if ranks > 1 else ''} x "
                        f"({' + '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())})) "
                        f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}"))
-    if arr.rollout.resources.num_gpus > rollout_gpus:
-        errors.append(("rollout.n_gpus_per_node", f"actor_rollout_ref.rollout.resources.num_gpus="
-                       f"{arr.rollout.resources.num_gpus:g} exceeds the rollout pool rollout.nnodes * "
+    replicas = arr.rollout.num_replicas if arr.rollout.mode == "async" else 1  # each on rollout.resources
+    if replicas * arr.rollout.resources.num_gpus > rollout_gpus:
+        reserved = f"actor_rollout_ref.rollout.resources.num_gpus={arr.rollout.resources.num_gpus:g}"
+        if replicas > 1:
+            reserved = (f"rollout.mode=async: num_replicas={replicas} x {reserved} = "
+                        f"{replicas * arr.rollout.resources.num_gpus:g} GPUs")
+        errors.append(("rollout.n_gpus_per_node", f"{reserved} exceeds the rollout pool rollout.nnodes * "
                        f"rollout.n_gpus_per_node = {rollout_gpus}"))
     if trainer_gpus and trainer_gpus % arr.rollout.n and (arr.rollout.n * cfg.data.train_batch_size) % trainer_gpus:
         errors.append(("actor_rollout_ref.rollout.n", f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
@@ -304,11 +308,15 @@ def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
 
             from ppoflow.algorithms.correction import compute_rejection_mask
 
-            try:  # the real parser on a one-token batch: same messages as at run time
-                compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                                       options=correction.rollout_rs, thresholds=correction.rollout_rs_threshold)
-            except (TypeError, ValueError) as error:
-                errors.append((f"{key}.rollout_rs", str(error)))
+            # the real parser on a one-token batch (same messages as at run time): the options with a bound
+            # every option takes, then the configured bounds, so the problem names the key that holds it
+            for name, thresholds in (("rollout_rs", 1.0), ("rollout_rs_threshold", correction.rollout_rs_threshold)):
+                try:
+                    compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                                           options=correction.rollout_rs, thresholds=thresholds)
+                except (TypeError, ValueError) as error:
+                    errors.append((f"{key}.{name}", str(error)))
+                    break
     if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
         errors.append((f"{key}.bypass_mode", "bypass mode uses the rollout's log-probs as old log-probs, so "
                        "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false"))

@@ -28,6 +28,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
+SEED_MAX = 2**32 - 1
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+"""A random seed: numpy seeds only from [0, 2**32 - 1] (vLLM seeds numpy with ``rollout.seed``), and every
+seed of a run takes that one range."""
+
+
 # ----------------------------------------------------------------------------------------- data
 
 
@@ -41,7 +47,7 @@ class SyntheticDataConfig(Section):
     digits: int = Field(2, ge=1, le=8, description="Digits per prompt.")
     train_rows: int = Field(3200, ge=1, description="Rows written to the train file.")
     val_rows: int = Field(100, ge=1, description="Rows written to the validation file.")
-    seed: int = Field(0, description="Seed of the generated rows.")
+    seed: Seed = Field(0, description="Seed of the generated rows.")
     copy_share: float = Field(0.0, ge=0, lt=1, description="vault: share of the train rows that are copy rows "
                                                            "(copying is what reading a tool's answer takes).")
 
@@ -59,7 +65,8 @@ class DataConfig(Section):
     max_response_length: int = Field(ge=1, description="Most tokens generated per response.")
     filter_overlong_prompts: bool = Field(description="Drop prompts longer than max_prompt_length instead of applying `truncation`.")
     truncation: Literal["error", "left", "right"] = Field(description="What to do with an overlong prompt that is not filtered.")
-    seed: int = Field(description="Seed of the dataloader's shuffle.")
+    seed: Seed = Field(description="Seed of the dataloader's shuffle (also of the mini-batch shuffles and the "
+                                     "critic's value head).")
     shuffle: bool = Field(description="Shuffle the train set every epoch.")
     synthetic: Optional[SyntheticDataConfig] = Field(
         description="Generate the data files from a built-in task when they are missing, announced on the console. "
@@ -78,18 +85,23 @@ class TinyModelConfig(Section):
     hidden_size: int = Field(128, ge=8, description="Llama hidden size.")
     intermediate_size: int = Field(256, ge=8, description="Llama MLP size.")
     num_hidden_layers: int = Field(2, ge=1, description="Llama layers.")
-    num_attention_heads: int = Field(4, ge=1, description="Attention heads (must divide hidden_size).")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads (must divide hidden_size into an even "
+                                                          "head size).")
     max_position_embeddings: int = Field(64, ge=8, description="Longest prompt + response the model accepts.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
+    seed: Seed = Field(0, description="Seed of the random initialisation.")
 
     @field_validator("num_attention_heads")
     @classmethod
     def _heads_divide_hidden_size(cls, heads: int, info: ValidationInfo) -> int:
-        """Each head takes ``hidden_size / heads`` dimensions; transformers would fail only when building."""
+        """Each head takes ``hidden_size / heads`` dimensions, an even number as rotary position embeddings turn
+        them in pairs; transformers would fail only when building, or at the first forward pass."""
         hidden = info.data.get("hidden_size")  # absent when hidden_size itself was invalid
         if hidden is not None and hidden % heads:
             raise PydanticCustomError("heads_divide_hidden_size", "must divide hidden_size={hidden_size}",
                                       {"hidden_size": hidden})
+        if hidden is not None and (hidden // heads) % 2:
+            raise PydanticCustomError("head_size_odd", "gives an odd head size hidden_size / num_attention_heads = "
+                                      "{head_size}; rotary embeddings need an even one", {"head_size": hidden // heads})
         return heads
 
 
@@ -105,22 +117,45 @@ class ModelConfig(Section):
                     "too (e.g. `build.seed=0`), so a path without a model is an error, never a fresh random model.")
 
 
-class ResourcesConfig(Section):
-    """What one Ray actor of a role reserves, and how many torch threads it uses."""
+RAY_RESOURCE_UNIT = 1e-4
+"""The smallest non-zero amount of a resource Ray reserves (its fractional precision)."""
 
-    num_cpus: float = Field(ge=0, description="Ray CPUs reserved by the role's actor.")
-    num_gpus: float = Field(ge=0, description="Ray GPUs reserved by the role's actor.")
+
+def _ray_amount_problem(amount: float) -> str | None:
+    """Why Ray would refuse ``amount`` of a resource when the actor is created, or None."""
+    if amount < 0:
+        return "must be >= 0"
+    if 0 < amount < RAY_RESOURCE_UNIT:
+        return f"must be 0 or at least {RAY_RESOURCE_UNIT:g} (Ray's resource precision)"
+    return None
+
+
+class ResourcesConfig(Section):
+    """What one Ray actor of a role reserves, and how many torch threads it uses. Ray refuses an amount only
+    when the actor is created; the config refuses it first."""
+
+    num_cpus: float = Field(ge=0, description=f"Ray CPUs reserved by the role's actor: 0 or at least "
+                                              f"{RAY_RESOURCE_UNIT:g}.")
+    num_gpus: float = Field(ge=0, description=f"Ray GPUs reserved by the role's actor: 0 or at least "
+                                              f"{RAY_RESOURCE_UNIT:g}.")
     num_threads: int = Field(ge=1, description="torch.set_num_threads inside the actor.")
     custom: dict[str, float] = Field(
         description="Ray custom resources each actor of the role reserves (e.g. {trainer_node: 1} to pin the role to "
-                    "nodes started with `ray start --resources`); each amount >= 0.")
+                    f"nodes started with `ray start --resources`); each amount 0 or at least {RAY_RESOURCE_UNIT:g}.")
+
+    @field_validator("num_cpus", "num_gpus")
+    @classmethod
+    def _ray_precision(cls, amount: float) -> float:
+        if (problem := _ray_amount_problem(amount)) is not None:
+            raise PydanticCustomError("ray_resource_amount", problem)
+        return amount
 
     @field_validator("custom")
     @classmethod
-    def _custom_amounts_not_negative(cls, custom: dict[str, float]) -> dict[str, float]:
-        """Ray refuses a negative amount only when the actor is created; refuse it with the config."""
-        if any(amount < 0 for amount in custom.values()):
-            raise PydanticCustomError("custom_resource_negative", "each amount must be >= 0")
+    def _custom_amounts(cls, custom: dict[str, float]) -> dict[str, float]:
+        for amount in custom.values():
+            if (problem := _ray_amount_problem(amount)) is not None:
+                raise PydanticCustomError("ray_resource_amount", f"each amount {problem}")
         return custom
 
 
@@ -177,8 +212,10 @@ class PPOUpdateConfig(TrainingEngineConfig):
 
 
 class ActorConfig(PPOUpdateConfig):
-    clip_ratio_low: float = Field(ge=0, description="PPO clip: lower bound 1 - clip_ratio_low.")
-    clip_ratio_high: float = Field(ge=0, description="PPO clip: upper bound 1 + clip_ratio_high (DAPO clip-higher when larger).")
+    clip_ratio_low: float = Field(gt=0, lt=1, description="PPO clip: lower bound 1 - clip_ratio_low, a ratio in "
+                                                          "(0, 1).")
+    clip_ratio_high: float = Field(gt=0, description="PPO clip: upper bound 1 + clip_ratio_high (DAPO clip-higher "
+                                                     "when larger).")
     clip_ratio_c: float = Field(gt=1, description="Dual-clip constant for negative advantages.")
     entropy_coeff: float = Field(ge=0, description="Entropy bonus coefficient.")
     use_kl_loss: bool = Field(description="Add a KL-to-reference loss (needs the ref worker).")
@@ -251,7 +288,7 @@ class RolloutConfig(Section):
     top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(ge=-1, description="Top-k sampling; -1 or 0 = off.")
     do_sample: bool = Field(description="false = greedy decoding.")
-    seed: int = Field(description="Base seed of the rollout sampler (mixed with the step).")
+    seed: Seed = Field(description="Base seed of the rollout sampler (mixed with the step); vLLM's engine seed.")
     log_prob_micro_batch_size_per_gpu: Optional[int] = Field(ge=1, description="Trajectories per old-log-prob forward; null = all.")
     gpu_memory_utilization: float = Field(gt=0, le=1, description="vLLM: fraction of GPU memory for the engine.")
     tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
@@ -452,7 +489,8 @@ class RolloutPoolConfig(Section):
 
 class RayConfig(Section):
     address: Optional[str] = Field(description="Ray cluster to join (or env RAY_ADDRESS); null = start a local Ray inside the run.")
-    num_cpus: Optional[float] = Field(ge=1, description="CPUs of the local Ray; null = enough for every role.")
+    num_cpus: Optional[int] = Field(ge=1, description="CPUs of the local Ray (a whole number, as ray.init takes); "
+                                                     "null = enough for every role.")
 
 
 class SkipStageConfig(Section):
@@ -461,8 +499,9 @@ class SkipStageConfig(Section):
 
     enable: bool = Field(description="Turn caching of this stage on.")
     dump_dir: str = Field(description="Cache root, any fsspec URL (`~` expanded).")
-    steps: list[int] = Field(description="Training steps whose result may be loaded or dumped (for "
-                                         "skip.async_rollout: feed indexes of prompts, from 1).")
+    steps: list[Annotated[int, Field(ge=1)]] = Field(
+        description="Training steps (from 1) whose result may be loaded or dumped (for skip.async_rollout: feed "
+                    "indexes of prompts, from 1).")
     action: Literal["cache", "repeat"] = Field(description="cache = this step's own dump; repeat = the nearest dumped step.")
     storage_options: dict = Field(description="fsspec options (endpoint; never credentials) for dump_dir.")
     allow_mismatch: bool = Field(description="Replay entries recorded with other sampling settings, model or tokenizer "

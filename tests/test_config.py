@@ -682,6 +682,12 @@ def test_reference_table_mentions_every_key_once():
      "algorithm.rollout_correction.rollout_is_threshold", "Invalid threshold '3_1': the lower bound exceeds the upper bound."),
     (["algorithm.rollout_correction.rollout_rs=token_k2"], "algorithm.rollout_correction.rollout_rs_threshold",
      "rollout_rs='token_k2' needs thresholds"),
+    # a problem of the options names rollout_rs, one of their bounds rollout_rs_threshold
+    (["algorithm.rollout_correction.rollout_rs=token_k9", "algorithm.rollout_correction.rollout_rs_threshold=2.0"],
+     "algorithm.rollout_correction.rollout_rs", "Unknown rollout rejection option 'token_k9'"),
+    (["algorithm.rollout_correction.rollout_rs=token_k2,seq_max_k3",
+      "algorithm.rollout_correction.rollout_rs_threshold=[1.0,2.0,3.0]"],
+     "algorithm.rollout_correction.rollout_rs_threshold", "rollout rejection: got 3 thresholds for 2 options"),
     (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=sequence"],
      "algorithm.rollout_correction.bypass_mode",
      "bypass mode uses the rollout's log-probs as old log-probs, so rollout_is / rollout_rs (old vs rollout) have "

@@ -205,3 +205,8 @@ def test_rejection_errors():
         compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k1", thresholds="2.0_0.5")
     with pytest.raises(TypeError):
         compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k2", thresholds=True)
+    with pytest.raises(ValueError, match="'token_k1'.*needs a bound >= 1"):  # [1/0.5, 0.5] would reject all
+        compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k1", thresholds=0.5)
+    for nan in ("nan", "nan_2", "0.5_nan"):
+        with pytest.raises(ValueError, match="NaN"):
+            compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k1", thresholds=nan)
