@@ -5,7 +5,8 @@ and returns a float, or a dict with a ``"score"`` float plus any extra numbers t
 is the decoded response up to (not including) its EOS token, with other special tokens kept, so a
 policy cannot hide junk tokens from a rule checker. A scorer that raises or returns anything else is a
 :class:`ScorerFailed` naming the scorer and the sample: user code fails the same way every time, so it is
-never retried.
+never retried. A custom scorer call past ``custom_reward_function.timeout_s`` is a :class:`ScorerTimedOut`, or
+(``on_timeout=score``) the response scores ``timeout_score``, flagged in the extra :data:`SCORER_TIMEOUTS`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numbers
 import re
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from ppoflow.algorithms.user_code import load_object
 
@@ -59,6 +61,22 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
 class ScorerFailed(Exception):
     """A scorer could not score a response: it raised, returned something that is not a score, or (run in
     a process of its own) ended that process; the message names the scorer and what it was scoring."""
+
+
+class ScorerTimedOut(ScorerFailed):
+    """A custom scorer call ran past ``custom_reward_function.timeout_s`` (its process was killed)."""
+
+
+SCORER_TIMEOUTS = "scorer_timeouts"
+"""The extra a custom scorer with ``on_timeout=score`` reports for each response: 1 when it scored
+``timeout_score`` because its call timed out, else 0 (summed per step as ``reward/scorer_timeouts``)."""
+
+_SAMPLE: ContextVar[str] = ContextVar("ppoflow_scored_sample", default="a response")
+
+
+def sample_being_scored() -> str:
+    """The response :func:`score_one` is scoring now, as messages name it (for a scorer's own warnings)."""
+    return _SAMPLE.get()
 
 
 def load_custom_scorer(path: str, name: str) -> Scorer:
@@ -131,21 +149,26 @@ def _shown(value) -> str:
     return f"a {type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
 
 
-def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | None = None
+def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | None = None, *, sample: str
               ) -> tuple[float, dict[str, float]]:
-    """One response's score and any extra values its scorer reported; :class:`ScorerFailed` when the scorer
-    raises or returns something else."""
+    """One response's score and any extra values its scorer reported; :class:`ScorerFailed` (or a subclass)
+    when the scorer raises, returns something else or times out, its message ending ``while scoring
+    {sample}`` (``sample`` names the response, e.g. ``a response to prompt '3-1' (data source 'my/task')``)."""
     scorer = scorer_for(data_source, custom)
+    token = _SAMPLE.set(sample)
     try:
         result = scorer(data_source, solution, ground_truth)
-    except ScorerFailed:
-        raise  # a scorer in a process of its own says itself what went wrong
+    except ScorerFailed as error:  # a scorer in a process of its own says itself what went wrong
+        raise type(error)(f"{error} while scoring {sample}") from None
     except Exception as error:  # noqa: BLE001 - a scorer may raise anything
-        raise ScorerFailed(f"{scorer_label(scorer)} raised {type(error).__name__}: {error}") from error
+        raise ScorerFailed(f"{scorer_label(scorer)} raised {type(error).__name__}: {error} while scoring "
+                           f"{sample}") from error
+    finally:
+        _SAMPLE.reset(token)
     try:
         return as_score(result)
     except ValueError as error:
-        raise ScorerFailed(f"{scorer_label(scorer)} {error}") from None
+        raise ScorerFailed(f"{scorer_label(scorer)} {error} while scoring {sample}") from None
 
 
 def score_responses(data_sources: list[str], solutions: list[str], ground_truths: list,
@@ -156,11 +179,8 @@ def score_responses(data_sources: list[str], solutions: list[str], ground_truths
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for index, (source, solution, truth) in enumerate(zip(data_sources, solutions, ground_truths, strict=True)):
-        try:
-            score, extra = score_one(source, solution, truth, custom)
-        except ScorerFailed as error:
-            response = f"a response to prompt {prompt_ids[index]!r}" if prompt_ids else f"response {index}"
-            raise ScorerFailed(f"{error} while scoring {response} (data source {source!r})") from None
+        response = f"a response to prompt {prompt_ids[index]!r}" if prompt_ids else f"response {index}"
+        score, extra = score_one(source, solution, truth, custom, sample=f"{response} (data source {source!r})")
         scores.append(score)
         for name, value in extra.items():
             extras.setdefault(name, []).append(value)

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from prefect.settings import get_current_settings
 
-from ppoflow.algorithms.scoring import ScorerFailed, score_one, scorer_for
+from ppoflow.algorithms.scoring import ScorerFailed, ScorerTimedOut, score_one, scorer_for
 from ppoflow.configs import ConfigError, config_as_dict, tool_config_file
 from ppoflow.configs.cache_settings import storage_settings
 from ppoflow.configs.schema import PPOConfig
@@ -45,8 +45,9 @@ connection for much longer)."""
 RAY_CONNECT_TIMEOUT_S = 5.0
 """How long a TCP connection to ``ray.address``, and then Ray's handshake, may take (``ray.init`` itself
 retries for minutes)."""
-SCORER_TIMEOUT_S = 30.0
-"""How long the custom scorer may take to start (import) and, then, to score the preflight's one row."""
+SCORER_START_TIMEOUT_S = 30.0
+"""How long the custom scorer may take to start (import); scoring the preflight's one row may then take
+``custom_reward_function.timeout_s``, as a call in the run may."""
 
 Problems = list[tuple[str, str]]
 
@@ -301,7 +302,7 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     custom scorer, every data source has a built-in scorer."""
     custom = cfg.custom_reward_function
     if custom.path:
-        return [("custom_reward_function.path", problem) for problem in _custom_scorer_problems(custom, first_row)]
+        return _custom_scorer_problems(custom, first_row)
     problems: Problems = []
     for key, found in sources.items():
         for source in sorted(found):
@@ -312,21 +313,32 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     return problems
 
 
-def _custom_scorer_problems(custom, row: dict | None) -> list[str]:
-    with ScorerProcess(custom.path, custom.name, start_timeout_s=SCORER_TIMEOUT_S,
-                       call_timeout_s=SCORER_TIMEOUT_S) as scorer:
+_AS_THE_REWARD_STAGE = (", called as the reward stage calls it (data_source, its ground truth as the response, "
+                        "ground_truth)")
+
+
+def _custom_scorer_problems(custom, row: dict | None) -> Problems:
+    """What keeps the custom scorer from scoring ``row``: a call past ``custom_reward_function.timeout_s`` is that
+    key's problem, whatever ``on_timeout`` says (a run whose scorer hangs on a real row would learn nothing), any
+    other failure ``custom_reward_function.path``'s."""
+    key = "custom_reward_function.path"
+    with ScorerProcess(custom.path, custom.name, timeout_s=custom.timeout_s,
+                       start_timeout_s=SCORER_START_TIMEOUT_S) as scorer:
         try:
             problem = scorer.import_error()
             if problem or row is None:
-                return [problem] if problem else []
+                return [(key, problem)] if problem else []
             truth = row["reward_model"].get("ground_truth")
-            score, extras = score_one(row["data_source"], "" if truth is None else str(truth), truth, scorer)
+            score, extras = score_one(row["data_source"], "" if truth is None else str(truth), truth, scorer,
+                                      sample=f"the first row of data.train_files (data source {row['data_source']!r})")
+        except ScorerTimedOut as error:
+            return [("custom_reward_function.timeout_s", f"{error}{_AS_THE_REWARD_STAGE}; raise it if the scorer is "
+                                                         "only slow")]
         except ScorerFailed as error:
-            return [f"{error}, called as the reward stage calls it on the first row of data.train_files "
-                    "(data_source, its ground truth as the response, ground_truth)"]
+            return [(key, f"{error}{_AS_THE_REWARD_STAGE}")]
     values = {"score": score, **extras}
     bad = next((name for name, value in values.items() if not math.isfinite(value)), None)
     if bad:
-        return [f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
-                "data.train_files; scores must be finite"]
+        return [(key, f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
+                      "data.train_files; scores must be finite")]
     return []

@@ -5,9 +5,10 @@ else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth
 overhead inside a Ray worker (sandboxed code execution, remote judges; docs/benchmarks.md) - in chunks
 as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
 A scorer that fails (:class:`~ppoflow.algorithms.scoring.ScorerFailed`: it raised, returned no score, ended
-its process) fails the stage at once, naming the scorer, the response's prompt (its uid: ``{step}-{i}`` in
-training, ``val-{row}`` in validation), its data source and the task run (``reward[step=12]``): user code fails the same
-way every time, so only other failures are retried.
+its process, passed ``custom_reward_function.timeout_s`` with ``on_timeout=fail``) fails the stage at once,
+naming the scorer, the response's prompt (its uid: ``{step}-{i}`` in training, ``val-{row}`` in validation), its
+data source and the task run (``reward[step=12]``): user code fails the same way every time, so only other
+failures are retried. With ``on_timeout=score``, ``reward/scorer_timeouts`` counts the step's timed-out calls.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prefect.context import TaskRunContext
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import Scorer, ScorerFailed, score_responses, solution_text
+from ppoflow.algorithms.scoring import SCORER_TIMEOUTS, Scorer, ScorerFailed, score_responses, solution_text
 from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
 from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
@@ -32,8 +33,13 @@ def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
 
 
 def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
-    """``reward/<name>/mean`` of each extra value the scorers reported."""
-    return {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()}
+    """``reward/<name>/mean`` of each extra value the scorers reported, and ``reward/scorer_timeouts``: how
+    many of the responses scored ``timeout_score`` (:data:`~ppoflow.algorithms.scoring.SCORER_TIMEOUTS`)."""
+    metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()
+               if name != SCORER_TIMEOUTS}
+    if SCORER_TIMEOUTS in extras:
+        metrics[f"reward/{SCORER_TIMEOUTS}"] = sum(extras[SCORER_TIMEOUTS])
+    return metrics
 
 
 def unless_a_scorer_failed(task, task_run, state) -> bool:
@@ -84,7 +90,7 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
         context = TaskRunContext.get()
         if context is None:
             raise
-        raise ScorerFailed(f"{error} in {context.task_run.name}") from None
+        raise type(error)(f"{error} in {context.task_run.name}") from None
     token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
     return StageResult(TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size),
                        extra_means(extras))

@@ -19,7 +19,7 @@ from ppoflow.tasks.task_inputs import recorded_task
 from ppoflow.workers.group import Workers, start_local_workers
 from ppoflow.workers.group import start_workers as start_ray_workers
 from ppoflow.workers.models import ensure_model, load_tokenizer
-from ppoflow.workers.scorer_process import ScorerProcess
+from ppoflow.workers.scorer_process import configured_scorer
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class RunInputs:
 @recorded_task(name="load_data", cache_policy=NO_CACHE, task_run_name="load_data")
 def load_data(cfg: PPOConfig) -> RunInputs:
     """Build or generate what the config asks for (a tiny model, the synthetic task), then load the
-    tokenizer, the train and validation sets and a custom reward function (run in a process of its own,
-    :class:`~ppoflow.workers.scorer_process.ScorerProcess`)."""
+    tokenizer, the train and validation sets and a custom reward function (run in a process of its own, with
+    its deadline: :class:`~ppoflow.workers.scorer_process.ScorerProcess`)."""
     data = cfg.data
     ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
     if cfg.use_critic:
@@ -45,9 +45,7 @@ def load_data(cfg: PPOConfig) -> RunInputs:
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     train_set = load_prompt_dataset(data.train_files, data, tokenizer, key="data.train_files")
     val_set = load_prompt_dataset(data.val_files, data, tokenizer, key="data.val_files") if data.val_files else None
-    custom = cfg.custom_reward_function
-    return RunInputs(tokenizer, train_set, val_set,
-                     ScorerProcess(custom.path, custom.name) if custom.path else None)
+    return RunInputs(tokenizer, train_set, val_set, configured_scorer(cfg.custom_reward_function))
 
 
 @recorded_task(name="start_workers", cache_policy=NO_CACHE, task_run_name="start_workers")

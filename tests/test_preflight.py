@@ -246,6 +246,23 @@ def test_a_custom_scorer_is_called_on_the_first_row(capsys, tmp_path, tiny_overr
     assert "Connecting to existing Ray cluster" not in stderr
 
 
+@pytest.mark.parametrize("on_timeout", ["fail", "score"])
+def test_a_custom_scorer_that_hangs_on_the_first_row(capsys, tmp_path, tiny_overrides, on_timeout):
+    """Bounded by the run's own deadline, whatever on_timeout says; the hung process is gone."""
+    (tmp_path / "my_reward.py").write_text(
+        "import os, time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    open(__file__ + '.pid', 'w').write(str(os.getpid()))\n"
+        "    time.sleep(10**9)\n")
+    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py",
+                           "custom_reward_function.timeout_s=1", f"custom_reward_function.on_timeout={on_timeout}")
+    assert_user_error(code, stderr, f"custom_reward_function.timeout_s: the custom scorer '{tmp_path}/my_reward.py:"
+                                    "compute_score' did not return within custom_reward_function.timeout_s=1 s (its "
+                                    "process was killed) while scoring the first row of data.train_files (data source "
+                                    "'synthetic/copy'), called as the reward stage calls it")
+    assert not os.path.exists(f"/proc/{int((tmp_path / 'my_reward.py.pid').read_text())}")
+
+
 def test_a_custom_scorer_that_exits_while_imported(capsys, tmp_path, tiny_overrides):
     (tmp_path / "my_reward.py").write_text("import os\nos._exit(3)\n")
     code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")

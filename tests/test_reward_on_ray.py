@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppoflow.algorithms.scoring import ScorerFailed, score_responses
+from ppoflow.algorithms.scoring import ScorerFailed, ScorerTimedOut, score_responses
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.run import start_run
 from ppoflow.tasks.reward import score_on_ray
@@ -26,6 +26,14 @@ def counted_failure(data_source, solution_str, ground_truth, extra_info=None):
     with open(__file__ + ".calls", "a") as calls:
         calls.write(".")
     raise RuntimeError("the judge is down")
+
+def counted_hang(data_source, solution_str, ground_truth, extra_info=None):
+    import time
+    with open(__file__ + ".calls", "a") as calls:
+        calls.write(".")
+    if solution_str == "hang":
+        time.sleep(10**9)
+    return 1.0
 """
 
 
@@ -33,23 +41,45 @@ def test_a_custom_scorer_process_on_ray_scores_as_in_the_flow(prefect_api, ray_l
     (tmp_path / "scorers.py").write_text(SCORERS)
     solutions, truths = ["12", "1", "123", "", "21"], ["12", "12", "12", "12", "21"]
     sources = ["my/task"] * len(solutions)
-    with ScorerProcess(str(tmp_path / "scorers.py"), "length") as scorer:  # travels to the workers as path + name
+    with ScorerProcess(str(tmp_path / "scorers.py"), "length", timeout_s=60) as scorer:  # travels as its settings
         state = score_on_ray(sources, solutions, truths, scorer, chunks=2, return_state=True)
         assert state.is_completed(), state
         assert state.result() == score_responses(sources, solutions, truths, scorer)
 
 
+def failure_of(state, kind: type[Exception]) -> str:
+    """The message of the ``kind`` error a failed flow run's state holds."""
+    assert state.is_failed()
+    with pytest.raises(kind) as caught:
+        state.result()
+    return str(caught.value)
+
+
 @pytest.mark.reliability
 def test_a_failing_scorer_on_ray_is_not_retried(prefect_api, ray_local, tmp_path):
     (tmp_path / "scorers.py").write_text(SCORERS)
-    scorer = ScorerProcess(str(tmp_path / "scorers.py"), "counted_failure")
+    scorer = ScorerProcess(str(tmp_path / "scorers.py"), "counted_failure", timeout_s=60)
     state = score_on_ray(["my/task"], ["12"], ["12"], scorer, chunks=1, prompt_ids=["4-0"], return_state=True)
-    assert state.is_failed()
-    with pytest.raises(ScorerFailed) as caught:
-        state.result()
-    assert str(caught.value) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_failure' raised RuntimeError: "
+    assert failure_of(state, ScorerFailed) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_failure' raised RuntimeError: "
                                  "the judge is down while scoring a response to prompt '4-0' (data source 'my/task')")
     assert (tmp_path / "scorers.py.calls").read_text() == "."  # once: a scorer's failure is not retried
+
+
+@pytest.mark.reliability
+def test_a_hanging_scorer_on_ray_has_its_deadline_and_policy(prefect_api, ray_local, tmp_path):
+    """The deadline and on_timeout travel with the scorer to the Ray worker: a timeout fails the chunk once
+    (never retried), or scores timeout_score and is counted."""
+    (tmp_path / "scorers.py").write_text(SCORERS)
+    failing = ScorerProcess(str(tmp_path / "scorers.py"), "counted_hang", timeout_s=1)
+    state = score_on_ray(["my/task"], ["hang"], ["12"], failing, chunks=1, prompt_ids=["6-0"], return_state=True)
+    assert failure_of(state, ScorerTimedOut) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_hang' did not return within "
+                                 "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
+                                 "response to prompt '6-0' (data source 'my/task')")
+    assert (tmp_path / "scorers.py.calls").read_text() == "."
+    scoring = ScorerProcess(str(tmp_path / "scorers.py"), "counted_hang", timeout_s=1, on_timeout="score",
+                            timeout_score=-1.0)
+    state = score_on_ray(["my/task"] * 2, ["hang", "12"], ["12"] * 2, scoring, chunks=1, return_state=True)
+    assert state.result() == ([-1.0, 1.0], {"scorer_timeouts": [1.0, 0.0]})
 
 
 def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):

@@ -38,7 +38,7 @@ from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
 from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
 from ppoflow.workers.rollout import SamplingParams
-from ppoflow.workers.scorer_process import ScorerProcess
+from ppoflow.workers.scorer_process import configured_scorer
 from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, TokenOutput
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
 
@@ -189,8 +189,7 @@ class AgentLoopWorker:
             self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
                                     processes=rollout.multi_turn.tool_processes)
         self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
-        custom = cfg.custom_reward_function
-        self.custom_scorer = ScorerProcess(custom.path, custom.name) if custom.path else None  # user code: its own process
+        self.custom_scorer = configured_scorer(cfg.custom_reward_function)  # user code: its own process
         self.settings = AgentSettings(response_length=cfg.data.max_response_length,
                                       max_assistant_turns=rollout.multi_turn.max_assistant_turns,
                                       max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
@@ -264,7 +263,9 @@ class AgentLoopWorker:
         for index in range(sampling.n):
             trajectory = loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{session}/{index}",
                                   seed=trajectory_seed(sampling.seed, step, position, index), tools_kwargs=tools_kwargs)
-            runs.append(trajectory if source is None else self.scored(trajectory, source, truth))
+            prompt = repr(sample) if sample is not None else f"{position} of step {step}"
+            runs.append(trajectory if source is None else self.scored(
+                trajectory, source, truth, sample=f"response {index} to prompt {prompt} (data source {source!r})"))
         finished = await asyncio.gather(*runs)
         outputs = finished if source is None else [output for output, _ in finished]
         group = outputs_to_batch(outputs, prompt_width=len(prompt_ids), response_width=sampling.max_new_tokens,
@@ -283,12 +284,13 @@ class AgentLoopWorker:
                 outcome = "dump_failed"
         return group, outcome
 
-    async def scored(self, trajectory, data_source: str, ground_truth) -> tuple:
+    async def scored(self, trajectory, data_source: str, ground_truth, *, sample: str) -> tuple:
         """The trajectory, and its score and extras, scored in a thread as soon as it finishes (a slow
-        custom scorer does not hold up the event loop)."""
+        custom scorer does not hold up the event loop); ``sample`` names it in the scorer's messages."""
         output = await trajectory
         solution = solution_text(output.response_ids, self.tokenizer)
-        return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer)
+        return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer,
+                                               sample=sample)
 
 
 def sample_cache(cfg: PPOConfig) -> SampleCache | None:

@@ -1,32 +1,40 @@
 """Custom reward scorers in a process of their own: a scorer that ends its process (``os._exit``, a crash)
-is reported as such, and never ends the trainer.
+is reported as such, and one that hangs is killed at its deadline; neither ends nor hangs the trainer.
 
 A :class:`ScorerProcess` is called like the scorer it runs (verl's ``compute_score`` arguments) and scores
 exactly as calling the scorer in the trainer would: the child calls it and converts what it returned with
 :func:`~ppoflow.algorithms.scoring.as_score`, the function in-process scoring uses, and the floats travel
 back as JSON, which round-trips every float. The child is a sandbox process of :mod:`ppoflow.workers.tools`
 (spawned, ended with its parent, JSON on its pipe), started on the first call and kept for the next ones;
-one that died is replaced on the next call. A ScorerProcess pickles as its path and name (the reward
-chunks of ``reward_model.reward_manager=ray`` take it to Ray workers), and each process that unpickles one
-keeps one child per scorer. Built-in scorers stay in the trainer: they are ppoflow's own, and fast.
+one that died or passed ``custom_reward_function.timeout_s`` (a warning every few seconds while a call
+lasts, as for storage stalls) is killed and replaced on the next call, and the call fails
+(:class:`ScorerTimedOut`) or scores ``timeout_score`` (``on_timeout``). A ScorerProcess pickles as its
+settings (the reward chunks of ``reward_model.reward_manager=ray`` take it to Ray workers), and each process
+that unpickles one keeps one child per scorer. Built-in scorers stay in the trainer: they are ppoflow's own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing
 import resource
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
-from ppoflow.algorithms.scoring import ScorerFailed, as_score, scorer_function
-from ppoflow.workers.tools import ProcessEnded, Sandbox, SandboxFailed, describe_error, kill_sandboxes, set_soft_limit
+from ppoflow.algorithms.scoring import (SCORER_TIMEOUTS, ScorerFailed, ScorerTimedOut, as_score, sample_being_scored,
+                                      scorer_function)
+from ppoflow.storage import bounded
+from ppoflow.workers.tools import (ProcessEnded, Sandbox, SandboxFailed, cpu_budget_s, describe_error, kill_sandboxes,
+                                   set_soft_limit)
 
-SCORE_CPU_S = 600
-"""CPU seconds one scoring call may use: the backstop of a child that keeps spinning after its trainer died
-(a call has no wall-clock deadline unless ``call_timeout_s`` gives one)."""
+if TYPE_CHECKING:  # the child imports this module: no pydantic there
+    from ppoflow.configs.schema import CustomRewardConfig
+
+logger = logging.getLogger(__name__)
 
 _SCORER = "scorer"
 """The name of the one function a scorer process imports."""
@@ -35,15 +43,19 @@ _SCORER = "scorer"
 class ScorerProcess:
     """The custom scorer ``path`` + ``name`` (``custom_reward_function``), run in a child process.
 
-    ``start_timeout_s`` bounds starting the child and importing the scorer; ``call_timeout_s`` (None: no
-    limit) one call. Every failure is a :class:`ScorerFailed` naming the scorer. :meth:`close` (or ``with``)
-    ends the child, and so do garbage collection and the interpreter's exit.
+    ``start_timeout_s`` bounds starting the child and importing the scorer, ``timeout_s`` one call; a call past
+    it kills the child and, with ``on_timeout="fail"``, is a :class:`ScorerTimedOut`, with ``"score"`` scores
+    ``timeout_score`` with a warning (every score then carries :data:`SCORER_TIMEOUTS`: 1 for those, else 0).
+    Every other failure is a :class:`ScorerFailed` naming the scorer. :meth:`close` (or ``with``) ends the
+    child, and so do garbage collection and the interpreter's exit.
     """
 
-    def __init__(self, path: str, name: str, *, start_timeout_s: float = 60.0, call_timeout_s: float | None = None):
+    def __init__(self, path: str, name: str, *, timeout_s: float, on_timeout: str = "fail",
+                 timeout_score: float = 0.0, start_timeout_s: float = 60.0):
         self.path, self.name = path, name
         self.label = repr(scorer_function(path, name))
-        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self.timeout_s, self.on_timeout, self.timeout_score = timeout_s, on_timeout, timeout_score
+        self.start_timeout_s = start_timeout_s
         self._lock = threading.Lock()
         self._sandbox: Sandbox | None = None
         self._live: set[Sandbox] = set()
@@ -51,24 +63,26 @@ class ScorerProcess:
 
     def __call__(self, *args) -> dict[str, float]:
         """The score of ``args`` as ``{"score": ..., **extras}``; :class:`ScorerFailed` when the scorer cannot
-        be imported, raises, returns something that is not a score, passes its deadline or ends its process."""
+        be imported, raises, returns something that is not a score, passes its deadline (unless
+        ``on_timeout="score"``) or ends its process."""
         try:
-            request = {"args": json.loads(json.dumps(list(args), default=_as_json)), "cpu_s": SCORE_CPU_S}
+            request = {"args": json.loads(json.dumps(list(args), default=_as_json)),
+                       "cpu_s": cpu_budget_s(self.timeout_s)}
         except (TypeError, ValueError) as error:
             raise ScorerFailed(f"the custom scorer {self.label} cannot be sent its arguments: {error}") from None
         with self._lock:
             sandbox = self._ready()
             try:
-                reply = sandbox.exchange(request, self.call_timeout_s)
+                reply = self._reply(sandbox, request)
             except ProcessEnded as ended:
                 self._retire()
                 raise ScorerFailed(f"the custom scorer {self.label} crashed: its process {ended}") from None
             if reply is None:
                 self._retire()
-                raise ScorerFailed(f"the custom scorer {self.label} did not return within {self.call_timeout_s:g} s")
+                return self._timed_out()
         if reply.get("kind") != "ok":
             raise ScorerFailed(f"the custom scorer {self.label} {reply.get('text')}")
-        return reply["score"]
+        return reply["score"] if self.on_timeout == "fail" else {**reply["score"], SCORER_TIMEOUTS: 0.0}
 
     def import_error(self) -> str | None:
         """Start the child if needed; why the scorer cannot be imported (None when it can). Raises
@@ -89,7 +103,30 @@ class ScorerProcess:
         self.close()
 
     def __reduce__(self):
-        return shared_scorer_process, (self.path, self.name)
+        return shared_scorer_process, (self.path, self.name, self.timeout_s, self.on_timeout, self.timeout_score)
+
+    def _reply(self, sandbox: Sandbox, request: dict) -> dict | None:
+        """The child's reply to ``request``, or None when none came within :attr:`timeout_s`; while the call
+        lasts, a warning every :data:`~ppoflow.storage.bounded.REPORT_EVERY_S` names the response."""
+        sandbox.send(request)
+        started = time.monotonic()
+        while True:
+            left = self.timeout_s - (time.monotonic() - started)
+            reply = sandbox.receive(max(0.0, min(bounded.REPORT_EVERY_S, left)))
+            waited = time.monotonic() - started
+            if reply is not None or waited >= self.timeout_s:
+                return reply
+            logger.warning("the custom scorer %s has been scoring %s for %.0f s (custom_reward_function.timeout_s="
+                           "%g)", self.label, sample_being_scored(), waited, self.timeout_s)
+
+    def _timed_out(self) -> dict[str, float]:
+        """A call past :attr:`timeout_s` (its child killed): :class:`ScorerTimedOut`, or the timeout score."""
+        late = f"did not return within custom_reward_function.timeout_s={self.timeout_s:g} s (its process was killed)"
+        if self.on_timeout == "fail":
+            raise ScorerTimedOut(f"the custom scorer {self.label} {late}")
+        logger.warning("the custom scorer %s %s while scoring %s: it scores custom_reward_function.timeout_score=%g "
+                       "(on_timeout=score)", self.label, late, sample_being_scored(), self.timeout_score)
+        return {"score": self.timeout_score, SCORER_TIMEOUTS: 1.0}
 
     def _started(self) -> Sandbox:
         """The child, started (again, if it died) and done importing the scorer."""
@@ -118,17 +155,28 @@ class ScorerProcess:
             self._sandbox = None
 
 
-_SHARED: dict[tuple[str, str], ScorerProcess] = {}
+def configured_scorer(custom: CustomRewardConfig) -> ScorerProcess | None:
+    """The run's custom scorer (``custom_reward_function``) in a process of its own; None without one."""
+    if not custom.path:
+        return None
+    return ScorerProcess(custom.path, custom.name, timeout_s=custom.timeout_s, on_timeout=custom.on_timeout,
+                         timeout_score=custom.timeout_score)
+
+
+_SHARED: dict[tuple, ScorerProcess] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_scorer_process(path: str, name: str) -> ScorerProcess:
-    """This process's one :class:`ScorerProcess` for ``path`` + ``name`` (what an unpickled one is), so that
-    the reward chunks a Ray worker runs one after the other share one child."""
+def shared_scorer_process(path: str, name: str, timeout_s: float, on_timeout: str, timeout_score: float
+                          ) -> ScorerProcess:
+    """This process's one :class:`ScorerProcess` for these settings (what an unpickled one is), so that the
+    reward chunks a Ray worker runs one after the other share one child."""
+    key = (path, name, timeout_s, on_timeout, timeout_score)
     with _SHARED_LOCK:
-        if (path, name) not in _SHARED:
-            _SHARED[path, name] = ScorerProcess(path, name)
-        return _SHARED[path, name]
+        if key not in _SHARED:
+            _SHARED[key] = ScorerProcess(path, name, timeout_s=timeout_s, on_timeout=on_timeout,
+                                         timeout_score=timeout_score)
+        return _SHARED[key]
 
 
 def _as_json(value):

@@ -14,7 +14,7 @@ How a tool process is confined:
 * The trainer kills it (SIGKILL) when a call passes its ``timeout_s``.
 * Before each call its soft RLIMIT_AS is set to its current address space plus the tool's ``memory_mb``,
   so a runaway allocation raises ``MemoryError`` in the tool instead of exhausting the machine; its soft
-  RLIMIT_CPU is set generously above the CPU time it has used (see :func:`_cpu_budget_s`).
+  RLIMIT_CPU is set generously above the CPU time it has used (see :func:`cpu_budget_s`).
 * A watcher thread ends it when the trainer's process ends, even while a tool is stuck.
 * ``spawn`` starts a fresh interpreter that inherits none of the trainer's open files or sockets beyond
   stdin/stdout/stderr and its own pipe; messages on that pipe are JSON, not pickles, so that nothing a
@@ -58,7 +58,7 @@ _MAX_MESSAGE_BYTES = 16 << 20
 tool process, so only a broken process sends more."""
 
 
-def _cpu_budget_s(wall_s: float) -> int:
+def cpu_budget_s(wall_s: float) -> int:
     """CPU seconds a tool process may spend on work the trainer waits ``wall_s`` for (RLIMIT_CPU).
 
     Generous on purpose: the trainer's wall-clock timeout ends a slow call first. The limit is the
@@ -359,7 +359,7 @@ class Sandbox:
         self.connection, child_end = context.Pipe()
         self.tool_names = set(functions)
         self.start_timeout_s = start_timeout_s
-        self.process = context.Process(target=_serve, args=(child_end, functions, _cpu_budget_s(start_timeout_s),
+        self.process = context.Process(target=_serve, args=(child_end, functions, cpu_budget_s(start_timeout_s),
                                                             parameters or {}, answer or _answer),
                                        name=f"ppoflow-{role}s", daemon=True)
         self.role = role
@@ -374,7 +374,7 @@ class Sandbox:
         if self.import_errors is not None:
             return
         try:
-            message = self._receive(self.start_timeout_s)
+            message = self.receive(self.start_timeout_s)
         except ProcessEnded as ended:
             raise SandboxFailed("start_failed", f"the {self.role} process {ended} while importing the {self.role} "
                                                  "functions") from None
@@ -391,7 +391,7 @@ class Sandbox:
         """Run one call in the (ready) process: ``(kind, text)`` as it answered; raises :class:`SandboxFailed`
         when it timed out or died (the caller then replaces it)."""
         request = {"tool": spec.name, "arguments": arguments, "memory_mb": spec.memory_mb,
-                   "cpu_s": _cpu_budget_s(spec.timeout_s), "max_output_chars": spec.max_output_chars}
+                   "cpu_s": cpu_budget_s(spec.timeout_s), "max_output_chars": spec.max_output_chars}
         try:
             reply = self.exchange(request, spec.timeout_s)
         except ProcessEnded as ended:
@@ -405,13 +405,18 @@ class Sandbox:
     def exchange(self, request: dict, timeout_s: float | None) -> dict | None:
         """Send ``request`` to the (ready) process and return its reply, or None when none came within
         ``timeout_s`` (None: wait as long as it takes); raises :class:`ProcessEnded` when the process died."""
+        self.send(request)
+        return self.receive(timeout_s)
+
+    def send(self, request: dict) -> None:
+        """Send ``request`` to the (ready) process; raises :class:`ProcessEnded` when the process died. A caller
+        that waits for the reply in slices (to report a long wait) reads it with :meth:`receive`."""
         try:
             self.connection.send_bytes(json.dumps(request).encode())
         except OSError:  # the pipe broke on sending: the process is gone
             raise ProcessEnded(self._ending()) from None
-        return self._receive(timeout_s)
 
-    def _receive(self, timeout_s: float | None) -> dict | None:
+    def receive(self, timeout_s: float | None) -> dict | None:
         """The process's next message, or None when none came within ``timeout_s``; raises
         :class:`ProcessEnded` when the process died (or sent something that is not a message)."""
         try:
