@@ -5,12 +5,15 @@ Keys are unique per run - ``<slug>-<flow run name>-<what>``, the slug from ``tra
 
 * ``...-progress``: percent of the steps done, updated in place after a step at most once a second
   (:data:`PROGRESS_INTERVAL_S`) and after the last step;
-* ``...-metrics``: a table with one row per step and a readable subset of the metrics;
+* ``...-metrics``: a table with one row per step and a readable subset of the metrics: rewards, losses,
+  per-step staleness, the agent loops' turns and tool calls, each stage's timing (to 3 digits);
 * ``...-summary``: a compact page: headline metrics, the reward curve (training score, and validation
-  from step 0 on), where the run directory, checkpoint, final model and caches are;
+  from step 0 on), where the run directory, checkpoint, final model and caches are, what the step
+  cache replayed;
 * ``...-config``: the run's whole config, as YAML, apart from the summary it would drown;
 * ``...-staleness``: the trained samples by staleness (weight updates behind the weights they trained),
-  as a table with bars: what one_step_off and the async modes trade for speed.
+  as a table with bars: what one_step_off and the async modes trade for speed (not published when
+  every sample was on-policy).
 
 ``<slug>-latest`` gets a new version for every run, naming that run and its artifact keys: the latest
 run of an experiment is one click from the Artifacts page.
@@ -42,8 +45,17 @@ from ppoflow.storage.fs import atomic_write, join, open_fs
 
 TABLE_COLUMNS = {"critic/score/mean": "score", "critic/rewards/mean": "rewards", "actor/pg_loss": "pg_loss",
                  "actor/grad_norm": "grad_norm", "actor/entropy": "entropy",
-                 "response_length/mean": "response_length", "timing_s/step": "step_s"}
-"""The metrics the per-step table shows (verl name -> column), besides ``step`` and ``val-core/*``."""
+                 "response_length/mean": "response_length",
+                 "training/off_policy/trajectory_staleness/mean": "staleness",
+                 "training/off_policy/trajectory_staleness/max": "staleness_max",
+                 "agent/num_turns/mean": "turns", "agent/tool_calls/mean": "tool_calls",
+                 "agent/tool_errors/count": "tool_errors", "timing_s/step": "step_s"}
+"""The metrics the per-step table shows (verl name -> column), besides ``step``, the per-stage timings and
+``val-core/*``; a column no row has a value for is left out (a single-turn run has no agent columns)."""
+
+TIMING = "timing_s/"
+"""verl's prefix of the per-stage timings (``timing_s/gen``, ``timing_s/update_actor``, ...): each is a table
+column ``<stage>_s`` with 3 significant digits - the UI rounds a task run's duration to whole seconds."""
 
 PROGRESS_INTERVAL_S = 1.0
 """The least time between two updates of the progress artifact. Each update is a request to the Prefect
@@ -104,11 +116,15 @@ class RunArtifacts:
         """The step-0 validation (``trainer.val_before_train``), the first point of the validation curve."""
         self.validation_before_training = dict(metrics)
 
-    def finish(self, rows: list[dict], *, checkpoint: str | None, final_model: str | None, caches: list[str]) -> str:
+    def finish(self, rows: list[dict], *, checkpoint: str | None, final_model: str | None, caches: list[str],
+               cache_lines: list[str] = ()) -> str:
         """Write the reward curve to the run directory and publish the metrics table, the summary, the
-        config and the experiment's ``latest`` pointer; ``rows`` are the run's per-step metrics (each
-        with ``step``). Returns the PNG's location."""
-        curve_rows = ([{"step": 0, **self.validation_before_training}] if self.validation_before_training else []) + rows
+        config, the staleness histogram (when some sample was off-policy) and the experiment's ``latest``
+        pointer; ``rows`` are the run's per-step metrics (each with ``step``), ``cache_lines`` the summary's
+        "Step cache" section (markdown lines: what the step cache replayed, rejected and missed). Returns
+        the PNG's location."""
+        before = [{"step": 0, **self.validation_before_training}] if self.validation_before_training else []
+        curve_rows = before + rows
         png = png_bytes(reward_figure(curve_rows, self.cfg.trainer.experiment_name), dpi=100)
         png_url = join(self.cfg.trainer.default_local_dir, "reward_curve.png")
         fs, path = open_fs(png_url)
@@ -117,12 +133,13 @@ class RunArtifacts:
             name = f"{self.cfg.trainer.experiment_name} ({self.run_name})"
             create_table_artifact(table=metrics_table(rows), key=f"{self.prefix}-metrics",
                                   description=f"{name}: metrics per step")
-            create_markdown_artifact(markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png),
+            create_markdown_artifact(markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png,
+                                                           cache_lines=cache_lines),
                                      key=f"{self.prefix}-summary", description=f"{name}: run summary")
             config = yaml.safe_dump(config_as_dict(self.cfg), sort_keys=False)
             create_markdown_artifact(markdown=f"```yaml\n{config.rstrip()}\n```", key=f"{self.prefix}-config",
                                      description=f"{name}: config")
-            if self.staleness:
+            if set(self.staleness) - {0}:  # a histogram of on-policy samples only would say "0: 100%"
                 create_markdown_artifact(markdown=staleness_histogram(self.staleness), key=f"{self.prefix}-staleness",
                                          description=f"{name}: staleness of the trained samples")
             create_markdown_artifact(markdown=self.pointer(), key=f"{self.slug}-latest",
@@ -130,11 +147,12 @@ class RunArtifacts:
         return png_url
 
     def summary(self, rows: list[dict], checkpoint: str | None, final_model: str | None, caches: list[str],
-                png_url: str, png: bytes) -> str:
-        """The summary artifact's markdown: short enough to read without scrolling past the curve."""
+                png_url: str, png: bytes, *, cache_lines: list[str] = ()) -> str:
+        """The summary artifact's markdown: short enough to read without scrolling past the curve (with a
+        "Step cache" section of ``cache_lines``, given as they are, when there are any)."""
         trainer = self.cfg.trainer
         last = rows[-1] if rows else {}
-        headline = {name: value for name, value in (metrics_table([last])[0] if last else {}).items() if value != ""}
+        headline = metrics_table([last], stage_timings=False)[0] if last else {}
         places = [("run directory", trainer.default_local_dir), ("checkpoint", checkpoint),
                   ("final model", final_model), *(("cache", cache) for cache in caches)]
         return "\n".join([
@@ -149,6 +167,7 @@ class RunArtifacts:
             "",
             markdown_table([(label, f"`{where}`") for label, where in places if where], header=("", "where")),
             "",
+            *(["## Step cache", "", *cache_lines, ""] if cache_lines else []),
             f"Per-step metrics: artifact `{self.prefix}-metrics`; config: artifact `{self.prefix}-config`; "
             f"curve: `{png_url}`.",
         ])
@@ -174,12 +193,19 @@ def staleness_histogram(counts: dict[int, int], width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def metrics_table(rows: list[dict]) -> list[dict]:
-    """One table row per step: ``step``, :data:`TABLE_COLUMNS` and every ``val-core/*`` metric present
-    (as ``val/...``); missing values are ``""``."""
-    validation = sorted({name for row in rows for name in row if name.startswith("val-core/")})
-    columns = {"step": "step", **TABLE_COLUMNS, **{name: "val/" + name.removeprefix("val-core/") for name in validation}}
-    return [{label: _cell(row.get(name)) for name, label in columns.items()} for row in rows]
+def metrics_table(rows: list[dict], *, stage_timings: bool = True) -> list[dict]:
+    """One table row per step: ``step``, the :data:`TABLE_COLUMNS`, each stage's timing (unless not
+    ``stage_timings``) and every ``val-core/*`` metric (as ``val/...``) that some row has a value for;
+    missing values are ``""``."""
+    present = {name for row in rows for name, value in row.items() if value is not None}
+    stages = [name for name in dict.fromkeys(name for row in rows for name in row)
+              if stage_timings and name.startswith(TIMING) and name in present and name not in TABLE_COLUMNS]
+    validation = sorted(name for name in present if name.startswith("val-core/"))
+    columns = {"step": "step", **{name: label for name, label in TABLE_COLUMNS.items() if name in present},
+               **{name: name.removeprefix(TIMING) + "_s" for name in stages},
+               **{name: "val/" + name.removeprefix("val-core/") for name in validation}}
+    return [{label: _cell(row.get(name), digits=3 if name.startswith(TIMING) else 4) for name, label in columns.items()}
+            for row in rows]
 
 
 def markdown_table(row: dict | list[tuple[str, object]], header: tuple[str, str] = ("metric", "value")) -> str:
@@ -214,12 +240,12 @@ def png_bytes(figure: Figure, *, dpi: int) -> bytes:
     return buffer.getvalue()
 
 
-def _cell(value) -> str | int | float:
-    """A table cell: ``""`` for a missing value, numbers to 4 significant digits, ints as they are."""
+def _cell(value, digits: int) -> str | int | float:
+    """A table cell: ``""`` for a missing value, floats to ``digits`` significant digits, ints as they are."""
     if value is None:
         return ""
     if isinstance(value, float):
-        return float(f"{value:.4g}") if math.isfinite(value) else str(value)
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else str(value)
     return value
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+from ppoflow.algorithms.scoring import ScorerFailed
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY, STAGE_NAMES
 from ppoflow.flows.modes import TrainerMode, register_trainer
 from ppoflow.flows.run import RunContext
@@ -30,6 +31,11 @@ from ppoflow.flows.state import TrainerState
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
 from ppoflow.storage.replay_buffer import load_sampler
 from ppoflow.storage.step_cache.sample_cache import feed_index, sample_id
+from ppoflow.workers.rollout_service import RolloutFailing
+
+FAILED_GROUPS_IN_A_ROW = 2
+"""Batches' worth of prompt groups whose generation may fail one after another (none finishing between them)
+before the run stops: past that the rollout is broken, and feeding fresh prompts would only go on forever."""
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ class AsyncTrainer(TrainerMode):
         self.settings = getattr(run.cfg.trainer.v1, self.settings_key)
         self.generating: dict = {}
         """Reference to a prompt group being generated -> the prompt's uid."""
+        self.failed_in_a_row = 0
         self.prompts: dict[str, int] = {}
         """uid -> train-set row of every prompt fed and not trained yet."""
         self.dispatch_step = 1
@@ -93,15 +100,23 @@ class AsyncTrainer(TrainerMode):
 
     def poll(self, timeout_s: float) -> None:
         """Take the groups that finished (waiting up to ``timeout_s`` for one) into the buffer; a group whose
-        generation failed is marked failed (the buffer evicts and refills it)."""
+        generation failed is marked failed (the buffer evicts and refills it), unless groups have failed for
+        :data:`FAILED_GROUPS_IN_A_ROW` batches in a row (:class:`RolloutFailing`)."""
         if not self.generating:
             raise RuntimeError("the replay buffer is waiting for groups but none is being generated")
         for reference in self.run.workers.ready(list(self.generating), timeout_s):
             uid = self.generating.pop(reference)
             try:
                 self.buffer.finish(uid, self.run.workers.get(reference))
+                self.failed_in_a_row = 0
+            except ScorerFailed as failure:  # the user's scorer: never retried, the run fails naming it
+                raise getattr(failure, "cause", failure) from None  # as raised in the worker, without Ray's trace
             except Exception as error:  # the group's generation failed (a worker died, a loop raised)
                 logger.warning("generating prompt %s failed: %r", uid, error)
+                self.failed_in_a_row += 1
+                if self.failed_in_a_row >= FAILED_GROUPS_IN_A_ROW * self.batch_size:
+                    raise RolloutFailing(f"the last {self.failed_in_a_row} prompt groups generated all failed, "
+                                         f"the last with {error!r}") from error
                 self.buffer.fail(uid, repr(error))
 
     # -- the lifecycle ---------------------------------------------------------------------------------
@@ -147,7 +162,7 @@ class AsyncTrainer(TrainerMode):
     def sample(self, step: StepData) -> None:
         """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
         result = self.run.stages.run(SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll,
-                                     self.replayable, label=f"step={step.step}")
+                                     self.replayable, label=step.label)
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
         columns = {"data_source": [self.run.train_set.data_sources[row] for row in rows],
@@ -155,6 +170,12 @@ class AsyncTrainer(TrainerMode):
         step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
         for uid in set(uids):
             del self.prompts[uid]
+
+    def on_train_end(self) -> None:
+        """End the generations still running - prompts fed ahead of the last step - before the run's actors
+        are killed, so the run ends without a failed request on a killed replica."""
+        self.run.workers.rollout.cancel(list(self.generating))
+        self.generating.clear()
 
     def push_weights(self, again: bool = False) -> None:
         """Every replica takes the actor's weights; a replica Ray restarted gets them too."""

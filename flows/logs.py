@@ -52,11 +52,13 @@ class _WarningsOnward(logging.Handler):
 
 def run_failures() -> tuple[type[Exception], ...]:
     """What ends a run for a reason its one-line message says whole - a training value that is not finite,
-    a custom scorer that failed - and is reported as that line (exit 1), as bad input is (exit 2)."""
+    a custom scorer that failed, a rollout whose every generation fails - and is reported as that line
+    (exit 1), as bad input is (exit 2)."""
     from ppoflow.algorithms.finite import NonFiniteError
     from ppoflow.algorithms.scoring import ScorerFailed
+    from ppoflow.workers.rollout_service import RolloutFailing
 
-    return NonFiniteError, ScorerFailed
+    return NonFiniteError, ScorerFailed, RolloutFailing
 
 
 def _without_user_error_traceback(record: logging.LogRecord) -> bool:

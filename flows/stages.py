@@ -34,6 +34,12 @@ class StepData:
     round: int = 0
     """Which of the step's sample-and-update rounds this is (separate_async runs ``parameter_sync_step``)."""
 
+    @property
+    def label(self) -> str:
+        """What its task runs are named for: ``step=3`` for the step's first round, ``step=3/<round>`` for
+        its later ones (separate_async), so that every round's task runs have names of their own."""
+        return f"step={self.step}" if self.round == 0 else f"step={self.step}/{self.round}"
+
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Add the wall time of the block to ``timing_s/<name>``."""
@@ -77,7 +83,8 @@ class Stages:
     overhead benchmark's baseline), each through its step cache when ``skip.<stage>`` enables one.
 
     Every task run is named for its stage and what it ran for - ``generate[step=12]``,
-    ``generate[val@20]``, ``weight_sync[version=3]`` - so that the Prefect UI's search finds a stage, a
+    ``update_actor[step=12/2]`` (a later round, :attr:`StepData.label`), ``generate[val@20]``,
+    ``weight_sync[version=3]`` - so that the Prefect UI's search finds a stage, a
     step or the validation runs. With ``tags`` (``trainer.task_run_tags``: the run's ``mode:<trainer
     mode>``, ``experiment:<name>``) each is also tagged ``stage:<name>`` and ``kind:train`` or
     ``kind:validation`` for the UI's tag filters; without, no tags, because Prefect acquires tag
@@ -129,7 +136,7 @@ class Stages:
             role = getattr(self.workers, stage.weights) if stage.weights else None
             weights = self.workers.get(role.submit("weights_digest")) if role else None
             requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
-        return start_stage(cache, self.task(name, f"step={step.step}"), step.step, *args, requires=requires,
+        return start_stage(cache, self.task(name, step.label), step.step, *args, requires=requires,
                            background=background, **kwargs)
 
     def start(self, name: str, step: int, *args, **options) -> PendingStage:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from operator import attrgetter
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, get_args
 
 from prefect import flow, get_run_logger
 from prefect import tags as prefect_tags
@@ -44,6 +44,7 @@ from ppoflow.configs import ConfigError, load_config
 from ppoflow.configs.schema import PATH_NAME_PATTERN, PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows.artifacts import RunArtifacts
+from ppoflow.flows.cache_report import report_caches
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
@@ -56,7 +57,7 @@ from ppoflow.flows.state import TrainerState
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
 from ppoflow.storage.batch import concatenate, non_tensor_column
-from ppoflow.storage.checkpoint import latest
+from ppoflow.storage.checkpoint import exported_model_url, latest
 from ppoflow.storage.replay_buffer import load_sampler
 
 logger = logging.getLogger(__name__)
@@ -241,11 +242,14 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
         if steps and dropped == len(steps):
             raise NonFiniteError(f"every update of the run was dropped on non-finite values ({dropped} of {dropped} "
                                  f"steps, trainer.nonfinite=skip): the policy is the one it started from")
-        final_model = f"{cfg.trainer.default_local_dir}/global_step_{run.total_steps}/actor/huggingface"
+        final_model = exported_model_url(cfg.trainer.default_local_dir, run.total_steps)
         run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
         note(f"trained policy written to {final_model}")
-        curve = artifacts.finish(read_metrics(cfg.trainer.default_local_dir), checkpoint=latest(cfg.trainer.default_local_dir),
-                                 final_model=final_model, caches=[cache.entries.root for cache in run.stages.caches.values()])
+        cache_lines = report_caches(run.stages.caches, cfg)  # what each step cache replayed of its planned steps
+        run_dir = cfg.trainer.default_local_dir
+        curve = artifacts.finish(read_metrics(run_dir), checkpoint=latest(run_dir), final_model=final_model,
+                                 caches=[cache.entries.root for cache in run.stages.caches.values()],
+                                 cache_lines=cache_lines)
         note(f"reward curve written to {curve}")
     finally:
         if tracker is not None:
@@ -278,9 +282,16 @@ FORM_FIELDS = {"experiment_name": "trainer.experiment_name", "total_training_ste
 """The typed fields of :func:`ppo_train` and the config key each one sets."""
 
 
+BuiltInMode = Literal["sync", "one_step_off", "colocate_async", "separate_async"]
+"""The modes the flow's ``mode`` field offers; a mode of the user's (``trainer.v1.trainer_module``) is set by an
+override instead."""
+
+
 def typed_fields(cfg: PPOConfig) -> dict:
-    """The values :data:`FORM_FIELDS` take in ``cfg`` (those that are set)."""
+    """The values :data:`FORM_FIELDS` take in ``cfg`` (those that are set, and a mode only if it is built in)."""
     values = {name: attrgetter(key)(cfg) for name, key in FORM_FIELDS.items()}
+    if values["mode"] not in get_args(BuiltInMode):
+        values["mode"] = None
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -311,7 +322,7 @@ def ppo_train(
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
     experiment_name: Optional[Annotated[str, Field(pattern=PATH_NAME_PATTERN)]] = None,
     total_training_steps: Annotated[Optional[int], Field(ge=1)] = None,
-    mode: Optional[Literal["sync", "one_step_off", "colocate_async", "separate_async"]] = None,
+    mode: Optional[BuiltInMode] = None,
 ) -> dict[str, float]:
     """Train a policy with PPO/GRPO.
 

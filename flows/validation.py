@@ -1,17 +1,24 @@
-"""Validation: generate on the validation set with ``rollout.val_kwargs`` and score it (never cached)."""
+"""Validation: generate on the validation set with ``rollout.val_kwargs`` and score it (never cached).
+
+A few decoded samples go to the console and the flow run's logs; a multi-turn sample in which a tool
+answered shows its turns one by one (the model's, and the tools' answers, as the model saw them).
+"""
 
 from __future__ import annotations
 
+from itertools import groupby
+
+from ppoflow.algorithms.scoring import solution_text
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import derived_from
-from ppoflow.storage.batch import non_tensor_column
+from ppoflow.storage.batch import non_tensor_column, response_extent
 from ppoflow.tasks.reward import decode_responses
 from ppoflow.workers.rollout import SamplingParams
 
 
 def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
     """``val-core/{data_source}/reward/mean@{n}`` (verl's names) over the validation set, and a few decoded
-    samples."""
+    samples (:func:`sample_texts`)."""
     sampling = SamplingParams.for_validation(run.cfg)
     val_set, stages = run.val_set, run.stages
     rows = list(range(len(val_set)))
@@ -31,12 +38,34 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)
         if not samples:
-            prompts_text = run.tokenizer.batch_decode(batch["prompts"][:3], skip_special_tokens=True)
-            responses = decode_responses(batch[:3], run.tokenizer)
-            samples = [f"{p!r} -> {r!r} ({s:.2f})" for p, r, s in zip(prompts_text, responses, sequence_scores)]
+            samples = sample_texts(batch[:3], run.tokenizer, sequence_scores)
     metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
                for source, scores in per_source.items()}
     return metrics, samples
+
+
+def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
+    """``'prompt' -> 'response' (score)`` per trajectory of ``batch``; one in which a tool answered shows
+    its turns (:func:`turn_texts`)."""
+    prompts = tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
+    responses = [repr(text) for text in decode_responses(batch, tokenizer)]
+    if "turn_ids" in batch.keys():
+        extents = response_extent(batch).tolist()
+        for row, (tokens, turns) in enumerate(zip(batch["responses"].tolist(), batch["turn_ids"].tolist())):
+            if any(turn < 0 for turn in turns[:extents[row]]):  # a tool answered (negative turn ids)
+                responses[row] = turn_texts(tokens[:extents[row]], turns[:extents[row]], tokenizer)
+    return [f"{prompt!r} -> {response} ({score:.2f})" for prompt, response, score in zip(prompts, responses, scores)]
+
+
+def turn_texts(tokens: list[int], turn_ids: list[int], tokenizer) -> str:
+    """A multi-turn response turn by turn: ``model '?' | tool '58' | model '58'`` (``turn_ids``: ``k`` on
+    the model's turn ``k``, ``-c`` on the answer to its ``c``-th tool call)."""
+    pieces, start = [], 0
+    for turn, positions in groupby(turn_ids):
+        end = start + len(list(positions))
+        pieces.append(f"{'tool' if turn < 0 else 'model'} {solution_text(tokens[start:end], tokenizer)!r}")
+        start = end
+    return " | ".join(pieces)
 
 
 def validation_line(step: int, metrics: dict[str, float], samples: list[str]) -> str:

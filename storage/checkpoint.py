@@ -50,6 +50,26 @@ def step_url(run_dir: str, step: int) -> str:
     return join(run_dir, f"global_step_{step}")
 
 
+EXPORTED_MODEL = "actor/huggingface"
+"""Where in ``global_step_N`` the run's final policy is exported (``save_pretrained``; verl's place for it)."""
+
+
+def exported_model_url(run_dir: str, step: int) -> str:
+    return join(step_url(run_dir, step), EXPORTED_MODEL)
+
+
+def _holds_only_the_exported_model(fs, path: str) -> bool:
+    """Whether a ``global_step_N`` directory without a marker is just the final model's export (no save was
+    begun there: a run without a checkpoint at its last step), not a checkpoint whose save did not finish."""
+    parent, leaf = EXPORTED_MODEL.split("/")
+    try:
+        return ([entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)] == [parent]
+                and [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(f"{path}/{parent}", detail=False)]
+                == [leaf])
+    except OSError:
+        return False
+
+
 def write_file(url: str, data: bytes, *, retries: int = 3, backoff_s: float = 0.5) -> dict:
     """Write one checkpoint file atomically (with retries); return its manifest entry."""
     fs, path = open_fs(url)
@@ -192,6 +212,8 @@ def _complete_newest_first(run_dir: str) -> Iterator[str]:
         marker, problem = checked_manifest(directory)
         if marker is not None and marker["global_step"] != step:
             problem = f"its {MARKER} records global_step {marker['global_step']}"
+        if marker is None and _holds_only_the_exported_model(fs, f"{path}/global_step_{step}"):
+            continue
         if problem:
             logger.warning("skipping checkpoint %s: %s", directory, problem)
         else:

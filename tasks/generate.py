@@ -14,6 +14,9 @@ from ppoflow.tasks.reward import extra_means
 from ppoflow.tasks.task_inputs import recorded_task
 from ppoflow.workers.rollout import SamplingParams
 
+logger = logging.getLogger("ppoflow.rollout")
+"""The rollout's records: inside a run they reach the logs of the task run that logged them."""
+
 
 @recorded_task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 @cacheable
@@ -34,10 +37,11 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
 def rollout_metrics(rollout: TensorDict) -> tuple[TensorDict, dict[str, float]]:
     """What the rollout service reported beside the trajectories, as metrics - the agent loops' turns, tool
     calls and failures, the scorer's extras (scored while generating), the sample cache's outcomes - and
-    the rollout without those columns."""
+    the rollout without those columns. The agent loops' summary is logged, on the task run that asked."""
     metrics = {}
     if "tool_errors" in rollout.keys():  # the rollout service: agent loops, maybe with tools
         metrics = agent_metrics(rollout, non_tensor_column(rollout, "tool_errors"))
+        logger.info(agent_summary(rollout, metrics, scored="token_level_scores" in rollout.keys()))
     if "reward_extras" in rollout.keys():  # scored while generating: the reward stage's metrics, here
         extras: dict[str, list[float]] = {}
         for trajectory in non_tensor_column(rollout, "reward_extras"):
@@ -63,11 +67,23 @@ def agent_metrics(rollout: TensorDict, tool_errors: list[list[str]]) -> dict[str
     failed = sum(len(errors) for errors in tool_errors)
     if failed:
         examples = sorted({message for errors in tool_errors for message in errors})[:3]
-        logging.getLogger("ppoflow.rollout").warning("%d tool call(s) failed in this batch, e.g. %s", failed,
-                                                     "; ".join(examples))
+        logger.warning("%d tool call(s) failed in this batch, e.g. %s", failed, "; ".join(examples))
     calls = rollout["tool_calls"].float()
     return {"agent/num_turns/mean": float(rollout["num_turns"].float().mean()),
             "agent/num_turns/max": float(rollout["num_turns"].max()),
             "agent/tool_calls/mean": float(calls.mean()),
             "agent/tool_call_ratio": float((calls > 0).float().mean()),
             "agent/tool_errors/count": float(failed)}
+
+
+def agent_summary(rollout: TensorDict, metrics: dict[str, float], *, scored: bool) -> str:
+    """One line on how the batch's agent loops went (``metrics``: their :func:`agent_metrics`) -
+    trajectories, turns, tool calls and failures - and, when the rollout service scored them
+    (``scored``), why the step has no reward task."""
+    calls = rollout["tool_calls"]
+    line = (f"{len(calls)} trajectories: {metrics['agent/num_turns/mean']:.2f} turns on average (at most "
+            f"{metrics['agent/num_turns/max']:.0f}), {int(calls.sum())} tool call(s) in {int((calls > 0).sum())} "
+            f"of them, {metrics['agent/tool_errors/count']:.0f} failed")
+    if scored:
+        line += "; rewards scored in the rollout service as each trajectory finished, so there is no reward task"
+    return line

@@ -5,8 +5,12 @@ run, and anything else - a step number, a flag, a config - is recorded as an emp
 ``collect_task_run_inputs`` leaves constants to a TODO), which the UI's Task inputs tab shows as
 ``"step": []``. A :class:`RecordedTask` records each such argument as Prefect's own ``constant`` input
 instead, whose ``type`` field names it compactly (:func:`describe`): ``"int 12"``, ``"TensorDict of 128"``,
-``"SamplingParams"``. Arguments that link keep their links only. Everything else about the run is
-Prefect's: the call and the submission go through Prefect's own engine and task runner.
+``"SamplingParams"``. Arguments that link keep their links only - except to the start-up's task runs
+(``load_data``, ``start_workers``), whose workers, tokenizer and data every stage takes: only the first
+task run taking one of their results links to it, later ones record it as a constant naming its origin
+(``"Workers from start_workers"``), so the run graph holds a step's own data flow, O(steps) edges, and the
+Task inputs tab still says where each input came from. Everything else about the run is Prefect's: the
+call and the submission go through Prefect's own engine and task runner.
 """
 
 from __future__ import annotations
@@ -14,18 +18,27 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from typing import Any
+from uuid import UUID
 
 from prefect import Task
 from prefect.client.schemas.objects import Constant
 from prefect.context import FlowRunContext
+from prefect.states import State
 from prefect.task_engine import run_task
+from prefect.utilities.annotations import quote
 from prefect.utilities.callables import get_call_parameters
-from prefect.utilities.engine import collect_task_run_inputs_sync
+from prefect.utilities.engine import collect_task_run_inputs_sync, get_state_for_result
 from tensordict import TensorDict
 
 SCALARS = (bool, int, float, str, type(None))
 LONGEST_SHOWN_TEXT = 40
 """A string argument longer than this is shown by its length, not its text."""
+STARTUP_TASKS = frozenset({"load_data", "start_workers"})
+"""The start-up's tasks (tasks/startup.py): what they return is an input of every stage of every step."""
+STARTUP_RUNS: dict[UUID, str] = {}
+"""The start-up task runs of this process, by id: their task's name (two entries a flow run)."""
+LINKED_STARTUP_RUNS: set[UUID] = set()
+"""The start-up task runs that a task run already links to."""
 
 
 def describe(value: Any) -> str:
@@ -43,27 +56,51 @@ def describe(value: Any) -> str:
     return kind
 
 
-def constant_inputs(parameters: dict[str, Any]) -> dict[str, set[Constant]]:
-    """A ``constant`` input for each parameter that links to no task run."""
-    return {name: {Constant(type=describe(value))} for name, value in parameters.items()
-            if not collect_task_run_inputs_sync(value)}
+def recorded_inputs(parameters: dict[str, Any]) -> tuple[dict[str, Any], dict[str, set[Constant]]]:
+    """The parameters to call the task with and the ``constant`` inputs to record beside Prefect's links: one
+    for each parameter that links to no task run, and one naming the origin of each that links only to
+    start-up task runs already linked to, a parameter then passed ``quote``-d so that Prefect does not link
+    it (its engine unwraps it before the call)."""
+    called, constants = dict(parameters), {}
+    linked_before = set(LINKED_STARTUP_RUNS)
+    for name, value in parameters.items():
+        links = {link.id for link in collect_task_run_inputs_sync(value)}
+        origins = {STARTUP_RUNS.get(link) for link in links}
+        if not links:
+            constants[name] = {Constant(type=describe(value))}
+        elif None not in origins and links <= linked_before:
+            constants[name] = {Constant(type=f"{describe(value)} from {' and '.join(sorted(origins))}")}
+            called[name] = quote(value)
+        elif None not in origins:
+            LINKED_STARTUP_RUNS.update(links)
+    return called, constants
+
+
+def task_run_of(returned: Any) -> UUID | None:
+    """The task run that returned ``returned`` (a result, or its state) in this flow run, if any."""
+    produced = returned if isinstance(returned, State) else (get_state_for_result(returned) or (None,))[0]
+    return produced.state_details.task_run_id if produced is not None else None
 
 
 class RecordedTask(Task):
-    """A Prefect task whose runs record their constant arguments (:func:`constant_inputs`)."""
+    """A Prefect task whose runs record their constant arguments (:func:`recorded_inputs`)."""
 
     def __call__(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
-        parameters = get_call_parameters(self.fn, args, kwargs)
-        return run_task(task=self, parameters=parameters, wait_for=wait_for,
-                        return_type="state" if return_state else "result",
-                        dependencies=constant_inputs(parameters))
+        parameters, constants = recorded_inputs(get_call_parameters(self.fn, args, kwargs))
+        returned = run_task(task=self, parameters=parameters, wait_for=wait_for,
+                            return_type="state" if return_state else "result", dependencies=constants)
+        if self.name in STARTUP_TASKS and (task_run_id := task_run_of(returned)) is not None:
+            STARTUP_RUNS[task_run_id] = self.name
+        return returned
 
     def submit(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
         context = FlowRunContext.get()
         if context is None:
             raise RuntimeError(f"task {self.name} can only be submitted inside a flow run")
-        parameters = get_call_parameters(self.fn, args, kwargs)
-        future = context.task_runner.submit(self, parameters, wait_for, dependencies=constant_inputs(parameters))
+        parameters, constants = recorded_inputs(get_call_parameters(self.fn, args, kwargs))
+        future = context.task_runner.submit(self, parameters, wait_for, dependencies=constants)
+        if self.name in STARTUP_TASKS:
+            STARTUP_RUNS[future.task_run_id] = self.name
         if return_state:
             future.wait()
             return future.state

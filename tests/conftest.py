@@ -179,14 +179,15 @@ def replay_baseline(prefect_server, ray_local, tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
-    """One run that dumps steps 1-4 (rollout and reward) while validating at steps 0 and 4 (which must
-    never be dumped); tests copy its dump and replay, damage or reshape the copy."""
+    """One run that dumps steps 1-4 (rollout and reward) while validating at steps 0 and 4 (validation is
+    never dumped; a step 0 in ``skip.*.steps`` is refused by the config); tests copy its dump and replay,
+    damage or reshape the copy."""
     from types import SimpleNamespace
 
     from tests.flow_runs import rollout_skip, small, train_run
 
     root = tmp_path_factory.mktemp("golden")
-    skip = {**rollout_skip(root / "dump", [0, 1, 2, 3, 4]), "reward.enable": "true",
+    skip = {**rollout_skip(root / "dump", [1, 2, 3, 4]), "reward.enable": "true",
             "reward.dump_dir": str(root / "dump"), "reward.steps": "[1,2,3,4]"}
     words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
         f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true", "trainer.task_run_tags=true"]

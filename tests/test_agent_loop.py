@@ -293,3 +293,78 @@ def test_failed_tool_calls_are_counted_and_logged_for_the_run(caplog):
     assert metrics["agent/tool_errors/count"] == 1 and metrics["agent/tool_call_ratio"] == 0.5
     assert metrics["agent/num_turns/max"] == 3 and metrics["agent/tool_calls/mean"] == 0.5
     assert "1 tool call(s) failed in this batch, e.g. vault: error: timed out" in caplog.text
+
+
+def test_a_batchs_agent_loops_are_summed_up_in_one_line(caplog):
+    import logging
+
+    from ppoflow.storage.batch import with_non_tensor_columns
+    from ppoflow.tasks.generate import rollout_metrics
+
+    batch = outputs_to_batch(multi_turn_outputs(), prompt_width=2, response_width=8, pad_token_id=0, weight_version=5)
+    batch = with_non_tensor_columns(batch, {"tool_errors": [["vault: error: timed out"], []]})
+    batch["token_level_scores"] = torch.zeros(2, 8)  # scored in the rollout service
+    rollout_logger = logging.getLogger("ppoflow.rollout")
+    rollout_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ppoflow.rollout"):
+            rollout, _ = rollout_metrics(batch)
+    finally:
+        rollout_logger.removeHandler(caplog.handler)
+    assert "tool_errors" not in rollout.keys()
+    assert ("2 trajectories: 2.00 turns on average (at most 3), 1 tool call(s) in 1 of them, 1 failed; rewards "
+            "scored in the rollout service as each trajectory finished, so there is no reward task") in caplog.text
+
+
+def test_a_validation_sample_shows_its_turns(tiny):
+    from ppoflow.flows.validation import sample_texts
+
+    _, tokenizer = tiny
+    batch = outputs_to_batch(multi_turn_outputs(), prompt_width=2, response_width=8, pad_token_id=0, weight_version=5)
+    text = [tokenizer.decode(ids) for ids in ([7, 8], [9], [10, 11], [20, 21], [12], [13])]
+    assert sample_texts(batch, tokenizer, [1.0, 0.0]) == [
+        f"{text[0]!r} -> model {text[2]!r} | tool {text[3]!r} | model {text[4]!r} (1.00)",
+        f"{text[1]!r} -> {text[5]!r} (0.00)"]  # a single turn, as before
+
+
+def test_a_tool_runs_generate_task_logs_its_turns_and_the_table_shows_them(prefect_api, ray_local, tiny_model,
+                                                                           tmp_path):
+    """One step of the vault preset through Prefect: the generate task run's logs sum up its agent loops
+    and say why there is no reward task; the metrics artifact has the agent columns."""
+    import json
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from ppoflow.flows.train import ppo_train
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    from tests.conftest import drain_prefect_logs
+    from tests.flow_runs import task_runs_by_name
+
+    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
+                 "data.val_files=null", "data.synthetic.train_rows=16", "data.synthetic.copy_share=0",
+                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                 "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run"]
+    state = ppo_train(config="vault_tool", overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    flow_run_id = state.state_details.flow_run_id
+    generate = task_runs_by_name(flow_run_id, ["generate[step=1]"])["generate[step=1]"]
+    drain_prefect_logs()
+    with get_client(sync_client=True) as client:
+        for _ in range(60):  # the logs reach the server in batches
+            log = "\n".join(record.message for record in client.read_logs(
+                log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[generate.id]))))
+            if "16 trajectories:" in log:
+                break
+            time.sleep(0.5)
+    assert "16 trajectories:" in log and "turns on average" in log and "tool call(s) in" in log, log
+    assert "rewards scored in the rollout service" in log
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    [table] = [json.loads(artifact.data) for artifact in artifacts if artifact.key.endswith("-metrics")]
+    assert {"turns", "tool_calls", "tool_errors", "staleness", "gen_s", "update_actor_s"} <= set(table[0]), table[0]
+    assert table[0]["turns"] >= 1 and table[0]["tool_errors"] == 0

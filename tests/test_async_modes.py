@@ -92,6 +92,43 @@ def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
             f"trainer.default_local_dir={tmp_path}/run", *words]
 
 
+def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model):
+    """What an async run does with the groups still in flight when it ends: a group whose requests wait on
+    a sleeping replica is cancelled, ends, and takes its requests with it - the replica, woken, has
+    nothing left to generate (a request left waiting would fail when the run kills the replica)."""
+    import torch
+    from tensordict import TensorDict
+
+    from ppoflow.workers.rollout import SamplingParams
+    from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutReplica, RolloutService
+
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}",
+                                    "actor_rollout_ref.rollout.mode=async"])
+    replica = ray_local.remote(RolloutReplica).options(num_cpus=0).remote(cfg)
+    agent = ray_local.remote(AgentLoopWorker).options(num_cpus=0).remote(cfg, [replica])
+    service = RolloutService([replica], [agent], pad_token_id=0)
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=8, seed=0)
+    prompt = TensorDict({"prompts": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.ones(1, 3, dtype=torch.bool)},
+                        batch_size=[1])
+    try:
+        ray_local.get(replica.sleep.remote())
+        group = service.submit_group(prompt, position=0, step=1, sampling=sampling)
+        assert not ray_local.wait([group], timeout=1)[0]  # waiting for the replica to wake
+        service.cancel([group], timeout_s=30)
+        assert ray_local.wait([group], timeout=0)[0]
+        with pytest.raises(ray_local.exceptions.TaskCancelledError):
+            ray_local.get(group)
+        ray_local.get(replica.wake.remote())
+        fresh = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=8, seed=5,
+                                ignore_eos=True)
+        assert len(ray_local.get(replica.generate.remote("fresh", [4, 5, 6], fresh)).token_ids) == 8
+        stats = ray_local.get(replica.stats.remote())  # a woken request would have generated beside it
+        assert stats["tokens_generated"] == 8 and stats["running"] == stats["waiting"] == 0, stats
+    finally:
+        ray_local.kill(agent)
+        ray_local.kill(replica)
+
+
 @pytest.mark.parametrize("words", [
     ["trainer.v1.trainer_mode=colocate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
     pytest.param(["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
@@ -152,7 +189,8 @@ class RecordingSync(SyncTrainer):
 
 
 def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_model, tmp_path):
-    from ppoflow.flows.train import ppo_train
+    from ppoflow.configs import load_config
+    from ppoflow.flows.train import run_ppo_train
 
     log = tmp_path / "hooks.jsonl"
     (tmp_path / "my_modes.py").write_text(MODE_FILE.format(log=str(log)))
@@ -162,7 +200,8 @@ def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_mo
                  "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=2", "trainer.test_freq=2",
                  "trainer.val_before_train=false", "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run",
                  f"trainer.v1.trainer_module={tmp_path}/my_modes.py", "trainer.v1.trainer_mode=recording_sync"]
-    state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+    # as `ppoflow train` calls it: the typed fields from the config, where a user's mode is not one
+    state = run_ppo_train("grpo_tiny", overrides, load_config("grpo_tiny", overrides), return_state=True)
     assert state.is_completed(), state
     hooks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
     def per_step(number: int) -> list[tuple]:
@@ -270,3 +309,52 @@ def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_lo
     for row in recorded:  # two rounds a step, both with the step's first weights as π_old: a forward pass
         assert "training/old_log_prob_skipped" not in row and row["timing_s/old_log_prob"] > 0
         assert row["training/off_policy/trajectory_staleness/max"] == 0  # no warm-up: each step its own prompts
+
+
+def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp_path):
+    """``ppoflow train`` in separate_async, its own Ray printing its workers' logs: generation runs ahead,
+    so groups are in flight when training ends; they are ended before the actors are killed, and the
+    run's output has no failed task, no dead actor, no unhandled error."""
+    import subprocess
+    import sys
+
+    words = ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
+             "trainer.v1.separate_async.num_warmup_batches=8", "trainer.v1.sampler.max_off_policy_threshold=20"]
+    overrides = run_overrides(tiny_model, tmp_path, *words)
+    overrides[overrides.index("trainer.total_training_steps=3")] = "trainer.total_training_steps=2"
+    done = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *overrides], capture_output=True,
+                          text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert [row["step"] for row in read_metrics(str(tmp_path / "run"))] == [1, 2]
+    for needle in ("failed", "actor is dead", "Unhandled error", "Traceback"):
+        assert needle.lower() not in output.lower(), output
+
+
+FAILING_LATER = """
+from pathlib import Path
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    calls = Path(__file__).with_suffix(".calls")
+    calls.write_text(calls.read_text() + "." if calls.exists() else ".")
+    if len(calls.read_text()) > 1:  # the preflight's call passes; the rollout's fail
+        raise RuntimeError("the judge is down")
+    return 0.0
+"""
+
+
+def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server, tiny_model, tmp_path):
+    """A custom scorer failing in the rollout service (async scoring) fails the run with one line and exit 1,
+    instead of failing group after group that the buffer would refill for ever."""
+    import subprocess
+    import sys
+
+    (tmp_path / "scorer.py").write_text(FAILING_LATER)
+    words = ["trainer.v1.trainer_mode=colocate_async", f"custom_reward_function.path={tmp_path}/scorer.py"]
+    done = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train",
+                           *run_overrides(tiny_model, tmp_path, *words)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ppoflow: the run failed: "), done.stderr[-3000:]
+    assert f"the custom scorer '{tmp_path}/scorer.py:compute_score' raised RuntimeError: the judge is down" in last

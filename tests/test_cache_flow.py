@@ -10,19 +10,59 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
+from ppoflow.flows.cache_report import report
 from ppoflow.flows.cli import main as cli
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.storage.step_cache import StepCache
-from tests.flow_runs import (CONFIG, PROJECT, UPDATE_METRICS, cached_steps, copy_dump, rollout_skip,
-                             small, train)
+from ppoflow.tasks.stages import stage_caches
+from tests.conftest import drain_prefect_logs
+from tests.flow_runs import (CONFIG, PROJECT, UPDATE_METRICS, cached_steps, copy_dump, generate_states,
+                             rollout_skip, small, train, train_run)
+
 
 @pytest.fixture
 def overrides(tiny_model, tmp_path):
     return small(tmp_path, tiny_model)
+
+
+def task_runs_named(flow_run_id, name: str, expected: int) -> list:
+    """The flow run's task runs named ``name``, in start order, once ``expected`` of them are recorded final."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = [run for run in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
+                sort=TaskRunSort.EXPECTED_START_TIME_ASC) if run.state and run.state.is_final()]
+            if len(runs) >= expected:
+                return runs
+            assert time.monotonic() < deadline, f"{len(runs)} of {expected} {name} task runs recorded"
+            time.sleep(0.5)
+
+
+def task_run_log(task_run_id, needle: str) -> str:
+    """The task run's logs, once one holds ``needle``."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    drain_prefect_logs()
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            text = "\n".join(log.message for log in client.read_logs(
+                log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]))))
+            if needle in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
 
 
 def test_the_golden_run_dumped_training_steps_only(golden):
@@ -80,13 +120,67 @@ def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, go
     (root / "4" / "meta.json").write_text("{not json")                   # 4: garbage marker
 
     caplog.set_level("WARNING")
-    rows, states = train(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    rows, _, flow_run_id = train_run(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
     assert [row["skip/rollout/hit"] for row in rows] == [0, 0, 0, 0]
-    assert states[0] == states[1] == states[3] == "Completed"
+    # a committed entry (1, 3, 4) is a rejected replay, then generated; an uncommitted one (2) is just generated
+    assert [row.get("skip/rollout/rejected") for row in rows] == [1, None, 1, 1]
+    assert generate_states(flow_run_id, 7) == ["Failed", "Completed", "Completed"] + ["Failed", "Completed"] * 2
     assert "damaged" in caplog.text and str(root / "3") in caplog.text
     for before, after in zip(golden.rows, rows):  # regenerated exactly as the golden run generated them
         assert before["actor/pg_loss"] == after["actor/pg_loss"]
     assert all(StepCache(str(root)).status(step).valid for step in (1, 2, 3, 4))  # and dumped again
+
+
+def test_a_rejected_entry_is_a_failed_task_run_saying_why(prefect_api, ray_local, golden, tmp_path, caplog):
+    """A rollout entry with one bit flipped, and a reward entry computed from another batch: each replay's
+    task run is Failed (never Cached) and its logs say why, the stage then runs again as a Completed task run
+    and is dumped; a good entry is still Cached with its key. The run's end says what was replayed."""
+    dump = copy_dump(golden, tmp_path)
+    root = dump / PROJECT / CONFIG
+    payload = root / "2" / "rollout.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-3] ^= 0x01
+    payload.write_bytes(bytes(data))
+    # the seed is not part of how a rollout was sampled, so step 1 replays; step 2, regenerated with seed 7,
+    # gives the reward another input than the one its entry was computed from
+    skip = {**rollout_skip(dump, [1, 2]), "reward.enable": "true", "reward.dump_dir": str(dump), "reward.steps": "[2]"}
+    caplog.set_level("INFO", logger="ppoflow.flows.cache_report")
+    rows, _, flow_run_id = train_run(golden.overrides + ["actor_rollout_ref.rollout.seed=7"], tmp_path / "run", 2, skip)
+
+    assert [(row["skip/rollout/hit"], row.get("skip/rollout/rejected")) for row in rows] == [(1, None), (0, 1)]
+    assert rows[1]["skip/reward/hit"] == 0 and rows[1]["skip/reward/rejected"] == 1
+    (replayed,) = task_runs_named(flow_run_id, "generate[step=1]", 1)
+    assert replayed.state.name == "Cached" and replayed.cache_key == f"{PROJECT}/{CONFIG}/1/meta.json"
+    for name, reason in (("generate[step=2]", "cached rollout of step 2 is damaged"),
+                         ("reward[step=2]", "cached reward of step 2 does not match this run (input_fingerprint:")):
+        rejected, recomputed = task_runs_named(flow_run_id, name, 2)
+        assert (rejected.state.type.value, recomputed.state.name) == ("FAILED", "Completed"), name
+        assert "CacheEntryRejected" in rejected.state.message and reason in rejected.state.message
+        assert reason in task_run_log(rejected.id, reason)
+    assert StepCache(str(root)).status(2).valid and StepCache(str(root), stage="reward").status(2).valid
+    assert "step cache: replayed 1 of 2 planned steps of rollout: 1 rejected (step 2: cached rollout of step 2 " \
+           "is damaged" in caplog.text
+    assert "step cache: replayed 0 of 1 planned steps of reward: 1 rejected (step 2: cached reward" in caplog.text
+
+
+def test_missing_entries_kept_under_another_experiment_are_named(prefect_api, golden, tmp_path):
+    """A replay under another experiment name finds nothing in its own configuration directory: the report
+    says where the cache holds those steps, and which config key differs."""
+    from ppoflow.configs import load_config
+
+    dump = copy_dump(golden, tmp_path)
+    skip = [f"skip.{key}={value}" for key, value in rollout_skip(dump, [1, 2, 9]).items()]
+    cfg = load_config("grpo_tiny", golden.overrides + skip + ["trainer.experiment_name=other", "trainer.test_freq=-1"])
+    (cache,) = stage_caches(cfg).values()
+    for step in (1, 2, 9):
+        assert not cache.plan(step).hit_expected  # nothing under this experiment's own directory
+        cache.note(step, "missing")
+    found = report(cache, cfg)
+    assert [outcome.step for outcome in found.outcomes["missing"]] == [1, 2, 9]
+    assert found.needs_attention and found.line() == (
+        "replayed 0 of 3 planned steps of rollout: 3 missing (no entry under this run's configuration; the cache "
+        f"holds steps 1, 2 under {PROJECT}/{CONFIG}, where trainer.experiment_name is 'grpo_tiny' there, 'other' "
+        "here)")
 
 
 @pytest.mark.slow

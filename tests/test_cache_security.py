@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.step_cache import StepCache, scan
 from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
-from tests.flow_runs import CONFIG, PROJECT, copy_dump, rollout_skip, train
+from tests.flow_runs import CONFIG, PROJECT, copy_dump, generate_states, rollout_skip, train, train_run
 
 pytestmark = pytest.mark.reliability
 
@@ -142,11 +142,13 @@ def test_a_poisoned_cache_runs_no_code_and_its_steps_regenerate(prefect_api, ray
     dump = copy_dump(golden, tmp_path)
     root = dump / PROJECT / CONFIG
     poison(root, dump, sentinel)
-    rows, states = train(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
+    rows, _, flow_run_id = train_run(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
     assert not sentinel.exists()
     assert [row["skip/rollout/hit"] for row in rows] == [1, 0, 0, 0]
-    # step 4's marker decodes, so Prefect serves it (Cached); the load refuses the payload and regenerates
-    assert states == ["Cached", "Completed", "Completed", "Cached", "Completed"]
+    assert [row.get("skip/rollout/rejected") for row in rows] == [None, 1, 1, 1]
+    # each poisoned step is a rejected replay (2, 3: Prefect has no record, so the body refuses; 4: the record's
+    # read refuses the payload), never Cached, then generated again
+    assert generate_states(flow_run_id, 7) == ["Cached"] + ["Failed", "Completed"] * 3
     for before, after in zip(golden.rows, rows):  # the regenerated steps are the golden run's steps
         assert before["actor/pg_loss"] == after["actor/pg_loss"]
     assert all(StepCache(str(root)).status(step).valid for step in (2, 3, 4))  # and were dumped again

@@ -107,6 +107,20 @@ def test_markers_of_the_wrong_shape_are_skipped(run_with_one_good_checkpoint, ma
         checkpoint.verify_checkpoint(str(run_dir / "global_step_6"))
 
 
+def test_a_step_that_holds_only_the_exported_model_is_passed_over_silently(run_with_one_good_checkpoint, caplog):
+    """A run without a checkpoint at its last step exports its policy to ``global_step_N/actor/huggingface``:
+    no checkpoint was begun there, so nothing is named; anything more beside it is a save that did not finish."""
+    run_dir, good = run_with_one_good_checkpoint
+    export = Path(checkpoint.exported_model_url(str(run_dir), 6))
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"weights")
+    assert checkpoint.latest(str(run_dir)) == good
+    assert "skipping" not in caplog.text
+    (export.parent / "model.safetensors").write_bytes(b"a shard of a save")
+    assert checkpoint.latest(str(run_dir)) == good
+    assert f"skipping checkpoint {run_dir}/global_step_6: no checkpoint.json (its save did not finish)" in caplog.text
+
+
 def test_stray_entries_are_skipped(run_with_one_good_checkpoint, caplog):
     run_dir, good = run_with_one_good_checkpoint
     older = checkpoint.commit(str(run_dir), 1, {}, {"global_step": 1})

@@ -84,21 +84,56 @@ def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, go
 
 
 def test_a_steps_task_runs_record_the_task_run_each_input_came_from(prefect_api, golden):
-    """The Task inputs tab and the run graph's edges: the prompts from load_data, then each stage's batch
-    from the stage before it."""
+    """The Task inputs tab and the run graph's edges: each stage's batch from the stage before it; the start-up's
+    results link only to the first task run taking them (step 0's validation), later ones name their origin."""
     by_name = {run.name: run for run in task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)}
 
     def came_from(name: str, parameter: str) -> list[str]:
         ids = {run.id: other for other, run in by_name.items()}
         return [ids[link.id] for link in by_name[name].task_inputs[parameter] if link.input_type == "task_run"]
 
-    assert came_from("generate[step=3]", "prompts") == ["load_data"]
-    assert came_from("generate[step=3]", "workers") == ["start_workers"]
+    def shown(name: str, parameter: str) -> list[str]:
+        return [link.type for link in by_name[name].task_inputs[parameter] if link.input_type == "constant"]
+
+    assert came_from("generate[val@0]", "prompts") == ["load_data"]  # the first use links
+    assert came_from("generate[val@0]", "workers") == ["start_workers"]
     assert came_from("reward[step=3]", "batch") == ["generate[step=3]"]
-    assert came_from("reward[step=3]", "tokenizer") == ["load_data"]
     assert came_from("advantage[step=3]", "batch") == ["reward[step=3]"]
     assert came_from("update_actor[step=3]", "batch_ref") == ["advantage[step=3]"]
-    assert came_from("generate[val@4]", "prompts") == ["load_data"]
+    for name, parameter in (("generate[step=3]", "prompts"), ("generate[step=3]", "workers"),
+                            ("reward[step=3]", "tokenizer"), ("update_actor[step=3]", "workers"),
+                            ("generate[val@4]", "prompts"), ("reward[val@0]", "tokenizer")):
+        assert came_from(name, parameter) == [], (name, parameter)
+    assert shown("generate[step=3]", "prompts") == ["TensorDict of 4 from load_data"]
+    assert shown("generate[step=3]", "workers") == ["Workers from start_workers"]
+    assert shown("update_actor[step=3]", "workers") == ["Workers from start_workers"]
+    (tokenizer,) = shown("reward[step=3]", "tokenizer")
+    assert tokenizer.endswith(" from load_data")
+
+
+def run_graph(flow_run_id) -> tuple[dict, list[tuple[str, str]]]:
+    """The flow run's graph as the UI reads it (``GET /flow_runs/{id}/graph-v2``): its nodes by id and its
+    edges as (parent, child) task run names, as often as the API lists them."""
+    with get_client(sync_client=True) as client:
+        response = client.request("GET", "/flow_runs/{id}/graph-v2", path_params={"id": flow_run_id})
+    response.raise_for_status()
+    nodes = {node["id"]: node for _, node in response.json()["nodes"]}
+    return nodes, [(nodes[parent["id"]]["label"], node["label"]) for node in nodes.values()
+                   for parent in node["parents"]]
+
+
+def test_the_run_graph_holds_the_steps_data_flow_not_a_fan_out_from_the_start_up(prefect_api, golden):
+    """O(steps) edges: within a step, stage to stage; from the start-up, only to the first task run."""
+    task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)
+    nodes, edges = run_graph(golden.flow_run_id)
+    distinct = set(edges)
+    assert len(nodes) == 2 + 4 * 4 + 2 * 2
+    assert {child for parent, child in distinct if parent in ("load_data", "start_workers")} == {"generate[val@0]"}
+    for step in (1, 2, 3, 4):
+        assert {(f"generate[step={step}]", f"reward[step={step}]"), (f"reward[step={step}]", f"advantage[step={step}]"),
+                (f"advantage[step={step}]", f"update_actor[step={step}]")} <= distinct
+    assert len(distinct) < len(nodes)  # 3 a step, 1 a validation, 2 from the start-up
+    assert len(edges) <= 6 * len(nodes)  # Prefect lists an edge once per input of its parent
 
 
 def test_a_task_runs_other_inputs_say_what_they_were(prefect_api, golden):
@@ -130,7 +165,7 @@ def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
     assert hit.tags == []  # trainer.task_run_tags is off by default
     assert hit.cache_key == f"{PROJECT}/{CONFIG}/2/meta.json"
     said = [line.message for line in lines if line.task_run_id == hit.id]
-    assert f"replaying the cache entry {dump}/{PROJECT}/{CONFIG}/2/meta.json" in said
+    assert f"checking the cache entry {dump}/{PROJECT}/{CONFIG}/2/meta.json, to replay it" in said
     assert any(message.startswith("cached rollout of step 2: 16 trajectories, written ") and
                message.endswith("sampled with weight versions 1-1") for message in said), said
 
@@ -214,3 +249,32 @@ def test_a_submitted_task_run_records_its_plain_inputs_too(prefect_api):
     again = runs["probe[again]"]
     assert [link.id for link in again.task_inputs["step"]] == [submitted.id]  # a link stays a link only
     assert [link.type for link in again.task_inputs["texts"]] == ["list of 1"]
+
+
+def test_a_start_up_result_links_to_its_first_taker_only(prefect_api):
+    """Later takers of a start-up task's result (by its name, ``load_data``) record where it came from."""
+    from prefect import flow
+
+    from ppoflow.tasks.task_inputs import recorded_task
+
+    @recorded_task(name="load_data")
+    def load() -> list[str]:
+        return ["a", "b"]
+
+    @recorded_task(name="use")
+    def use(step: int, texts: list[str]) -> int:
+        return step
+
+    @flow
+    def probing() -> int:
+        texts = load()
+        return use.named("use[1]")(1, texts) + use.named("use[2]").submit(2, texts).result()
+
+    state = probing(return_state=True)
+    assert state.result() == 3
+    runs = {run.name: run for run in task_runs(state.state_details.flow_run_id, 3)}
+    loaded = next(run for name, run in runs.items() if name.startswith("load_data"))
+    assert [link.id for link in runs["use[1]"].task_inputs["texts"]] == [loaded.id]
+    assert [(link.input_type, getattr(link, "type", None)) for link in runs["use[2]"].task_inputs["texts"]] == [
+        ("constant", "list of 2 from load_data")]
+    assert [link.type for link in runs["use[2]"].task_inputs["step"]] == ["int 2"]

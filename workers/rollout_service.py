@@ -311,6 +311,10 @@ def _column(batch: TensorDict, name: str) -> list | None:
     return non_tensor_column(batch, name) if name in batch.keys() else None
 
 
+class RolloutFailing(RuntimeError):
+    """Every prompt group the rollout service generated lately failed; the message gives the last reason."""
+
+
 class RolloutService:
     """The rollout role of ``rollout.mode=async``: the replicas and the agent-loop workers, called through
     the same ``submit(method, ...)`` as any role (see :mod:`ppoflow.workers.group`)."""
@@ -350,6 +354,27 @@ class RolloutService:
         self._next_agent = (self._next_agent + 1) % len(self.agents)
         return self.agents[self._next_agent].generate.remote(prompt, first_position=position, step=step,
                                                              sampling=sampling, weight_version=self.weight_version)
+
+    def cancel(self, groups: list, timeout_s: float = 10.0) -> None:
+        """End the generations of ``groups`` (references from :meth:`submit_group`) and wait, up to
+        ``timeout_s``, until they have: each agent worker's task is cancelled, and the replica requests its
+        loops made with it (Ray cancels what a cancelled task submitted), so that no request is left waiting
+        on a replica when the run kills the actors (which Ray reports as a failed task). Their results are
+        dropped; one that failed is logged."""
+        import ray
+
+        if not groups:
+            return
+        for group in groups:
+            ray.cancel(group)
+        ended, _ = ray.wait(groups, num_returns=len(groups), timeout=timeout_s)
+        for group in ended:  # read, or Ray reports each cancellation as an unhandled error when it is freed
+            try:
+                ray.get(group)
+            except ray.exceptions.TaskCancelledError:
+                pass
+            except ray.exceptions.RayError as error:
+                logger.warning("a generation ended at the end of the run failed: %r", error)
 
     def sleep(self) -> list:
         """References to every replica going to sleep (:meth:`RolloutReplica.sleep`: requests in flight are

@@ -12,6 +12,11 @@ is *derived* from the marker rather than stored (:class:`DerivedRecords`, the po
 name the pickle serializer and a file of their choice, and every later run replaying from it would
 unpickle that file. Here the serializer (JSON manifests only) and the file read are fixed by this
 code, and an entry whose marker does not validate does not exist for Prefect.
+
+Reading a replay's record back *is* loading the entry (:class:`EntryCheck`): the payload is read once,
+its size and sha256 checked, decoded, and matched against what this run requires, all before Prefect
+names the task run ``Cached``. An entry failing any of it raises :class:`CacheEntryRejected` there, so
+its task run ends ``Failed`` with the reason in its logs, and is never reported as replayed.
 """
 
 from __future__ import annotations
@@ -26,29 +31,92 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.filesystems import WritableFileSystem
 from prefect.results import ResultRecordMetadata
 from prefect.serializers import Serializer
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import atomic_write, join, open_fs, write_with_retries
-from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key
-from ppoflow.storage.step_cache.store import CacheWriteError, StepCache, encode_manifest
+from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key, recorded_differences
+from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache, encode_manifest
 
 logger = logging.getLogger(__name__)
+
+
+class CacheEntryRejected(Exception):
+    """A planned replay refused its entry: damaged, or made from another input or in another way. Raised in
+    the replay's task run, which then ends ``Failed``; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def rejection(reason: str) -> CacheEntryRejected:
+    """:class:`CacheEntryRejected` for ``reason``, logged first as a warning (on the current task run)."""
+    logger.warning("%s; recomputing", reason)
+    return CacheEntryRejected(reason)
 
 
 @dataclass
 class StageRecord(StageResult):
     """A stage's result as the step cache persists it: after a dumping run ``fields`` holds the tensors
-    and ``manifest`` the committed entry's marker; a record read back from the cache has
-    ``fields=None`` and the manifest to load them from. ``manifest`` is None when the dump failed."""
+    and ``manifest`` the committed entry's marker; a replayed record holds the loaded tensors too (a
+    record read without an :class:`EntryCheck` has ``fields=None``). ``manifest`` is None when the dump
+    failed."""
 
     manifest: dict | None = None
 
 
+class EntryCheck(BaseModel):
+    """What one replay's entry must pass before Prefect calls its task run ``Cached``, and where to load it.
+
+    ``requires`` must be recorded exactly (the input a stage was computed from), ``identity`` too (how a
+    rollout was sampled) unless ``allow_mismatch``; a payload recording more than ``max_bytes`` is refused
+    before it is read. Plain JSON values, built by this code for each call: nothing read from the cache
+    configures the check."""
+
+    root: str
+    stage: str
+    step: int
+    settings: dict = Field(default_factory=dict)
+    requires: dict = Field(default_factory=dict)
+    identity: dict = Field(default_factory=dict)
+    allow_mismatch: bool = False
+    max_bytes: Optional[int] = None
+
+    def load(self, marker: bytes) -> StageRecord:
+        """The entry whose marker is ``marker``: its payload read once and verified, and matched against
+        this run; :class:`CacheEntryRejected` (logged) for anything that fails."""
+        entry = f"cached {self.stage} of step {self.step}"
+        entries = StepCache(self.root, stage=self.stage, storage_options=self.settings)
+        try:
+            fields, manifest = entries.load(self.step, max_bytes=self.max_bytes, manifest=decode_manifest(marker))
+        except (CacheCorrupt, ValueError) as error:
+            raise rejection(f"{entry} is damaged ({error})") from None
+        wrong_input = recorded_differences(self.requires, manifest)
+        other_identity = recorded_differences(self.identity, manifest)
+        if wrong_input or other_identity:
+            differences = f"{entry} does not match this run ({'; '.join(wrong_input + other_identity)})"
+            if wrong_input or not self.allow_mismatch:
+                raise rejection(differences)
+            logger.warning("%s; replaying it anyway (skip.%s.allow_mismatch)", differences, self.stage)
+        describe(manifest)
+        return StageRecord(fields=fields, metrics=manifest.get("metrics", {}), manifest=manifest)
+
+
+def describe(manifest: dict) -> None:
+    """Log what an entry holds (on the task run that replays it)."""
+    versions = manifest.get("weight_version")
+    logger.info("cached %s of step %d: %d trajectories, written %s%s", manifest["stage"], manifest["global_steps"],
+                manifest["num_trajectories"], manifest["created_at"],
+                f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "")
+
+
 class ManifestSerializer(Serializer):
-    """Persists a :class:`StageRecord` as its manifest (the marker) and reads a marker back as one."""
+    """Persists a :class:`StageRecord` as its manifest (the marker) and reads a marker back as one: with a
+    ``check``, the whole entry, loaded and checked (:meth:`EntryCheck.load`)."""
 
     type: Literal["ppoflow-step-manifest"] = "ppoflow-step-manifest"
+    check: Optional[EntryCheck] = None
 
     def dumps(self, obj: Any) -> bytes:
         if not isinstance(obj, StageRecord) or obj.manifest is None:
@@ -57,11 +125,10 @@ class ManifestSerializer(Serializer):
         return encode_manifest(obj.manifest)
 
     def loads(self, blob: bytes) -> StageRecord:
+        if self.check is not None:
+            return self.check.load(blob)
         manifest = decode_manifest(blob)
-        versions = manifest.get("weight_version")
-        logger.info("cached %s of step %d: %d trajectories, written %s%s", manifest["stage"], manifest["global_steps"],
-                    manifest["num_trajectories"], manifest["created_at"],
-                    f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "")
+        describe(manifest)
         return StageRecord(fields=None, metrics=manifest.get("metrics", {}), manifest=manifest)
 
 
@@ -98,10 +165,11 @@ class DerivedRecords(WritableFileSystem):
     """The cache policy's ``key_storage``: Prefect's record of an entry, derived from its marker.
 
     Reading the record of a key validates the marker at that key (it must decode as a manifest of
-    this step and stage) and returns metadata that names :class:`ManifestSerializer` and the marker
-    itself as the result; an invalid or absent marker raises, which Prefect reads as "no record".
-    Writing stores nothing: the marker Prefect has just written is the record. So there is no
-    Prefect-owned file in the cache to edit, poison or delete.
+    this step and stage) and returns metadata that names :class:`ManifestSerializer` (with this replay's
+    ``check``, so that reading the record loads and checks the entry) and the marker itself as the
+    result; an invalid or absent marker raises, which Prefect reads as "no record". Writing stores
+    nothing: the marker Prefect has just written is the record. So there is no Prefect-owned file in the
+    cache to edit, poison or delete.
     """
 
     _block_type_name = "ppoflow step cache records"
@@ -109,11 +177,12 @@ class DerivedRecords(WritableFileSystem):
     basepath: str
     settings: dict = Field(default_factory=dict)
     storage_block_id: Optional[uuid.UUID] = None
+    check: Optional[EntryCheck] = None
 
     def read_path(self, path: str, _sync: bool | None = None) -> bytes:
         config_path, step, stage = parse_marker_key(path)
         StepCache(join(self.basepath, config_path), stage=stage, storage_options=self.settings).manifest(step)
-        return ResultRecordMetadata(storage_key=path, expiration=None, serializer=ManifestSerializer(),
+        return ResultRecordMetadata(storage_key=path, expiration=None, serializer=ManifestSerializer(check=self.check),
                                     storage_block_id=self.storage_block_id).dump_bytes()
 
     def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
@@ -138,9 +207,10 @@ class PrefectStore:
         self.key_storage = DerivedRecords(basepath=dump_dir, settings=settings,
                                           storage_block_id=self.result_storage._block_document_id)
 
-    def task_options(self, key: str, *, refresh: bool) -> dict:
-        """``with_options`` arguments that make a stage task a persisted Prefect cache entry at ``key``;
-        ``refresh`` runs the body even when an entry exists (and replaces it).
+    def task_options(self, key: str, *, check: EntryCheck | None = None) -> dict:
+        """``with_options`` arguments that make a stage task a persisted Prefect cache entry at ``key``:
+        without a ``check``, the body runs and its result replaces any entry there; with one, the entry is
+        replayed once it passes the check, and is never retried (a rejected entry stays rejected).
 
         The key becomes the task run's cache key, which the UI shows (Prefect 3 leaves it empty), and
         the task run's logs say which entry it replays or is about to write."""
@@ -148,12 +218,15 @@ class PrefectStore:
 
         def step_key(context, parameters) -> str:
             context.task_run.cache_key = key
-            if refresh:
+            if check is None:
                 logger.info("no valid cache entry to replay: computing, then writing %s", url)
             else:
-                logger.info("replaying the cache entry %s", url)
+                logger.info("checking the cache entry %s, to replay it", url)
             return key
 
-        policy = CacheKeyFnPolicy(cache_key_fn=step_key).configure(key_storage=self.key_storage)
-        return {"cache_policy": policy, "result_storage": self.result_storage, "result_serializer": ManifestSerializer(),
-                "persist_result": True, "cache_result_in_memory": False, "refresh_cache": refresh}
+        records = self.key_storage if check is None else self.key_storage.model_copy(update={"check": check})
+        policy = CacheKeyFnPolicy(cache_key_fn=step_key).configure(key_storage=records)
+        replay = {} if check is None else {"retries": 0}
+        return {"cache_policy": policy, "result_storage": self.result_storage,
+                "result_serializer": ManifestSerializer(), "persist_result": True, "cache_result_in_memory": False,
+                "refresh_cache": check is None, **replay}

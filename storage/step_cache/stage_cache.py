@@ -3,15 +3,20 @@
 The rules (verl's, plus the safety verl lacks) in the order they apply:
 
 1. a step outside ``skip.<stage>.steps`` (or a stage without a cache) just runs the task;
-2. otherwise :meth:`StageCache.plan` picks the entry to replay among *valid* entries (``cache``: this
-   step's; ``repeat``: this step's, else the nearest below, else above);
-3. with an entry, the task is called with that entry's key and shows as ``Cached``; its tensors are
-   then loaded and checksummed. The entry is used only if what it recorded matches what the caller
-   ``requires`` (the input a stage was computed from; the model, tokenizer and sampling settings a
-   rollout was sampled with); a rollout is then fitted onto this step's prompts (``fit``);
-4. without one, or when loading or matching fails, the task runs with ``refresh_cache`` and its result
-   is dumped at this step: the stage function writes the payload through the ``dump`` parameter that
+2. otherwise :meth:`StageCache.plan` picks the entry to replay (``cache``: this step's committed one;
+   ``repeat``: this step's valid one, else the nearest valid one below, else above);
+3. with an entry, the task is called with that entry's key and an :class:`~.prefect.EntryCheck`: Prefect
+   reads the record, which loads and checksums the tensors and matches what the entry recorded against
+   what the caller ``requires`` (the input a stage was computed from; the model, tokenizer and sampling
+   settings a rollout was sampled with). Only then is the task run ``Cached``; a rollout is then fitted
+   onto this step's prompts (``fit``). An entry that fails is *rejected*: its task run ends ``Failed``
+   (:class:`~.prefect.CacheEntryRejected`, the reason in its logs);
+4. without an entry, or after a rejection, the task runs with ``refresh_cache`` and its result is dumped
+   at this step: the stage function writes the payload through the ``dump`` parameter that
    :func:`cacheable` gives it, and Prefect commits the marker after the task.
+
+What became of each planned step (replayed, rejected and why, missing, unreadable) is kept in
+:attr:`StageCache.outcomes`, for the run's report.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from tensordict import TensorDict
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, StageResult, tensors_digest
 from ppoflow.storage.bounded import bounded, client_timeouts
 from ppoflow.storage.fs import open_fs, remove_stale_temp_files
-from ppoflow.storage.step_cache.manifest import marker_name, recorded_differences
-from ppoflow.storage.step_cache.prefect import PrefectStore, StageRecord
-from ppoflow.storage.step_cache.store import CacheCorrupt, StepCache
+from ppoflow.storage.step_cache.manifest import marker_name
+from ppoflow.storage.step_cache.prefect import CacheEntryRejected, EntryCheck, PrefectStore, StageRecord, rejection
+from ppoflow.storage.step_cache.store import StepCache
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +69,36 @@ class StepDump:
         return StageRecord(result.fields, result.metrics, manifest)
 
 
+@dataclass(frozen=True)
+class ReplayOnly:
+    """The ``dump`` of a replay's task run: it must replay its entry. If Prefect runs the body after all (it
+    found no valid record: the marker is damaged, foreign or gone), the body refuses, naming why, instead
+    of computing the stage."""
+
+    cache: StepCache
+    step: int
+
+    def refusal(self) -> CacheEntryRejected:
+        reason = self.cache.status(self.step).reason or "it changed while being read"
+        return rejection(f"no valid {self.cache.stage} cache entry to replay at {self.cache.step_url(self.step)} "
+                         f"({reason})")
+
+
 def cacheable(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
     """Give a stage function an optional keyword ``dump``: given a :class:`StepDump`, the function's result
-    is written there before the task returns. The stage's own body never sees it."""
+    is written there before the task returns; given :class:`ReplayOnly`, the function is not called and
+    the task run is a rejected replay. The stage's own body never sees it."""
     signature = inspect.signature(stage)
 
     @functools.wraps(stage)
-    def run(*args, dump: StepDump | None = None, **kwargs) -> StageResult:
+    def run(*args, dump: StepDump | ReplayOnly | None = None, **kwargs) -> StageResult:
+        if isinstance(dump, ReplayOnly):
+            raise dump.refusal()
         result = stage(*args, **kwargs)
         return result if dump is None else dump.write(result)
 
-    dump = inspect.Parameter("dump", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="StepDump | None")
+    dump = inspect.Parameter("dump", inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation="StepDump | ReplayOnly | None")
     run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), dump])
     return run
 
@@ -99,6 +123,21 @@ class CachePlan:
         return self.load_step is not None
 
 
+OUTCOMES = ("replayed", "rejected", "missing", "unreadable")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What became of one planned step (one of :data:`OUTCOMES`): ``replayed`` (``detail``: the step whose
+    entry ``repeat`` replayed, when another), ``rejected`` (``detail``: why; then computed and written),
+    ``missing`` (no entry to replay: computed and written), ``unreadable`` (``detail``: the store's error;
+    computed without the cache)."""
+
+    step: int
+    outcome: str
+    detail: str = ""
+
+
 class StageCache:
     """One stage's step cache in a run: its entries, the steps it covers, its action, its Prefect store.
 
@@ -106,7 +145,8 @@ class StageCache:
     configuration directory under ``dump_dir``. Every storage call is bounded by ``timeout_s`` and a
     failed write is retried ``retries`` times; ``allow_mismatch`` replays entries whose recorded
     requirements differ (logging the differences); an entry larger than ``max_entry_bytes`` (more than a
-    step of this run can hold) is refused before it is read.
+    step of this run can hold) is refused before it is read. ``outcomes`` records what became of each
+    planned step the run reached (its first call: a step's first round).
     """
 
     def __init__(self, key: str, dump_dir: str, root: str, *, steps: list[int], action: str,
@@ -116,15 +156,22 @@ class StageCache:
         options = client_timeouts(dump_dir, storage_options, timeout_s=timeout_s, retries=retries)
         self.entries = StepCache(root, stage=key, storage_options=options, write_retries=retries)
         remove_stale_temp_files(*open_fs(self.entries.root, options))  # left by writes a crash interrupted
+        self.dump_dir, self.storage_options = dump_dir, options
         self.prefix = self.entries.root[len(dump_dir):].strip("/")
         self.store = PrefectStore(dump_dir, options)
+        self.outcomes: dict[int, StepOutcome] = {}
 
     def covers(self, step: int) -> bool:
         return step in self.steps
 
     def plan(self, step: int) -> CachePlan:
-        """verl's rules over valid entries: ``cache`` replays this step, ``repeat`` the nearest one."""
-        load_step = self.entries.resolve(step, self.action)
+        """verl's rules: ``cache`` replays this step's committed entry (one with a marker, valid or not: the
+        replay judges it, so a damaged entry is a rejected replay, not a silent recomputation), ``repeat``
+        the nearest valid one."""
+        if self.action == "cache":
+            load_step = step if self.entries.has_marker(step) else None
+        else:
+            load_step = self.entries.resolve(step, self.action)
         return self.plan_dump(step) if load_step is None else CachePlan(step, load_step, self.record_key(load_step))
 
     def plan_dump(self, step: int) -> CachePlan:
@@ -134,8 +181,19 @@ class StageCache:
     def record_key(self, step: int) -> str:
         return f"{self.prefix}/{step}/{marker_name(self.key)}"
 
-    def task_options(self, plan: CachePlan) -> dict:
-        return self.store.task_options(plan.key, refresh=not plan.hit_expected)
+    def task_options(self, plan: CachePlan, check: EntryCheck | None = None) -> dict:
+        """A replay's task options (with its ``check``) or a dump's."""
+        return self.store.task_options(plan.key, check=check)
+
+    def check(self, plan: CachePlan, requires: dict, identity: dict) -> EntryCheck:
+        """What the planned entry must pass to be replayed (see :class:`~.prefect.EntryCheck`)."""
+        return EntryCheck(root=self.entries.root, stage=self.key, step=plan.load_step, settings=self.storage_options,
+                          requires=requires, identity=identity, allow_mismatch=self.allow_mismatch,
+                          max_bytes=self.max_entry_bytes)
+
+    def note(self, step: int, outcome: str, detail: str = "") -> None:
+        """Record what became of planned ``step`` (its first call only)."""
+        self.outcomes.setdefault(step, StepOutcome(step, outcome, detail))
 
 
 class PendingStage:
@@ -171,7 +229,8 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
     started in the background: it is resolved when awaited and starts no generation. ``meta``,
     ``requires`` and ``identity`` go into a dumped entry's manifest. A replayed entry must have recorded
     ``requires`` exactly (the input it was computed from), and ``identity`` too (how it was sampled)
-    unless the cache allows a mismatch; ``fit`` adapts a replayed entry's fields to this step.
+    unless the cache allows a mismatch; ``fit`` adapts a replayed entry's fields to this step. A rejected
+    entry is the metric ``skip/<key>/rejected``; the step is then computed and dumped.
     """
     if cache is None or not cache.covers(step):
         return _launch(task, args, kwargs, background, lambda result: result)
@@ -179,49 +238,46 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
     meta = {**(meta or {}), **requires, **identity}
     miss = {f"skip/{cache.key}/hit": 0.0}
 
-    def compute(background: bool, *, plan: CachePlan | None) -> PendingStage:
+    def compute(background: bool, *, plan: CachePlan | None, metrics: dict | None = None) -> PendingStage:
         """Run the task; with a ``plan``, dump its result at this step, else (storage failing) don't."""
+        extra = {**miss, **(metrics or {})}
         if plan is None:
-            failed = {**miss, f"skip/{cache.key}/read_failed": 1.0}
+            extra[f"skip/{cache.key}/read_failed"] = 1.0
             return _launch(task, args, kwargs, background, lambda result: StageResult(result.fields,
-                                                                                      {**result.metrics, **failed}))
+                                                                                      {**result.metrics, **extra}))
         return _launch(task.with_options(**cache.task_options(plan)), args,
                        {**kwargs, "dump": StepDump(cache.entries, step, meta, cache.timeout_s)}, background,
-                       lambda record: StageResult(record.fields, {**record.metrics, **miss}))
+                       lambda record: StageResult(record.fields, {**record.metrics, **extra}))
+
+    def unreadable(error: Exception, what: str, background: bool = False) -> PendingStage:
+        """The store failed: compute without it (``skip/<key>/read_failed``)."""
+        logger.warning("%s (%r); computing step %d without the cache", what, error, step)
+        cache.note(step, "unreadable", repr(error))
+        return compute(background, plan=None)
 
     try:
         plan = bounded(lambda: cache.plan(step), timeout_s=cache.timeout_s,
                        what=f"looking up step {step} in {cache.entries.root}")
     except Exception as error:  # the store is unreachable, stalls or answers garbage: go on without it
-        logger.warning("the %s cache cannot be read (%r); computing step %d without it", cache.key, error, step)
-        return compute(background, plan=None)
+        return unreadable(error, f"the {cache.key} cache cannot be read", background)
     if not plan.hit_expected:
+        cache.note(step, "missing")
         return compute(background, plan=plan)
 
     def replay() -> StageResult:
+        check = cache.check(plan, requires, identity)
         try:
-            replayed = bounded(lambda: _replay(cache, task, plan, args, kwargs), timeout_s=cache.timeout_s,
-                               what=f"loading step {plan.load_step} from {cache.entries.root}")
+            record = bounded(lambda: _replay(cache, task, plan, check, args, kwargs), timeout_s=cache.timeout_s,
+                             what=f"loading step {plan.load_step} from {cache.entries.root}")
+        except CacheEntryRejected as rejected:  # its task run says why; the step is computed and dumped
+            cache.note(step, "rejected", rejected.reason)
+            return compute(False, plan=cache.plan_dump(step), metrics={f"skip/{cache.key}/rejected": 1.0}).result()
         except Exception as error:
-            logger.warning("the cached %s of step %d cannot be read (%r); computing step %d without the cache",
-                           cache.key, plan.load_step, error, step)
-            return compute(False, plan=None).result()
-        if isinstance(replayed, StageResult):  # Prefect ran the body after all: a fresh, undumped result
-            return StageResult(replayed.fields, {**replayed.metrics, **miss})
-        if replayed is not None:
-            fields, manifest = replayed
-            wrong_input = recorded_differences(requires, manifest)
-            other_identity = recorded_differences(identity, manifest)
-            tolerated = not wrong_input and (not other_identity or cache.allow_mismatch)
-            if wrong_input or other_identity:
-                logger.warning("cached %s of step %d does not match this run (%s); %s", cache.key, plan.load_step,
-                               "; ".join(wrong_input + other_identity),
-                               f"replaying it anyway (skip.{cache.key}.allow_mismatch)" if tolerated else "recomputing")
-            if tolerated:
-                return StageResult(fit(fields) if fit else fields,
-                                   {**manifest.get("metrics", {}), f"skip/{cache.key}/hit": 1.0,
-                                    f"skip/{cache.key}/load_step": float(plan.load_step)})
-        return compute(False, plan=cache.plan_dump(step)).result()
+            return unreadable(error, f"the cached {cache.key} of step {plan.load_step} cannot be read").result()
+        cache.note(step, "replayed", "" if plan.load_step == step else f"the entry of step {plan.load_step}")
+        return StageResult(fit(record.fields) if fit else record.fields,
+                           {**record.metrics, f"skip/{cache.key}/hit": 1.0,
+                            f"skip/{cache.key}/load_step": float(plan.load_step)})
 
     return PendingStage(replay)
 
@@ -244,19 +300,13 @@ def _launch(task, args, kwargs, background: bool, finish: Callable[[StageResult]
     return pending
 
 
-def _replay(cache: StageCache, task, plan: CachePlan, args, kwargs) -> tuple[TensorDict, dict] | StageResult | None:
-    """The planned entry's fields and manifest, read through the cached task (a ``Cached`` run).
+def _replay(cache: StageCache, task, plan: CachePlan, check: EntryCheck, args, kwargs) -> StageRecord:
+    """The planned entry, loaded and checked as Prefect reads its record (a ``Cached`` run), or
+    :class:`CacheEntryRejected` (a ``Failed`` run whose logs say why).
 
-    Prefect's record of the entry is derived from its marker, so an entry written by another process
-    or tool is ``Cached`` too. The task is called without a dump target, so even if Prefect ran its body
-    (the entry vanished since it was planned) it could not overwrite the entry being replayed. None
-    when the entry is damaged (with a warning).
+    Prefect's record of the entry is derived from its marker, so an entry written by another process or
+    tool is ``Cached`` too. The body is given :class:`ReplayOnly`, so a body Prefect runs after all (no
+    valid record) refuses instead of computing, and can never overwrite the entry being replayed.
     """
-    try:
-        record = task.with_options(**cache.task_options(plan))(*args, **kwargs)
-        if not isinstance(record, StageRecord) or record.fields is not None:
-            return record
-        return cache.entries.load(record.manifest["global_steps"], max_bytes=cache.max_entry_bytes)
-    except CacheCorrupt as error:
-        logger.warning("cached %s of step %d is damaged (%s); recomputing", cache.key, plan.load_step, error)
-        return None
+    return task.with_options(**cache.task_options(plan, check))(*args, **kwargs,
+                                                               dump=ReplayOnly(cache.entries, plan.load_step))

@@ -180,6 +180,15 @@ class StepCache:
             return earlier[-1]
         return later[0] if later else None
 
+    def has_marker(self, step: int) -> bool:
+        """Whether ``step`` has this stage's marker, valid or not: an entry was committed there (or something
+        took its marker's name). A failing store raises."""
+        try:
+            self._fs.info(self.marker_url(step))
+        except FileNotFoundError:
+            return False
+        return True
+
     def manifest(self, step: int) -> dict:
         """The decoded marker of ``step``; an unreadable or foreign one raises :class:`CacheCorrupt`."""
         marker_url = self.marker_url(step)
@@ -194,11 +203,17 @@ class StepCache:
             raise CacheCorrupt(marker_url, problem)
         return manifest
 
-    def load(self, step: int, *, max_bytes: int | None = None) -> tuple[TensorDict, dict]:
+    def load(self, step: int, *, max_bytes: int | None = None, manifest: dict | None = None) -> tuple[TensorDict, dict]:
         """Read, verify (size, then sha256) and decode an entry; any problem raises :class:`CacheCorrupt`.
-        A payload larger than ``max_bytes`` is refused before anything of it is read."""
+        A payload larger than ``max_bytes`` is refused before anything of it is read. ``manifest`` is the
+        entry's decoded marker when the caller has read it already (Prefect, replaying the entry)."""
         step = as_step(step)
-        manifest = self.manifest(step)
+        if manifest is None:
+            manifest = self.manifest(step)
+        else:
+            problem = manifest_mismatch(manifest, step, self.stage)
+            if problem:
+                raise CacheCorrupt(self.marker_url(step), problem)
         payload_url = self.payload_url(step)
         payload = read_verified(self._fs, payload_url, payload_entry(manifest), error=CacheCorrupt, max_bytes=max_bytes)
         try:
