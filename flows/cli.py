@@ -160,18 +160,25 @@ def _train(args) -> int:
     """Check, then run the flow. SIGINT and SIGTERM raise :class:`Interrupted` in the flow, which stops
     like any crash: the workers are shut down on the way out (the run's ``finally``), Prefect records the
     run as crashed, the last complete checkpoint stays as it is; then Ray is shut down, and the temporary
-    Prefect server stops as the process exits. One line says where a rerun of the same command resumes."""
+    Prefect server stops as the process exits. One line says where a rerun of the same command resumes.
+    However the process ends, a SIGKILL included, the processes it started (the temporary server, a Ray it
+    started) are stopped after it (:func:`~ppoflow.flows.reaper.reap_on_exit`)."""
     from ppoflow.configs import load_config
+    from ppoflow.flows.reaper import reap_on_exit
 
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
     for name, value in RAY_SIGNAL_ENV.items():  # before Ray is imported: it reads the setting then
         os.environ.setdefault(name, value)
+    reap_on_exit()  # before the first process this run starts
     from ppoflow.flows.logs import hide_user_error_tracebacks, run_failures
     from ppoflow.flows.preflight import preflight
     from ppoflow.flows.train import check_mode, run_ppo_train
 
+    from ppoflow.flows import cancellation
+
     check_mode(cfg)
     preflight(cfg)
+    cancellation.stop_process_on_cancel()  # Prefect itself stops only runs that a runner or worker started
     hide_user_error_tracebacks()  # bad input found once Ray runs (resources) is reported like the rest
     previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPT_EXIT_CODES}
     try:
@@ -194,12 +201,16 @@ def _train(args) -> int:
     import ray
 
     ray.shutdown()  # the workers are gone before the line saying that the run stopped
-    print(f"ppoflow: {_interrupted_line(cfg.trainer.default_local_dir, signum)}", file=sys.stderr)
+    if cancellation.was_cancelled():
+        cancellation.record_cancelled()
+    print(f"ppoflow: {_interrupted_line(cfg.trainer.default_local_dir, signum, cancellation.was_cancelled())}",
+          file=sys.stderr)
     return INTERRUPT_EXIT_CODES[signum]
 
 
-def _interrupted_line(run_dir: str, signum: int) -> str:
-    """``interrupted (SIGTERM) after step 3; the last checkpoint is .../global_step_3; rerun ...``."""
+def _interrupted_line(run_dir: str, signum: int, cancelled: bool = False) -> str:
+    """``interrupted (SIGTERM) after step 3; the last checkpoint is .../global_step_3; rerun ...``; a run
+    stopped because its flow run was cancelled says ``cancelled in Prefect`` instead of the signal."""
     from ppoflow.flows.tracking import read_metrics
     from ppoflow.storage.checkpoint import latest
 
@@ -208,7 +219,8 @@ def _interrupted_line(run_dir: str, signum: int) -> str:
     except (OSError, ValueError):  # no step logged yet
         steps = []
     checkpoint = latest(run_dir)
-    return (f"interrupted ({signal.Signals(signum).name})" + (f" after step {max(steps)}" if steps else "")
+    what = "cancelled in Prefect" if cancelled else f"interrupted ({signal.Signals(signum).name})"
+    return (what + (f" after step {max(steps)}" if steps else "")
             + (f"; the last checkpoint is {checkpoint}; rerun the same command to resume from it" if checkpoint
                else "; no checkpoint was written yet: a rerun starts over"))
 

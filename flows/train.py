@@ -48,6 +48,7 @@ from ppoflow.flows.cache_report import report_caches
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
+from ppoflow.flows import cancellation
 from ppoflow.flows import async_modes  # noqa: F401 - registers colocate_async and separate_async
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
 from ppoflow.flows.ownership import own_run_directory
@@ -345,6 +346,7 @@ def ppo_train(
                                              f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
                                              if value is not None)])
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
+    cancellation.watch(prefect_flow_run.id)
     # the caller's tags are the flow run's: a tagged task run costs the server a request (trainer.task_run_tags)
     with logs_to_prefect(), TagsContext(current_tags=set()):
         return train(cfg)
