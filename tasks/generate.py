@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
 from ppoflow.storage.step_cache.stage_cache import cacheable
-from ppoflow.tasks.reward import extra_means
+from ppoflow.tasks.reward import extra_means, unless_a_scorer_failed
 from ppoflow.tasks.task_inputs import recorded_task
 from ppoflow.workers.rollout import SamplingParams
 
@@ -18,7 +18,8 @@ logger = logging.getLogger("ppoflow.rollout")
 """The rollout's records: inside a run they reach the logs of the task run that logged them."""
 
 
-@recorded_task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@recorded_task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
+               retry_condition_fn=unless_a_scorer_failed)
 @cacheable
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
@@ -26,7 +27,8 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
     Only tensors travel to the rollout worker - and, to a rollout that scores trajectories as they
     finish (``workers.streams_reward``), each prompt's data source and ground truth; the per-prompt columns
     are repeated onto the prompt's ``n`` responses here. Retried: a rollout worker that died
-    mid-generation is restarted by Ray, and the flow re-syncs its weights.
+    mid-generation is restarted by Ray, and the flow re-syncs its weights; a custom scorer's failure (in a
+    rollout that scores) is not retried.
     """
     sent = prompts.exclude("uid") if workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
     rollout = workers.get(workers.rollout.submit("generate", sent, step=step, sampling=sampling))

@@ -332,16 +332,18 @@ def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp
         assert needle.lower() not in output.lower(), output
 
 
-FAILING_LATER = """
+PASSES_THE_PREFLIGHT_ONLY = """
+import time
 from pathlib import Path
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     calls = Path(__file__).with_suffix(".calls")
     calls.write_text(calls.read_text() + "." if calls.exists() else ".")
-    if len(calls.read_text()) > 1:  # the preflight's call passes; the rollout's fail
-        raise RuntimeError("the judge is down")
+    if len(calls.read_text()) > 1:  # the preflight's call passes; the rollout's do not
+        {then}
     return 0.0
 """
+"""A custom scorer that passes the preflight's call, then does ``then`` on every call."""
 
 
 def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server, tiny_model, tmp_path):
@@ -350,7 +352,8 @@ def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server,
     import subprocess
     import sys
 
-    (tmp_path / "scorer.py").write_text(FAILING_LATER)
+    failing = PASSES_THE_PREFLIGHT_ONLY.format(then='raise RuntimeError("the judge is down")')
+    (tmp_path / "scorer.py").write_text(failing)
     words = ["trainer.v1.trainer_mode=colocate_async", f"custom_reward_function.path={tmp_path}/scorer.py"]
     done = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train",
                            *run_overrides(tiny_model, tmp_path, *words)], capture_output=True, text=True, timeout=300)
@@ -358,3 +361,23 @@ def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server,
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ppoflow: the run failed: "), done.stderr[-3000:]
     assert f"the custom scorer '{tmp_path}/scorer.py:compute_score' raised RuntimeError: the judge is down" in last
+
+
+def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(prefect_api, ray_local, tiny_model,
+                                                                               tmp_path):
+    """A sync run whose async rollout scores as it samples: a scorer past custom_reward_function.timeout_s
+    fails the generate task run once (never retried: run_count 1) and the run with ScorerTimedOut."""
+    from ppoflow.algorithms.scoring import ScorerTimedOut
+    from ppoflow.flows.train import ppo_train
+    from tests.flow_runs import task_runs_by_name
+
+    (tmp_path / "scorer.py").write_text(PASSES_THE_PREFLIGHT_ONLY.format(then="time.sleep(10**9)"))
+    words = [f"custom_reward_function.path={tmp_path}/scorer.py", "custom_reward_function.timeout_s=1",
+             "trainer.total_training_steps=1"]
+    overrides = run_overrides(tiny_model, tmp_path, *words)
+    state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ScorerTimedOut, match="custom_reward_function.timeout_s=1 s"):
+        state.result()
+    generate = task_runs_by_name(state.state_details.flow_run_id, ["generate[step=1]"])["generate[step=1]"]
+    assert generate.state.is_failed() and generate.run_count == 1
