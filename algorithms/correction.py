@@ -164,8 +164,10 @@ def _parse_rejection_thresholds(
         lower, upper = parse_is_threshold(spec)
         if option.endswith("k1"):
             if lower is None and upper < 1:  # [1/u, u] would be empty: every token rejected
-                raise ValueError(f"rollout rejection option {option!r}: a single ratio bound {spec!r} means "
-                                 f"[1/{spec}, {spec}], which needs a bound >= 1; give 'lower_upper' otherwise.")
+                raise ValueError(
+                    f"rollout rejection option {option!r}: a single ratio bound {spec!r} means "
+                    f"[1/{spec}, {spec}], which needs a bound >= 1; give 'lower_upper' otherwise."
+                )
             parsed.append((1.0 / upper if lower is None else lower, upper))
         elif lower is not None:
             raise ValueError(f"rollout rejection option {option!r} takes a single upper bound, got {spec!r}.")
@@ -262,15 +264,24 @@ def correct_off_policy(
     """
     valid = response_mask.bool()
     gap = (old_log_probs.exp() - rollout_log_probs.exp()).abs()[valid]
-    metrics = {"training/rollout_probs_diff_max": float(gap.max()), "training/rollout_probs_diff_mean": float(gap.mean())}
+    metrics = {
+        "training/rollout_probs_diff_max": float(gap.max()),
+        "training/rollout_probs_diff_mean": float(gap.mean()),
+    }
     if rollout_rs:
-        response_mask, rejected = compute_rejection_mask(old_log_probs, rollout_log_probs, response_mask,
-                                                         options=rollout_rs, thresholds=rollout_rs_threshold)
+        response_mask, rejected = compute_rejection_mask(
+            old_log_probs, rollout_log_probs, response_mask, options=rollout_rs, thresholds=rollout_rs_threshold
+        )
         metrics.update(rejected)
     weights = None
     if rollout_is:
         weights, weighted = compute_rollout_is_weights(
-            old_log_probs, rollout_log_probs, response_mask, level=rollout_is, threshold=rollout_is_threshold,
-            batch_normalize=rollout_is_batch_normalize)
+            old_log_probs,
+            rollout_log_probs,
+            response_mask,
+            level=rollout_is,
+            threshold=rollout_is_threshold,
+            batch_normalize=rollout_is_batch_normalize,
+        )
         metrics.update(weighted)
     return response_mask, weights, metrics

@@ -30,8 +30,9 @@ def nonfinite_rows(values: torch.Tensor) -> list[tuple[int, float]]:
     return [(int(row), float(flat[row, column])) for row, column in zip(rows.tolist(), first.tolist())]
 
 
-def describe_rows(what: str, found: list[tuple[int, float]], total: int, columns: Mapping[str, Sequence],
-                  limit: int = 3) -> str:
+def describe_rows(
+    what: str, found: list[tuple[int, float]], total: int, columns: Mapping[str, Sequence], limit: int = 3
+) -> str:
     """``non-finite <what> in 2 of 16 samples: row 3 (uid 'a', data_source 'b') = nan; ...``: the rows of
     :func:`nonfinite_rows`, each named by its ``columns`` values, the first ``limit`` of them spelled out."""
     named = []

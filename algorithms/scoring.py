@@ -101,8 +101,10 @@ def scorer_for(data_source: str, custom: Scorer | None) -> Scorer:
     if custom is not None:
         return custom
     if data_source not in BUILTIN_SCORERS:
-        raise ValueError(f"no reward scorer for data_source {data_source!r}; built-ins: "
-                         f"{', '.join(BUILTIN_SCORERS)}; or set custom_reward_function.path")
+        raise ValueError(
+            f"no reward scorer for data_source {data_source!r}; built-ins: "
+            f"{', '.join(BUILTIN_SCORERS)}; or set custom_reward_function.path"
+        )
     return BUILTIN_SCORERS[data_source]
 
 
@@ -149,8 +151,9 @@ def _shown(value) -> str:
     return f"a {type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
 
 
-def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | None = None, *, sample: str
-              ) -> tuple[float, dict[str, float]]:
+def score_one(
+    data_source: str, solution: str, ground_truth, custom: Scorer | None = None, *, sample: str
+) -> tuple[float, dict[str, float]]:
     """One response's score and any extra values its scorer reported; :class:`ScorerFailed` (or a subclass)
     when the scorer raises, returns something else or times out, its message ending ``while scoring
     {sample}`` (``sample`` names the response, e.g. ``a response to prompt '3-1' (data source 'my/task')``)."""
@@ -161,8 +164,9 @@ def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | No
     except ScorerFailed as error:  # a scorer in a process of its own says itself what went wrong
         raise type(error)(f"{error} while scoring {sample}") from None
     except Exception as error:  # noqa: BLE001 - a scorer may raise anything
-        raise ScorerFailed(f"{scorer_label(scorer)} raised {type(error).__name__}: {error} while scoring "
-                           f"{sample}") from error
+        raise ScorerFailed(
+            f"{scorer_label(scorer)} raised {type(error).__name__}: {error} while scoring {sample}"
+        ) from error
     finally:
         _SAMPLE.reset(token)
     try:
@@ -171,9 +175,13 @@ def score_one(data_source: str, solution: str, ground_truth, custom: Scorer | No
         raise ScorerFailed(f"{scorer_label(scorer)} {error} while scoring {sample}") from None
 
 
-def score_responses(data_sources: list[str], solutions: list[str], ground_truths: list,
-                    custom: Scorer | None = None, prompt_ids: list[str] | None = None
-                    ) -> tuple[list[float], dict[str, list[float]]]:
+def score_responses(
+    data_sources: list[str],
+    solutions: list[str],
+    ground_truths: list,
+    custom: Scorer | None = None,
+    prompt_ids: list[str] | None = None,
+) -> tuple[list[float], dict[str, list[float]]]:
     """Score each response; returns the scores and any extra per-sample values the scorers reported.
     A failure names the response (by its prompt's id in ``prompt_ids``, else its position) and its data source."""
     scores: list[float] = []

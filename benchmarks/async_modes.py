@@ -14,8 +14,9 @@ separate_async runs twice, with one update per weight push and with ``parameter_
 Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
 all steps but the first two), its ratio to ``sync`` measured in the same run, the median time a step
 waited for generation (``timing_s/gen``) and spent updating the actor (``timing_s/update_actor`` plus
-``timing_s/old_log_prob``), the mean and maximum response length, and the staleness of the trained samples (``training/off_policy/trajectory_staleness``:
-how many weight updates behind the newest weights they were sampled with).
+``timing_s/old_log_prob``), the mean and maximum response length, and the staleness of the trained samples
+(``training/off_policy/trajectory_staleness``: how many weight updates behind the newest weights they were
+sampled with).
 
     python benchmarks/async_modes.py [--steps 12]
 """
@@ -35,18 +36,31 @@ from workloads import WORKLOADS, built_in, start_local_ray  # noqa: E402 (benchm
 
 PROMPTS, SAMPLES = 4, 3
 """A step's prompts and samples per prompt."""
-WORKLOAD = [*WORKLOADS["larger"], "data.max_response_length=112", "actor_rollout_ref.model.build.max_position_embeddings=128",
-            f"data.train_batch_size={PROMPTS}", f"actor_rollout_ref.rollout.n={SAMPLES}",
-            "actor_rollout_ref.actor.optim.lr=1.0e-9",
-            "actor_rollout_ref.rollout.mode=async", "trainer.test_freq=-1", "trainer.logger=[]", "trainer.save_freq=-1"]
+WORKLOAD = [
+    *WORKLOADS["larger"],
+    "data.max_response_length=112",
+    "actor_rollout_ref.model.build.max_position_embeddings=128",
+    f"data.train_batch_size={PROMPTS}",
+    f"actor_rollout_ref.rollout.n={SAMPLES}",
+    "actor_rollout_ref.actor.optim.lr=1.0e-9",
+    "actor_rollout_ref.rollout.mode=async",
+    "trainer.test_freq=-1",
+    "trainer.logger=[]",
+    "trainer.save_freq=-1",
+]
 WHOLE_BATCH = [f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}"]
 MODES = {
     "sync": ("sync", WHOLE_BATCH),
     "one_step_off": ("one_step_off", WHOLE_BATCH),
     "colocate_async": ("colocate_async", WHOLE_BATCH),
     "separate_async": ("separate_async", [*WHOLE_BATCH, "trainer.v1.separate_async.parameter_sync_step=1"]),
-    "separate_async P=2": ("separate_async", [f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS // 2}",
-                                             "trainer.v1.separate_async.parameter_sync_step=2"]),
+    "separate_async P=2": (
+        "separate_async",
+        [
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS // 2}",
+            "trainer.v1.separate_async.parameter_sync_step=2",
+        ],
+    ),
 }
 """Label -> (trainer mode, its overrides). separate_async with one update per weight push, and with two
 (``parameter_sync_step=2``: the second update's old log-probs need a forward pass of their own)."""
@@ -62,18 +76,26 @@ def trained(label: str, scratch: str, steps: int) -> dict[str, float]:
 
     mode, words = MODES[label]
     run_dir = f"{scratch}/{label.replace(' ', '_')}"
-    ppo_train(config="grpo_tiny", overrides=WORKLOAD + built_in(scratch, "larger") + words + [
-        f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"])
+    ppo_train(
+        config="grpo_tiny",
+        overrides=WORKLOAD
+        + built_in(scratch, "larger")
+        + words
+        + [f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"],
+    )
     rows = read_metrics(run_dir)[SKIPPED:]
     staleness = [row.get("training/off_policy/trajectory_staleness/mean", 0.0) for row in rows]
-    return {"samples_per_s": len(rows) * PROMPTS * SAMPLES / sum(row["timing_s/step"] for row in rows),
-            "waited_s": statistics.median(row["timing_s/gen"] for row in rows),
-            "update_s": statistics.median(row["timing_s/update_actor"] + row.get("timing_s/old_log_prob", 0.0)
-                                          for row in rows),
-            "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
-            "response_length_max": max(row["response_length/max"] for row in rows),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0) for row in rows)}
+    return {
+        "samples_per_s": len(rows) * PROMPTS * SAMPLES / sum(row["timing_s/step"] for row in rows),
+        "waited_s": statistics.median(row["timing_s/gen"] for row in rows),
+        "update_s": statistics.median(
+            row["timing_s/update_actor"] + row.get("timing_s/old_log_prob", 0.0) for row in rows
+        ),
+        "response_length_mean": sum(row["response_length/mean"] for row in rows) / len(rows),
+        "response_length_max": max(row["response_length/max"] for row in rows),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0) for row in rows),
+    }
 
 
 def main() -> None:
@@ -84,15 +106,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         results = {label: trained(label, scratch, steps) for label in MODES}
     baseline = results["sync"]["samples_per_s"]
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {steps} steps per mode, "
-          f"the first {SKIPPED} left out")
-    print("| mode | trained samples/s | vs sync | waited for generation s | update s | response length mean / max "
-          "| staleness mean / max |\n|---|---|---|---|---|---|---|")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {steps} steps per mode, "
+        f"the first {SKIPPED} left out"
+    )
+    print(
+        "| mode | trained samples/s | vs sync | waited for generation s | update s | response length mean / max "
+        "| staleness mean / max |\n|---|---|---|---|---|---|---|"
+    )
     for mode, row in results.items():
-        print(f"| {mode} | {row['samples_per_s']:.2f} | {row['samples_per_s'] / baseline:.2f}x | "
-              f"{row['waited_s']:.2f} | {row['update_s']:.2f} | "
-              f"{row['response_length_mean']:.1f} / {row['response_length_max']:.0f} | "
-              f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} |")
+        print(
+            f"| {mode} | {row['samples_per_s']:.2f} | {row['samples_per_s'] / baseline:.2f}x | "
+            f"{row['waited_s']:.2f} | {row['update_s']:.2f} | "
+            f"{row['response_length_mean']:.1f} / {row['response_length_max']:.0f} | "
+            f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} |"
+        )
     print(json.dumps(results))
 
 

@@ -25,7 +25,6 @@ import time
 
 import torch
 from tensordict import TensorDict
-
 from workloads import start_local_ray  # noqa: E402 (benchmarks/ is the script's folder)
 
 
@@ -35,19 +34,27 @@ def step_batch(prompts: int, samples: int, prompt_tokens: int, response_tokens: 
 
     rows, generator = prompts * samples, torch.Generator().manual_seed(0)
     response = (rows, response_tokens)
-    batch = TensorDict({
-        "prompts": torch.randint(0, 32000, (rows, prompt_tokens), generator=generator),
-        "prompt_mask": torch.ones(rows, prompt_tokens, dtype=torch.bool),
-        "responses": torch.randint(0, 32000, response, generator=generator),
-        "response_mask": torch.ones(response, dtype=torch.bool),
-        "rollout_log_probs": torch.randn(response, generator=generator),
-        "weight_version": torch.zeros(rows, dtype=torch.int64),
-        "group_index": torch.arange(rows).div(samples, rounding_mode="floor"),
-        **{name: torch.randn(response, generator=generator)
-           for name in ("token_level_scores", "token_level_rewards", "advantages", "returns")}}, batch_size=[rows])
+    batch = TensorDict(
+        {
+            "prompts": torch.randint(0, 32000, (rows, prompt_tokens), generator=generator),
+            "prompt_mask": torch.ones(rows, prompt_tokens, dtype=torch.bool),
+            "responses": torch.randint(0, 32000, response, generator=generator),
+            "response_mask": torch.ones(response, dtype=torch.bool),
+            "rollout_log_probs": torch.randn(response, generator=generator),
+            "weight_version": torch.zeros(rows, dtype=torch.int64),
+            "group_index": torch.arange(rows).div(samples, rounding_mode="floor"),
+            **{
+                name: torch.randn(response, generator=generator)
+                for name in ("token_level_scores", "token_level_rewards", "advantages", "returns")
+            },
+        },
+        batch_size=[rows],
+    )
     uids = [f"prompt-{row // samples}" for row in range(rows)]
-    return with_non_tensor_columns(batch, {"uid": uids, "data_source": ["copy"] * rows,
-                                           "ground_truth": [[row // samples, 7, 3] for row in range(rows)]})
+    return with_non_tensor_columns(
+        batch,
+        {"uid": uids, "data_source": ["copy"] * rows, "ground_truth": [[row // samples, 7, 3] for row in range(rows)]},
+    )
 
 
 def main() -> None:
@@ -91,14 +98,20 @@ def main() -> None:
             calls.append(time.perf_counter() - start)
     ray.shutdown()
 
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median round trip (driver -> "
-          f"worker -> driver) over {args.rounds} x {args.trips} trips, alternating; ms")
-    print("| batch | pickled TensorDict | consolidated | plain values | consolidated / pickled | plain / pickled |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median round trip (driver -> "
+        f"worker -> driver) over {args.rounds} x {args.trips} trips, alternating; ms"
+    )
+    print(
+        "| batch | pickled TensorDict | consolidated | plain values | consolidated / pickled | plain / pickled |\n"
+        "|---|---|---|---|---|---|"
+    )
     for name in batches:
         pickled, consolidated, plain = (statistics.median(times[name, way]) * 1000 for way in ways)
-        print(f"| {name} | {pickled:.2f} | {consolidated:.2f} | {plain:.2f} | {consolidated / pickled:.2f} | "
-              f"{plain / pickled:.2f} |")
+        print(
+            f"| {name} | {pickled:.2f} | {consolidated:.2f} | {plain:.2f} | {consolidated / pickled:.2f} | "
+            f"{plain / pickled:.2f} |"
+        )
     print(f"| none (Ray's call alone) | {statistics.median(calls) * 1000:.2f} | | | | |")
 
 

@@ -53,15 +53,29 @@ def main() -> None:
     import torch
 
     from ppoflow.configs.schema import ModelConfig, TinyModelConfig
-    from ppoflow.workers.models import (TINY_CHARACTERS, TINY_SPECIAL_TOKENS, build_tiny_model, load_causal_lm,
-                                        load_tokenizer)
+    from ppoflow.workers.models import (
+        TINY_CHARACTERS,
+        TINY_SPECIAL_TOKENS,
+        build_tiny_model,
+        load_causal_lm,
+        load_tokenizer,
+    )
     from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling
 
     draw = random.Random(args.seed)
     budgets = long_tailed_budgets(args.requests, args.seed)
     with tempfile.TemporaryDirectory() as scratch:
-        build_tiny_model(scratch, TinyModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                                  num_attention_heads=4, max_position_embeddings=128, seed=0))
+        build_tiny_model(
+            scratch,
+            TinyModelConfig(
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                max_position_embeddings=128,
+                seed=0,
+            ),
+        )
         spec = ModelConfig(path=scratch, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
         tokenizer = load_tokenizer(spec)
         model = load_causal_lm(spec).eval()
@@ -73,15 +87,23 @@ def main() -> None:
         """Useful tokens and sampling forwards of ``model.generate`` on batches in arrival order."""
         produced = forwards = 0
         for start in range(0, args.requests, args.batch_size):
-            rows, row_budgets = prompts[start:start + args.batch_size], budgets[start:start + args.batch_size]
+            rows, row_budgets = prompts[start : start + args.batch_size], budgets[start : start + args.batch_size]
             width = max(len(prompt) for prompt in rows)
             input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in rows])
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
             longest = max(row_budgets)
             with torch.no_grad():
-                sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=longest,
-                                           min_new_tokens=longest, pad_token_id=tokenizer.pad_token_id)
+                sequences = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             assert sequences.shape[1] - width == longest
             produced += sum(row_budgets)
             forwards += longest
@@ -89,12 +111,25 @@ def main() -> None:
 
     def continuous() -> tuple[int, int]:
         """Useful tokens and sampling forwards of the engine serving every request."""
-        engine = ContinuousBatchingEngine(model, eos_token_id=tokenizer.eos_token_id, device=torch.device("cpu"),
-                                          max_num_seqs=args.batch_size)
-        futures = [engine.submit(str(index), prompt,
-                                 RequestSampling(temperature=1.0, top_p=1.0, top_k=0, greedy=False,
-                                                 max_new_tokens=budget, seed=index, ignore_eos=True))
-                   for index, (prompt, budget) in enumerate(zip(prompts, budgets))]
+        engine = ContinuousBatchingEngine(
+            model, eos_token_id=tokenizer.eos_token_id, device=torch.device("cpu"), max_num_seqs=args.batch_size
+        )
+        futures = [
+            engine.submit(
+                str(index),
+                prompt,
+                RequestSampling(
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    greedy=False,
+                    max_new_tokens=budget,
+                    seed=index,
+                    ignore_eos=True,
+                ),
+            )
+            for index, (prompt, budget) in enumerate(zip(prompts, budgets))
+        ]
         while not all(future.done() for future in futures):
             engine.step()
         return sum(len(future.result().token_ids) for future in futures), engine.stats()["steps"]
@@ -113,15 +148,29 @@ def main() -> None:
             assert produced == useful
     median = {name: statistics.median(values) for name, values in rates.items()}
 
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.requests} requests, budgets "
-          f"{SHORTEST}-{LONGEST} (median {statistics.median(budgets):.0f}, longest {max(budgets)}, {useful} tokens), "
-          f"batch size {args.batch_size}; median of {args.repeats}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.requests} requests, budgets "
+        f"{SHORTEST}-{LONGEST} (median {statistics.median(budgets):.0f}, longest {max(budgets)}, {useful} tokens), "
+        f"batch size {args.batch_size}; median of {args.repeats}"
+    )
     print("| way | tokens/s | x static | sampling forwards | useful slots |\n|---|---|---|---|---|")
     for name, rate in median.items():
-        print(f"| {name} | {rate:.0f} | {rate / median['static']:.2f} | {forwards[name]} | "
-              f"{useful / (forwards[name] * args.batch_size):.0%} |")
-    print(json.dumps({name: {"tokens_per_s": rate, "ratio_to_static": rate / median["static"],
-                             "sampling_forwards": forwards[name]} for name, rate in median.items()}))
+        print(
+            f"| {name} | {rate:.0f} | {rate / median['static']:.2f} | {forwards[name]} | "
+            f"{useful / (forwards[name] * args.batch_size):.0%} |"
+        )
+    print(
+        json.dumps(
+            {
+                name: {
+                    "tokens_per_s": rate,
+                    "ratio_to_static": rate / median["static"],
+                    "sampling_forwards": forwards[name],
+                }
+                for name, rate in median.items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,11 +41,13 @@ def main() -> None:
 
     from ppoflow.configs import load_config
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
-    from ppoflow.workers.models import set_up_worker_process, ensure_model, load_causal_lm, load_tokenizer
+    from ppoflow.workers.models import ensure_model, load_causal_lm, load_tokenizer, set_up_worker_process
     from ppoflow.workers.rollout import SamplingParams, sample_responses
 
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = load_config("grpo_tiny", WORKLOADS[args.workload] + built_in(scratch, args.workload) + ["trainer.test_freq=-1"])
+        cfg = load_config(
+            "grpo_tiny", WORKLOADS[args.workload] + built_in(scratch, args.workload) + ["trainer.test_freq=-1"]
+        )
         set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
         ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
         ensure_datasets(cfg.data)
@@ -61,25 +63,37 @@ def main() -> None:
 
         def direct(**options) -> int:
             with torch.no_grad():
-                sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                           temperature=sampling.temperature, top_p=sampling.top_p,
-                                           top_k=max(sampling.top_k, 0), max_new_tokens=sampling.max_new_tokens,
-                                           eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **options)
-            responses = sequences[:, input_ids.shape[1]:]
+                sequences = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    do_sample=True,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=max(sampling.top_k, 0),
+                    max_new_tokens=sampling.max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **options,
+                )
+            responses = sequences[:, input_ids.shape[1] :]
             is_eos = responses == eos
             return int(((is_eos.cumsum(dim=1) - is_eos.long()) == 0).sum())
 
         def ours() -> int:
-            batch = sample_responses(model, tokenizer, prompts, step=1, sampling=sampling, weight_version=0,
-                                     device=torch.device("cpu"))
+            batch = sample_responses(
+                model, tokenizer, prompts, step=1, sampling=sampling, weight_version=0, device=torch.device("cpu")
+            )
             return int(batch["response_mask"].sum())
 
         compiled = CompileConfig(mode="default")  # reduce-overhead (the default) is CUDA graphs
         compiled._compile_all_devices = True  # transformers' switch to compile on a CPU too
-        variants = {"generate": lambda: direct(), "generate, no cache": lambda: direct(use_cache=False),
-                    "generate, static": lambda: direct(cache_implementation="static"),
-                    "generate, compiled": lambda: direct(cache_implementation="static", compile_config=compiled),
-                    "ppoflow": ours}
+        variants = {
+            "generate": lambda: direct(),
+            "generate, no cache": lambda: direct(use_cache=False),
+            "generate, static": lambda: direct(cache_implementation="static"),
+            "generate, compiled": lambda: direct(cache_implementation="static", compile_config=compiled),
+            "ppoflow": ours,
+        }
         for run in variants.values():
             run()  # warm-up (and the compilation)
         measured: dict[str, list[float]] = {name: [] for name in variants}
@@ -91,8 +105,10 @@ def main() -> None:
                 measured[name].append(tokens / (time.perf_counter() - start))
         rates = {name: statistics.median(values) for name, values in measured.items()}
     baseline = rates["generate"]
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; workload {args.workload}: "
-          f"{len(rows)} prompts x {sampling.n} samples, up to {sampling.max_new_tokens} tokens; median of {args.repeats}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; workload {args.workload}: "
+        f"{len(rows)} prompts x {sampling.n} samples, up to {sampling.max_new_tokens} tokens; median of {args.repeats}"
+    )
     print("| variant | tokens/s | x generate |\n|---|---|---|")
     for name, rate in rates.items():
         print(f"| {name} | {rate:.0f} | {rate / baseline:.2f} |")

@@ -49,16 +49,30 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name in WORKLOADS if args.workload == "all" else [args.workload]:
-            overrides = WORKLOADS[name] + built_in(scratch, name, validation=True) + [
-                f"trainer.default_local_dir={scratch}/{name}-run"]
+            overrides = (
+                WORKLOADS[name]
+                + built_in(scratch, name, validation=True)
+                + [f"trainer.default_local_dir={scratch}/{name}-run"]
+            )
             cfg = load_config("grpo_tiny", overrides)
-            modes = {"bare": (False, False), "ray": (True, False), "prefect": (False, True), "prefect+ray": (True, True)}
-            times = {mode: measure(cfg, ray_workers=r, prefect_tasks=p, steps=args.steps, warmup=args.warmup)
-                     for mode, (r, p) in modes.items()}
-            results[name] = {mode: {"ms_per_step": round(seconds * 1000, 1),
-                                    "ratio_to_bare": round(seconds / times["bare"], 2),
-                                    "overhead_ms": round((seconds - times["bare"]) * 1000, 1)}
-                             for mode, seconds in times.items()}
+            modes = {
+                "bare": (False, False),
+                "ray": (True, False),
+                "prefect": (False, True),
+                "prefect+ray": (True, True),
+            }
+            times = {
+                mode: measure(cfg, ray_workers=r, prefect_tasks=p, steps=args.steps, warmup=args.warmup)
+                for mode, (r, p) in modes.items()
+            }
+            results[name] = {
+                mode: {
+                    "ms_per_step": round(seconds * 1000, 1),
+                    "ratio_to_bare": round(seconds / times["bare"], 2),
+                    "overhead_ms": round((seconds - times["bare"]) * 1000, 1),
+                }
+                for mode, seconds in times.items()
+            }
     ray.shutdown()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median of {args.steps} steps")
     print("| workload | mode | ms/step | x bare | overhead ms/step |\n|---|---|---|---|---|")

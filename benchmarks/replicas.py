@@ -50,21 +50,54 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        build_tiny_model(scratch, TinyModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                                  num_attention_heads=4, max_position_embeddings=128, seed=0))
-        cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={scratch}", "actor_rollout_ref.rollout.mode=async",
-                                        f"actor_rollout_ref.rollout.max_num_seqs={args.max_num_seqs}"])
+        build_tiny_model(
+            scratch,
+            TinyModelConfig(
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                max_position_embeddings=128,
+                seed=0,
+            ),
+        )
+        cfg = load_config(
+            "grpo_tiny",
+            [
+                f"actor_rollout_ref.model.path={scratch}",
+                "actor_rollout_ref.rollout.mode=async",
+                f"actor_rollout_ref.rollout.max_num_seqs={args.max_num_seqs}",
+            ],
+        )
         for count in (1, 2):
-            replicas = [ray.remote(RolloutReplica).options(num_cpus=1, runtime_env={"env_vars": {
-                "OMP_NUM_THREADS": "1"}}).remote(cfg) for _ in range(count)]
+            replicas = [
+                ray.remote(RolloutReplica)
+                .options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+                .remote(cfg)
+                for _ in range(count)
+            ]
             ray.get([replica.__ray_ready__.remote() for replica in replicas])
             balancer = LoadBalancer(replicas)
 
-            async def serve_all(round_: int) -> None:
-                await asyncio.gather(*(balancer.generate(
-                    f"r{round_}/{i}", prompt, RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False,
-                                                              max_new_tokens=budget, seed=i, ignore_eos=True))
-                    for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
+            async def serve_all(round_: int, balancer: LoadBalancer = balancer) -> None:
+                await asyncio.gather(
+                    *(
+                        balancer.generate(
+                            f"r{round_}/{i}",
+                            prompt,
+                            RequestSampling(
+                                temperature=1.0,
+                                top_p=1.0,
+                                top_k=-1,
+                                greedy=False,
+                                max_new_tokens=budget,
+                                seed=i,
+                                ignore_eos=True,
+                            ),
+                        )
+                        for i, (prompt, budget) in enumerate(zip(prompts, budgets))
+                    )
+                )
 
             asyncio.run(serve_all(-1))  # warm-up
             rates = []
@@ -76,9 +109,11 @@ def main() -> None:
             for replica in replicas:
                 ray.kill(replica)
     ray.shutdown()
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.requests} requests, budgets "
-          f"{min(budgets)}-{max(budgets)} ({sum(budgets)} tokens), max_num_seqs {args.max_num_seqs}; "
-          f"median of {args.repeats}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.requests} requests, budgets "
+        f"{min(budgets)}-{max(budgets)} ({sum(budgets)} tokens), max_num_seqs {args.max_num_seqs}; "
+        f"median of {args.repeats}"
+    )
     print("| replicas | tokens/s | x 1 replica |\n|---|---|---|")
     for count, rate in results.items():
         print(f"| {count} | {rate:.0f} | {rate / results[1]:.2f} |")

@@ -33,18 +33,28 @@ def replay_vs_generation(scratch: str, steps: int) -> dict:
 
     results = {}
     for name, workload in WORKLOADS.items():
-        base = workload + built_in(scratch, name) + [
-                           "trainer.test_freq=-1", "trainer.logger=[]", f"trainer.total_training_steps={steps}",
-                           "skip.rollout.enable=true", f"skip.rollout.dump_dir={scratch}/{name}-dump",
-                           f"skip.rollout.steps={list(range(1, steps + 1))}"]
+        base = (
+            workload
+            + built_in(scratch, name)
+            + [
+                "trainer.test_freq=-1",
+                "trainer.logger=[]",
+                f"trainer.total_training_steps={steps}",
+                "skip.rollout.enable=true",
+                f"skip.rollout.dump_dir={scratch}/{name}-dump",
+                f"skip.rollout.steps={list(range(1, steps + 1))}",
+            ]
+        )
         for run in ("generate", "replay"):
             run_dir = f"{scratch}/{name}-{run}"
             ppo_train(config="grpo_tiny", overrides=base + [f"trainer.default_local_dir={run_dir}"])
             rows = read_metrics(run_dir)[1:]  # the first step also pays worker warm-up
             if run == "generate":
                 results[f"{name}/record"] = record_sizes(f"{scratch}/{name}-dump")
-            results[f"{name}/{run}"] = {key: round(statistics.median(row[f"timing_s/{key}"] for row in rows) * 1000, 1)
-                                        for key in ("gen", "step")}
+            results[f"{name}/{run}"] = {
+                key: round(statistics.median(row[f"timing_s/{key}"] for row in rows) * 1000, 1)
+                for key in ("gen", "step")
+            }
             results[f"{name}/{run}"]["hits"] = sum(row["skip/rollout/hit"] for row in rows)
     return results
 
@@ -62,9 +72,11 @@ def record_sizes(dump_dir: str) -> dict:
 
     step_dir = next(Path(dump_dir).glob("*/*/1"))
     batch, _ = StepCache(str(step_dir.parent)).load(1)
-    return {"payload_bytes": (step_dir / "rollout.safetensors").stat().st_size,
-            "marker_bytes": (step_dir / "meta.json").stat().st_size,
-            "default_prefect_record_bytes": len(base64.b64encode(cloudpickle.dumps(batch)))}
+    return {
+        "payload_bytes": (step_dir / "rollout.safetensors").stat().st_size,
+        "marker_bytes": (step_dir / "meta.json").stat().st_size,
+        "default_prefect_record_bytes": len(base64.b64encode(cloudpickle.dumps(batch))),
+    }
 
 
 def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: str) -> dict:
@@ -76,9 +88,15 @@ def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: 
     from ppoflow.storage.step_cache import StepCache
 
     rows, width = 1024, max(16, mib * 2**20 // (1024 * 21))  # 21 bytes per position: 2 int64 ids, a bool, a float32
-    batch = TensorDict({"prompts": torch.randint(0, 32000, (rows, width)), "responses": torch.randint(0, 32000, (rows, width)),
-                        "response_mask": torch.ones(rows, width, dtype=torch.bool),
-                        "rollout_log_probs": torch.randn(rows, width)}, batch_size=[rows])
+    batch = TensorDict(
+        {
+            "prompts": torch.randint(0, 32000, (rows, width)),
+            "responses": torch.randint(0, 32000, (rows, width)),
+            "response_mask": torch.ones(rows, width, dtype=torch.bool),
+            "rollout_log_probs": torch.randn(rows, width),
+        },
+        batch_size=[rows],
+    )
     with_non_tensor_columns(batch, {"uid": [str(i // 8) for i in range(rows)]})
     cache = StepCache(root, storage_options=storage_options)
     manifest = cache.write(1, batch)
@@ -93,8 +111,12 @@ def load_throughput(scratch: str, mib: int, storage_options: dict | None, root: 
         loaded.append(time.perf_counter() - start)
     size_mib = manifest["payload_bytes"] / 2**20
     raw_s, load_s = statistics.median(raw), statistics.median(loaded)
-    return {"payload_mib": round(size_mib, 1), "raw_read_mib_s": round(size_mib / raw_s, 1),
-            "load_mib_s": round(size_mib / load_s, 1), "load_time_x_raw": round(load_s / raw_s, 2)}
+    return {
+        "payload_mib": round(size_mib, 1),
+        "raw_read_mib_s": round(size_mib / raw_s, 1),
+        "load_mib_s": round(size_mib / load_s, 1),
+        "load_time_x_raw": round(load_s / raw_s, 2),
+    }
 
 
 def main() -> None:
@@ -115,14 +137,18 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
     s3_options = {"client_kwargs": {"endpoint_url": endpoint}}
     try:
         with tempfile.TemporaryDirectory() as scratch:
             replay = replay_vs_generation(scratch, args.steps)
-            throughput = {"local": load_throughput(scratch, args.mib, None, f"{scratch}/load"),
-                          "s3 (moto on 127.0.0.1)": load_throughput(scratch, args.mib, s3_options, "s3://bench/load")}
+            throughput = {
+                "local": load_throughput(scratch, args.mib, None, f"{scratch}/load"),
+                "s3 (moto on 127.0.0.1)": load_throughput(scratch, args.mib, s3_options, "s3://bench/load"),
+            }
     finally:
         server.stop()
         ray.shutdown()
@@ -132,16 +158,26 @@ def main() -> None:
         workload, run = key.split("/")
         if run != "record":
             print(f"| {workload} | {run} | {row['gen']} | {row['step']} | {row['hits']} |")
-    print("| workload | payload bytes | meta.json (Prefect's record) | Prefect's default record would be |"
-          "\n|---|---|---|---|")
+    print(
+        "| workload | payload bytes | meta.json (Prefect's record) | Prefect's default record would be |"
+        "\n|---|---|---|---|"
+    )
     for key, row in replay.items():
         workload, run = key.split("/")
         if run == "record":
-            print(f"| {workload} | {row['payload_bytes']} | {row['marker_bytes']} | "
-                  f"{row['default_prefect_record_bytes']} |")
-    print("| storage | payload MiB | raw read MiB/s | StepCache.load MiB/s | load time / raw read |\n|---|---|---|---|---|")
+            print(
+                f"| {workload} | {row['payload_bytes']} | {row['marker_bytes']} | "
+                f"{row['default_prefect_record_bytes']} |"
+            )
+    print(
+        "| storage | payload MiB | raw read MiB/s | StepCache.load MiB/s | load time / raw read |\n"
+        "|---|---|---|---|---|"
+    )
     for storage, row in throughput.items():
-        print(f"| {storage} | {row['payload_mib']} | {row['raw_read_mib_s']} | {row['load_mib_s']} | {row['load_time_x_raw']} |")
+        print(
+            f"| {storage} | {row['payload_mib']} | {row['raw_read_mib_s']} | {row['load_mib_s']} "
+            f"| {row['load_time_x_raw']} |"
+        )
     print(json.dumps({"replay": replay, "load": throughput}))
 
 

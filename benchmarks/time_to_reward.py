@@ -30,7 +30,7 @@ def time_to_target(rows: list[dict], target: float) -> tuple[int | None, float |
     seconds = 0.0
     for index, row in enumerate(rows):
         seconds += row["timing_s/step"]
-        window = rows[max(0, index + 1 - WINDOW): index + 1]
+        window = rows[max(0, index + 1 - WINDOW) : index + 1]
         if len(window) == WINDOW and sum(r["critic/score/mean"] for r in window) / WINDOW >= target:
             return row["step"], seconds
     return None, None
@@ -55,20 +55,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             run_dir = f"{scratch}/run{seed}"
-            ppo_train(config="grpo_tiny", overrides=[
-                f"actor_rollout_ref.model.path={scratch}/model{seed}", f"actor_rollout_ref.model.build.seed={seed}",
-                f"data.train_files={scratch}/train.parquet", "data.synthetic.seed=0", "data.val_files=null",
-                f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}", "trainer.test_freq=-1",
-                "trainer.logger=[]", f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1",
-                f"trainer.default_local_dir={run_dir}", *args.set])
+            ppo_train(
+                config="grpo_tiny",
+                overrides=[
+                    f"actor_rollout_ref.model.path={scratch}/model{seed}",
+                    f"actor_rollout_ref.model.build.seed={seed}",
+                    f"data.train_files={scratch}/train.parquet",
+                    "data.synthetic.seed=0",
+                    "data.val_files=null",
+                    f"data.seed={seed}",
+                    f"actor_rollout_ref.rollout.seed={seed}",
+                    "trainer.test_freq=-1",
+                    "trainer.logger=[]",
+                    f"trainer.total_training_steps={args.steps}",
+                    "trainer.save_freq=-1",
+                    f"trainer.default_local_dir={run_dir}",
+                    *args.set,
+                ],
+            )
             rows = read_metrics(run_dir)
             step, seconds = time_to_target(rows, args.target)
-            results[seed] = {"step": step, "training_s": seconds,
-                             "final_10_step_mean": sum(r["critic/score/mean"] for r in rows[-WINDOW:]) / WINDOW,
-                             "median_step_s": sorted(r["timing_s/step"] for r in rows)[len(rows) // 2]}
+            results[seed] = {
+                "step": step,
+                "training_s": seconds,
+                "final_10_step_mean": sum(r["critic/score/mean"] for r in rows[-WINDOW:]) / WINDOW,
+                "median_step_s": sorted(r["timing_s/step"] for r in rows)[len(rows) // 2],
+            }
     ray.shutdown()
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; target: {WINDOW}-step mean reward "
-          f">= {args.target} within {args.steps} steps; overrides: {' '.join(args.set) or 'none'}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; target: {WINDOW}-step mean reward "
+        f">= {args.target} within {args.steps} steps; overrides: {' '.join(args.set) or 'none'}"
+    )
     print("| seed | step reached | training s to it | median step s | final 10-step mean |\n|---|---|---|---|---|")
     for seed, row in results.items():
         reached = "not reached" if row["step"] is None else row["step"]

@@ -27,10 +27,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 WINDOW = 10
 VALIDATION = "val-core/synthetic/vault/reward/mean@1"
 """Greedy reward on the validation keys (vault rows only), after every quarter of the run."""
-VARIANTS = {"tool": [],
-            "no tool": ["actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent",
-                        "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
-                        "actor_rollout_ref.rollout.multi_turn.format=hermes"]}
+VARIANTS = {
+    "tool": [],
+    "no tool": [
+        "actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+    ],
+}
 
 
 def window_mean(rows: list[dict], name: str, last: bool) -> float:
@@ -60,33 +64,61 @@ def main() -> None:
             for variant in args.variants:
                 run_dir = f"{scratch}/run{seed}-{variant.replace(' ', '_')}"
                 started = time.perf_counter()
-                ppo_train(config="vault_tool", overrides=[
-                    f"actor_rollout_ref.model.path={scratch}/model{seed}", f"actor_rollout_ref.model.build.seed={seed}",
-                    f"data.train_files={scratch}/train.parquet", "data.synthetic.seed=0",
-                    f"data.val_files={scratch}/val.parquet", f"trainer.test_freq={args.steps // 4}",
-                    f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}", "trainer.logger=[]",
-                    f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1",
-                    f"trainer.default_local_dir={run_dir}", *args.set, *VARIANTS[variant]])
+                ppo_train(
+                    config="vault_tool",
+                    overrides=[
+                        f"actor_rollout_ref.model.path={scratch}/model{seed}",
+                        f"actor_rollout_ref.model.build.seed={seed}",
+                        f"data.train_files={scratch}/train.parquet",
+                        "data.synthetic.seed=0",
+                        f"data.val_files={scratch}/val.parquet",
+                        f"trainer.test_freq={args.steps // 4}",
+                        f"data.seed={seed}",
+                        f"actor_rollout_ref.rollout.seed={seed}",
+                        "trainer.logger=[]",
+                        f"trainer.total_training_steps={args.steps}",
+                        "trainer.save_freq=-1",
+                        f"trainer.default_local_dir={run_dir}",
+                        *args.set,
+                        *VARIANTS[variant],
+                    ],
+                )
                 rows = read_metrics(run_dir)
                 validations = [row[VALIDATION] for row in rows if VALIDATION in row]
                 rows = [row for row in rows if "critic/score/mean" in row]
-                results.append({
-                    "seed": seed, "variant": variant, "wall_s": time.perf_counter() - started,
-                    "validations": validations,
-                    **{f"{name}_{part}": window_mean(rows, metric, last)
-                       for name, metric in (("reward", "critic/score/mean"), ("exact", "reward/exact/mean"),
-                                            ("tool_calls", "agent/tool_call_ratio"))
-                       for part, last in (("first", False), ("last", True))}})
+                results.append(
+                    {
+                        "seed": seed,
+                        "variant": variant,
+                        "wall_s": time.perf_counter() - started,
+                        "validations": validations,
+                        **{
+                            f"{name}_{part}": window_mean(rows, metric, last)
+                            for name, metric in (
+                                ("reward", "critic/score/mean"),
+                                ("exact", "reward/exact/mean"),
+                                ("tool_calls", "agent/tool_call_ratio"),
+                            )
+                            for part, last in (("first", False), ("last", True))
+                        },
+                    }
+                )
     ray.shutdown()
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} steps per run; "
-          f"means over the first and last {WINDOW} steps")
-    print("| seed | run | validation reward by quarter | train reward first -> last | exact answers first -> last "
-          "| tool-call share first -> last | wall s |\n|---|---|---|---|---|---|---|")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {args.steps} steps per run; "
+        f"means over the first and last {WINDOW} steps"
+    )
+    print(
+        "| seed | run | validation reward by quarter | train reward first -> last | exact answers first -> last "
+        "| tool-call share first -> last | wall s |\n|---|---|---|---|---|---|---|"
+    )
     for row in results:
-        print(f"| {row['seed']} | {row['variant']} | {' / '.join(f'{value:.2f}' for value in row['validations'])} | "
-              f"{row['reward_first']:.3f} -> {row['reward_last']:.3f} | "
-              f"{row['exact_first']:.3f} -> {row['exact_last']:.3f} | "
-              f"{row['tool_calls_first']:.3f} -> {row['tool_calls_last']:.3f} | {row['wall_s']:.0f} |")
+        print(
+            f"| {row['seed']} | {row['variant']} | {' / '.join(f'{value:.2f}' for value in row['validations'])} | "
+            f"{row['reward_first']:.3f} -> {row['reward_last']:.3f} | "
+            f"{row['exact_first']:.3f} -> {row['exact_last']:.3f} | "
+            f"{row['tool_calls_first']:.3f} -> {row['tool_calls_last']:.3f} | {row['wall_s']:.0f} |"
+        )
     print(json.dumps(results))
 
 

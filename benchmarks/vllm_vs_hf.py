@@ -40,14 +40,16 @@ def prompt_batch(tokenizer, count: int, seed: int):
     from tensordict import TensorDict
 
     rng = random.Random(seed)
-    ids = [tokenizer(f"{rng.randrange(1000)}+{rng.randrange(1000)}=", add_special_tokens=False)["input_ids"]
-           for _ in range(count)]
+    ids = [
+        tokenizer(f"{rng.randrange(1000)}+{rng.randrange(1000)}=", add_special_tokens=False)["input_ids"]
+        for _ in range(count)
+    ]
     width = max(len(row) for row in ids)
     prompts = torch.full((count, width), tokenizer.pad_token_id, dtype=torch.int64)
     mask = torch.zeros((count, width), dtype=torch.bool)
     for row, tokens in enumerate(ids):
-        prompts[row, width - len(tokens):] = torch.tensor(tokens)
-        mask[row, width - len(tokens):] = True
+        prompts[row, width - len(tokens) :] = torch.tensor(tokens)
+        mask[row, width - len(tokens) :] = True
     return TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[count]), width
 
 
@@ -111,18 +113,38 @@ def main() -> None:
         if path is None:
             hidden, intermediate, layers, heads = SIZES[args.size]
             path, name = f"{scratch}/model", f"random Llama {args.size}"
-            build_tiny_model(path, TinyModelConfig(hidden_size=hidden, intermediate_size=intermediate,
-                                                   num_hidden_layers=layers, num_attention_heads=heads,
-                                                   max_position_embeddings=args.max_new_tokens + 64, seed=0))
-        base = [f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.build=null",
-                f"actor_rollout_ref.model.dtype={args.dtype}", f"data.train_files={scratch}/unused.parquet",
-                "data.val_files=null", "trainer.test_freq=-1", "trainer.logger=[]",
-                f"data.max_response_length={args.max_new_tokens}", f"actor_rollout_ref.rollout.n={args.n}",
-                f"actor_rollout_ref.rollout.temperature={args.temperature}",
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
-                "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.resources.num_gpus=1",
-                "rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.resources.num_gpus=1", "trainer.n_gpus_per_node=1"]
-        tokenizer = load_tokenizer(load_config("grpo_tiny", [f"actor_rollout_ref.model.path={path}"]).actor_rollout_ref.model)
+            build_tiny_model(
+                path,
+                TinyModelConfig(
+                    hidden_size=hidden,
+                    intermediate_size=intermediate,
+                    num_hidden_layers=layers,
+                    num_attention_heads=heads,
+                    max_position_embeddings=args.max_new_tokens + 64,
+                    seed=0,
+                ),
+            )
+        base = [
+            f"actor_rollout_ref.model.path={path}",
+            "actor_rollout_ref.model.build=null",
+            f"actor_rollout_ref.model.dtype={args.dtype}",
+            f"data.train_files={scratch}/unused.parquet",
+            "data.val_files=null",
+            "trainer.test_freq=-1",
+            "trainer.logger=[]",
+            f"data.max_response_length={args.max_new_tokens}",
+            f"actor_rollout_ref.rollout.n={args.n}",
+            f"actor_rollout_ref.rollout.temperature={args.temperature}",
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.resources.num_gpus=1",
+            "rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.actor.resources.num_gpus=1",
+            "trainer.n_gpus_per_node=1",
+        ]
+        tokenizer = load_tokenizer(
+            load_config("grpo_tiny", [f"actor_rollout_ref.model.path={path}"]).actor_rollout_ref.model
+        )
         prompts, prompt_width = prompt_batch(tokenizer, args.prompts, seed=0)
         cfg = load_config("grpo_tiny", base + [f"data.max_prompt_length={prompt_width}"])
         sampling = SamplingParams.for_training(cfg)
@@ -133,8 +155,10 @@ def main() -> None:
         start = time.perf_counter()
         hf_engine = HFRolloutWorker(cfg)
         hf_start = time.perf_counter() - start
-        results = {"vllm": throughput(vllm_engine, prompts, sampling, args.repeats),
-                   "hf": throughput(hf_engine, prompts, sampling, args.repeats)}
+        results = {
+            "vllm": throughput(vllm_engine, prompts, sampling, args.repeats),
+            "hf": throughput(hf_engine, prompts, sampling, args.repeats),
+        }
 
         actor = ActorWorker(cfg)
         start = time.perf_counter()
@@ -146,21 +170,36 @@ def main() -> None:
         results["vllm"]["startup_s"], results["hf"]["startup_s"] = vllm_start, hf_start
         vllm_engine.shutdown()
 
-    print(f"{name}, {args.dtype}, {torch.cuda.get_device_name(0)}, vllm {installed_vllm_version()}, "
-          f"torch {torch.__version__}; {args.prompts} prompts x n={args.n}, up to {args.max_new_tokens} new tokens, "
-          f"temperature {args.temperature}; median of {args.repeats}")
+    print(
+        f"{name}, {args.dtype}, {torch.cuda.get_device_name(0)}, vllm {installed_vllm_version()}, "
+        f"torch {torch.__version__}; {args.prompts} prompts x n={args.n}, up to {args.max_new_tokens} new tokens, "
+        f"temperature {args.temperature}; median of {args.repeats}"
+    )
     print(f"weights: {mib:.1f} MiB in {len(update.layouts)} bucket(s); prepare_weights {prepare * 1000:.0f} ms")
     print("| engine | startup s | tokens/s | mean response tokens | full weight update ms | update GB/s |")
     print("|---|---|---|---|---|---|")
     for engine, row in results.items():
-        print(f"| {engine} | {row['startup_s']:.1f} | {row['tokens_per_s']:.0f} | {row['mean_response_tokens']:.1f} | "
-              f"{row['update_s'] * 1000:.0f} | {update.nbytes / row['update_s'] / 1e9:.2f} |")
+        print(
+            f"| {engine} | {row['startup_s']:.1f} | {row['tokens_per_s']:.0f} | {row['mean_response_tokens']:.1f} | "
+            f"{row['update_s'] * 1000:.0f} | {update.nbytes / row['update_s'] / 1e9:.2f} |"
+        )
     speedup = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     print(f"vLLM generates {speedup:.1f}x the transformers engine's tokens/s")
-    print(json.dumps({"model": name, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,
-                      "max_new_tokens": args.max_new_tokens, "weights_mib": round(mib, 1),
-                      "prepare_weights_s": prepare, **{f"{e}_{k}": v for e, row in results.items() for k, v in row.items()},
-                      "speedup": speedup}))
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "dtype": args.dtype,
+                "prompts": args.prompts,
+                "n": args.n,
+                "max_new_tokens": args.max_new_tokens,
+                "weights_mib": round(mib, 1),
+                "prepare_weights_s": prepare,
+                **{f"{e}_{k}": v for e, row in results.items() for k, v in row.items()},
+                "speedup": speedup,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ def perturb(actor, change: str) -> None:
 
 def ray_sync(cfg, repeats: int, change: str) -> float:
     """Median wall time of the weight_sync stage between the run's actor and rollout Ray actors."""
+    import ray
+
     from ppoflow.tasks.weight_sync import weight_sync
     from ppoflow.workers.group import start_workers
-
-    import ray
 
     workers = start_workers(cfg)
     collective = cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
@@ -87,29 +87,50 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, (hidden, intermediate, layers, heads) in MODELS.items():
-            base = ["data.val_files=null", f"actor_rollout_ref.model.path={scratch}/{hidden}",
-                    f"data.train_files={scratch}/train.parquet", f"actor_rollout_ref.model.build.hidden_size={hidden}",
-                    f"actor_rollout_ref.model.build.intermediate_size={intermediate}",
-                    f"actor_rollout_ref.model.build.num_hidden_layers={layers}",
-                    f"actor_rollout_ref.model.build.num_attention_heads={heads}", "trainer.test_freq=-1"]
+            base = [
+                "data.val_files=null",
+                f"actor_rollout_ref.model.path={scratch}/{hidden}",
+                f"data.train_files={scratch}/train.parquet",
+                f"actor_rollout_ref.model.build.hidden_size={hidden}",
+                f"actor_rollout_ref.model.build.intermediate_size={intermediate}",
+                f"actor_rollout_ref.model.build.num_hidden_layers={layers}",
+                f"actor_rollout_ref.model.build.num_attention_heads={heads}",
+                "trainer.test_freq=-1",
+            ]
             cfg = load_config("grpo_tiny", base)
             build_tiny_model(cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.model.build)
             model = load_causal_lm(cfg.actor_rollout_ref.model)
             mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
             baseline = in_memory_copy(model, args.repeats)
-            variants = {"object_store": ([], "all"), "object_store, delta, all changed": (["delta=true"], "all"),
-                        "object_store, delta, one layer changed": (["delta=true"], "one"),
-                        "gloo collective": (["backend=gloo"], "all")}
+            variants = {
+                "object_store": ([], "all"),
+                "object_store, delta, all changed": (["delta=true"], "all"),
+                "object_store, delta, one layer changed": (["delta=true"], "one"),
+                "gloo collective": (["backend=gloo"], "all"),
+            }
             for variant, (sync_overrides, change) in variants.items():
-                sync_cfg = load_config("grpo_tiny", base + [f"actor_rollout_ref.rollout.weight_sync.{o}" for o in sync_overrides])
+                sync_cfg = load_config(
+                    "grpo_tiny", base + [f"actor_rollout_ref.rollout.weight_sync.{o}" for o in sync_overrides]
+                )
                 seconds = ray_sync(sync_cfg, args.repeats, change)
-                rows.append({"model": name, "MiB": round(mib, 1), "sync": variant, "ms": round(seconds * 1000, 1),
-                             "in_memory_copy_ms": round(baseline * 1000, 1), "x_copy": round(seconds / baseline, 2)})
+                rows.append(
+                    {
+                        "model": name,
+                        "MiB": round(mib, 1),
+                        "sync": variant,
+                        "ms": round(seconds * 1000, 1),
+                        "in_memory_copy_ms": round(baseline * 1000, 1),
+                        "x_copy": round(seconds / baseline, 2),
+                    }
+                )
     ray.shutdown()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median of {args.repeats}")
     print("| model | MiB | weight_sync | ms | in-memory copy ms | x copy |\n|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['model']} | {row['MiB']} | {row['sync']} | {row['ms']} | {row['in_memory_copy_ms']} | {row['x_copy']} |")
+        print(
+            f"| {row['model']} | {row['MiB']} | {row['sync']} | {row['ms']} | {row['in_memory_copy_ms']} "
+            f"| {row['x_copy']} |"
+        )
     print(json.dumps(rows))
 
 

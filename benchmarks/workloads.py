@@ -16,9 +16,15 @@ from contextlib import contextmanager
 
 WORKLOADS = {
     "demo": [],  # grpo_tiny as shipped: 16 prompts x 8 samples, 3-token responses
-    "larger": ["actor_rollout_ref.model.build.hidden_size=512", "actor_rollout_ref.model.build.intermediate_size=1024",
-               "actor_rollout_ref.model.build.num_hidden_layers=4", "actor_rollout_ref.model.build.num_attention_heads=8",
-               "data.max_prompt_length=16", "data.max_response_length=16", "data.synthetic.digits=8"],
+    "larger": [
+        "actor_rollout_ref.model.build.hidden_size=512",
+        "actor_rollout_ref.model.build.intermediate_size=1024",
+        "actor_rollout_ref.model.build.num_hidden_layers=4",
+        "actor_rollout_ref.model.build.num_attention_heads=8",
+        "data.max_prompt_length=16",
+        "data.max_response_length=16",
+        "data.synthetic.digits=8",
+    ],
 }
 
 
@@ -35,13 +41,24 @@ def built_in(scratch: str, name: str, *, validation: bool = False) -> list[str]:
     """Overrides that build workload ``name``'s model and data files under ``scratch``: overriding a path
     asks for the preset's build recipe explicitly (``build.seed``, ``synthetic.seed``), or the missing
     files would be an error."""
-    return [f"actor_rollout_ref.model.path={scratch}/{name}-model", "actor_rollout_ref.model.build.seed=0",
-            f"data.train_files={scratch}/{name}-train.parquet", "data.synthetic.seed=0",
-            f"data.val_files={scratch}/{name}-val.parquet" if validation else "data.val_files=null"]
+    return [
+        f"actor_rollout_ref.model.path={scratch}/{name}-model",
+        "actor_rollout_ref.model.build.seed=0",
+        f"data.train_files={scratch}/{name}-train.parquet",
+        "data.synthetic.seed=0",
+        f"data.val_files={scratch}/{name}-val.parquet" if validation else "data.val_files=null",
+    ]
 
 
-def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
-                  after_step: Callable[[int], None] | None = None, stages_type=None) -> list[dict[str, float]]:
+def ppoflow_steps(
+    cfg,
+    *,
+    ray_workers: bool,
+    prefect_tasks: bool,
+    steps: int,
+    after_step: Callable[[int], None] | None = None,
+    stages_type=None,
+) -> list[dict[str, float]]:
     """Each step's metrics over ``steps`` steps of ppoflow's loop on ``cfg``, its workers in Ray actors or
     in this process, its stages Prefect task runs (inside a flow) or plain functions; ``after_step`` is
     called with each finished step's number (to read CPU counters, say); ``stages_type`` replaces
@@ -57,8 +74,12 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
     from ppoflow.flows.train import start_run, train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
-    run = dataclasses.replace(run, stages=(stages_type or Stages)(run.workers, run.stages.caches,
-                                                                  orchestrated=prefect_tasks, tags=run.stages.tags))
+    run = dataclasses.replace(
+        run,
+        stages=(stages_type or Stages)(
+            run.workers, run.stages.caches, orchestrated=prefect_tasks, tags=run.stages.tags
+        ),
+    )
     state = TrainerState(cfg, len(run.train_set))
     mode = make_trainer(run, state)
 
@@ -77,8 +98,9 @@ def ppoflow_steps(cfg, *, ray_workers: bool, prefect_tasks: bool, steps: int,
         run.workers.shutdown()
 
 
-def task_runs_alone(stage_names: list[str], *, steps: int,
-                    after_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+def task_runs_alone(
+    stage_names: list[str], *, steps: int, after_step: Callable[[int], None] | None = None
+) -> list[dict[str, float]]:
     """Prefect's own share of a step: each step one task run per name in ``stage_names``, named and
     recorded as ppoflow's stage runs are (``<stage>[step=N]``, a :class:`~ppoflow.tasks.task_inputs.RecordedTask`
     without caching, under ``ppoflow train``'s logging) but doing nothing, inside a flow. Per step
@@ -150,7 +172,7 @@ def task_run_names_of_last_flow_run() -> list[str]:
 def timing_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     """The median of every ``timing_s/<name>`` over the rows that report it, by ``<name>``."""
     names = sorted({name for row in rows for name in row if name.startswith("timing_s/")})
-    return {name[len("timing_s/"):]: statistics.median(row[name] for row in rows if name in row) for name in names}
+    return {name[len("timing_s/") :]: statistics.median(row[name] for row in rows if name in row) for name in names}
 
 
 @contextmanager
@@ -159,19 +181,29 @@ def local_prefect_server(scratch: str, *, tuned: bool = True) -> Iterator[int]:
     port) with ppoflow's :data:`~ppoflow.flows.cli.SERVER_ENV` (``tuned``, as ``ppoflow server`` starts one)
     or Prefect's defaults, the API of this process for the block; yields the server's pid, so that the
     CPU time it spends on the benchmark's task runs can be read (:func:`process_cpu_seconds`)."""
-    from ppoflow.flows.cli import SERVER_ENV
     from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ppoflow.flows.cli import SERVER_ENV
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {name: value for name, value in os.environ.items() if name not in SERVER_ENV and name != "PREFECT_API_URL"}
-    env.update({"PREFECT_HOME": f"{scratch}/prefect-home-{'tuned' if tuned else 'default'}",
-                "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                **(SERVER_ENV if tuned else {})})
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env.update(
+        {
+            "PREFECT_HOME": f"{scratch}/prefect-home-{'tuned' if tuned else 'default'}",
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            **(SERVER_ENV if tuned else {}),
+        }
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}/api"
     try:
         import urllib.request
@@ -221,19 +253,25 @@ def ray_worker_cpu_seconds() -> dict[int, float]:
 
 class CpuMeter:
     """Where a step's CPU time goes: this process (the driver), Ray's worker processes (the actors, and
-    Ray's agents) and, when it runs on this machine, the Prefect server. :meth:`mark` reads the counters; :meth:`per_step` divides what was spent
-    between two marks by the steps between them."""
+    Ray's agents) and, when it runs on this machine, the Prefect server. :meth:`mark` reads the counters;
+    :meth:`per_step` divides what was spent between two marks by the steps between them."""
 
     def __init__(self, server_pid: int | None = None):
         self.server_pid = server_pid
 
     def mark(self) -> dict:
-        return {"driver": time.process_time(), "ray": ray_worker_cpu_seconds(),
-                "server": process_cpu_seconds(self.server_pid) if self.server_pid else 0.0}
+        return {
+            "driver": time.process_time(),
+            "ray": ray_worker_cpu_seconds(),
+            "server": process_cpu_seconds(self.server_pid) if self.server_pid else 0.0,
+        }
 
     @staticmethod
     def per_step(start: dict, end: dict, steps: int) -> dict[str, float]:
         """CPU seconds per step as ``cpu_driver``, ``cpu_ray`` and ``cpu_server``."""
         ray = sum(seconds - start["ray"].get(pid, 0.0) for pid, seconds in end["ray"].items())
-        return {"cpu_driver": (end["driver"] - start["driver"]) / steps, "cpu_ray": ray / steps,
-                "cpu_server": (end["server"] - start["server"]) / steps}
+        return {
+            "cpu_driver": (end["driver"] - start["driver"]) / steps,
+            "cpu_ray": ray / steps,
+            "cpu_server": (end["server"] - start["server"]) / steps,
+        }

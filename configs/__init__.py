@@ -72,8 +72,10 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     merged = OmegaConf.merge(defaults, preset, given)
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
     # with "cannot resolve" and hide which key the user has to set.
-    problems = [(key, f"is required; set it with {key}=...")
-                for key in _missing_keys(OmegaConf.to_container(merged, resolve=False))]
+    problems = [
+        (key, f"is required; set it with {key}=...")
+        for key in _missing_keys(OmegaConf.to_container(merged, resolve=False))
+    ]
     if problems:
         raise ConfigError(problems)
     try:
@@ -186,8 +188,14 @@ def _preset_path(config: str) -> Path:
         return path
     path = CONFIG_DIR / f"{config}.yaml"
     if not path.is_file():
-        raise ConfigError([("--config", f"unknown preset {config!r}; presets: {', '.join(preset_names())} "
-                                        "(or give a path ending in .yaml)")])
+        raise ConfigError(
+            [
+                (
+                    "--config",
+                    f"unknown preset {config!r}; presets: {', '.join(preset_names())} (or give a path ending in .yaml)",
+                )
+            ]
+        )
     return path
 
 
@@ -200,8 +208,15 @@ def _read_yaml(path: Path) -> DictConfig:
             return OmegaConf.create(text)
     except Exception as error:  # yaml and OmegaConf raise many types; name the file
         raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
-    raise ConfigError([(str(path), "a config file holds a mapping of sections (data:, trainer:, ...) at its top "
-                                   f"level, not a {type(top).__name__}")])
+    raise ConfigError(
+        [
+            (
+                str(path),
+                "a config file holds a mapping of sections (data:, trainer:, ...) at its top "
+                f"level, not a {type(top).__name__}",
+            )
+        ]
+    )
 
 
 _YAML_11_BOOLEANS = {"yes", "no", "on", "off", "y", "n"}
@@ -227,8 +242,12 @@ def _parse_overrides(overrides: Sequence[str]):
     return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
 
 
-RECIPES = {"actor_rollout_ref.model.path": "actor_rollout_ref.model.build", "critic.model.path": "critic.model.build",
-           "data.train_files": "data.synthetic", "data.val_files": "data.synthetic"}
+RECIPES = {
+    "actor_rollout_ref.model.path": "actor_rollout_ref.model.build",
+    "critic.model.path": "critic.model.build",
+    "data.train_files": "data.synthetic",
+    "data.val_files": "data.synthetic",
+}
 """Path keys and the recipe section that writes what they name when it is missing (a tiny model, synthetic
 data). A recipe belongs to the paths it was written for: see :func:`_drop_recipes_of_replaced_paths`."""
 
@@ -251,9 +270,16 @@ def _drop_recipes_of_replaced_paths(container: dict, given, override_keys: Seque
             section[leaf] = None
 
 
-PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path",
-             "actor_rollout_ref.model.tokenizer_path", "critic.model.path", "critic.model.tokenizer_path",
-             "trainer.default_local_dir", "trainer.resume_from_path")
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+)
 """Keys holding local paths or URLs; relative local paths are resolved against the caller's working
 directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
 
@@ -296,8 +322,12 @@ def _unify_trainer_mode(container: dict) -> list[tuple[str, str]]:
     mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
     problems = []
     if mode is not None and v1_mode is not None and mode != v1_mode:
-        problems.append(("trainer.v1.trainer_mode", f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are "
-                                                    "one setting; set one of them"))
+        problems.append(
+            (
+                "trainer.v1.trainer_mode",
+                f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are one setting; set one of them",
+            )
+        )
     trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or "sync"
     return problems
 
@@ -384,7 +414,9 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             keys += [f"skip.{stage}.{leaf}" for stage in STAGES_WITH_SKIP for leaf in SkipStageConfig.model_fields]
             continue
         keys.append(prefix + name)
-        keys += _known_keys(_section_type(field.annotation), f"{prefix}{name}.") if _section_type(field.annotation) else []
+        keys += (
+            _known_keys(_section_type(field.annotation), f"{prefix}{name}.") if _section_type(field.annotation) else []
+        )
     return keys
 
 

@@ -15,10 +15,15 @@ def run_cache_dir(skip: SkipStageConfig, cfg: PPOConfig, *, key: str | None = No
     per-sample cache (``key`` = ``async_rollout``) caches one prompt's group per entry, so its batch is
     one prompt: verl's ``GBS1`` directory."""
     gbs = 1 if key == SAMPLE_CACHE_KEY else cfg.gen_batch_size
-    return config_dir(normalize_url(skip.dump_dir), experiment_name=cfg.trainer.experiment_name,
-                      project_name=cfg.trainer.project_name, gbs=gbs,
-                      n=cfg.actor_rollout_ref.rollout.n, max_prompt_length=cfg.data.max_prompt_length,
-                      max_response_length=cfg.data.max_response_length)
+    return config_dir(
+        normalize_url(skip.dump_dir),
+        experiment_name=cfg.trainer.experiment_name,
+        project_name=cfg.trainer.project_name,
+        gbs=gbs,
+        n=cfg.actor_rollout_ref.rollout.n,
+        max_prompt_length=cfg.data.max_prompt_length,
+        max_response_length=cfg.data.max_response_length,
+    )
 
 
 def storage_settings(skip: SkipStageConfig) -> dict:

@@ -25,56 +25,108 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     trajectories = data.train_batch_size * rollout.n
     mini = actor.ppo_mini_batch_size * rollout.n
     if trajectories % mini:
-        errors.append(("actor_rollout_ref.actor.ppo_mini_batch_size",
-                       f"data.train_batch_size * rollout.n = {trajectories} trajectories is not divisible by "
-                       f"ppo_mini_batch_size * rollout.n = {mini}"))
+        errors.append(
+            (
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                f"data.train_batch_size * rollout.n = {trajectories} trajectories is not divisible by "
+                f"ppo_mini_batch_size * rollout.n = {mini}",
+            )
+        )
     if actor.ppo_micro_batch_size_per_gpu and mini % actor.ppo_micro_batch_size_per_gpu:
-        errors.append(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                       f"{actor.ppo_micro_batch_size_per_gpu} does not divide the mini-batch of {mini} trajectories"))
+        errors.append(
+            (
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                f"{actor.ppo_micro_batch_size_per_gpu} does not divide the mini-batch of {mini} trajectories",
+            )
+        )
     if cfg.use_critic:
         critic_mini = cfg.critic.ppo_mini_batch_size * rollout.n
         if trajectories % critic_mini:
-            errors.append(("critic.ppo_mini_batch_size",
-                           f"{trajectories} trajectories per step are not divisible by critic mini-batch {critic_mini}"))
+            errors.append(
+                (
+                    "critic.ppo_mini_batch_size",
+                    f"{trajectories} trajectories per step are not divisible by critic mini-batch {critic_mini}",
+                )
+            )
         if cfg.critic.ppo_micro_batch_size_per_gpu and critic_mini % cfg.critic.ppo_micro_batch_size_per_gpu:
-            errors.append(("critic.ppo_micro_batch_size_per_gpu",
-                           f"{cfg.critic.ppo_micro_batch_size_per_gpu} does not divide the critic mini-batch of {critic_mini}"))
+            errors.append(
+                (
+                    "critic.ppo_micro_batch_size_per_gpu",
+                    f"{cfg.critic.ppo_micro_batch_size_per_gpu} does not divide the critic mini-batch of {critic_mini}",
+                )
+            )
     if data.gen_batch_size is not None and data.gen_batch_size != data.train_batch_size:
-        errors.append(("data.gen_batch_size",
-                       f"{data.gen_batch_size} != data.train_batch_size {data.train_batch_size}: dynamic sampling "
-                       "(generating more prompts than are trained on) is not supported; leave it null"))
+        errors.append(
+            (
+                "data.gen_batch_size",
+                f"{data.gen_batch_size} != data.train_batch_size {data.train_batch_size}: dynamic sampling "
+                "(generating more prompts than are trained on) is not supported; leave it null",
+            )
+        )
     if cfg.algorithm.adv_estimator == "gae" and not cfg.use_critic:
         errors.append(("critic.enable", "algorithm.adv_estimator=gae needs a critic; set critic.enable=true or null"))
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
-        errors.append(("actor_rollout_ref.rollout.n",
-                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses of one prompt "
-                       f"and needs n >= 2, got {rollout.n}"))
-    if cfg.trainer.resume_mode == "resume_path" and not re.search(r"global_step_\d+/?$", cfg.trainer.resume_from_path or ""):
-        errors.append(("trainer.resume_from_path", f"resume_mode=resume_path needs a .../global_step_N directory, "
-                       f"got {cfg.trainer.resume_from_path!r}"))
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.n",
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses of one prompt "
+                f"and needs n >= 2, got {rollout.n}",
+            )
+        )
+    if cfg.trainer.resume_mode == "resume_path" and not re.search(
+        r"global_step_\d+/?$", cfg.trainer.resume_from_path or ""
+    ):
+        errors.append(
+            (
+                "trainer.resume_from_path",
+                f"resume_mode=resume_path needs a .../global_step_N directory, got {cfg.trainer.resume_from_path!r}",
+            )
+        )
     if cfg.trainer.test_freq > 0 and data.val_files is None:
         errors.append(("data.val_files", f"trainer.test_freq={cfg.trainer.test_freq} needs validation files"))
-    stage_runs = {"ref": cfg.use_reference, "values": cfg.use_critic,
-                  SAMPLE_CACHE_KEY: cfg.actor_rollout_ref.rollout.mode == "async"}
+    stage_runs = {
+        "ref": cfg.use_reference,
+        "values": cfg.use_critic,
+        SAMPLE_CACHE_KEY: cfg.actor_rollout_ref.rollout.mode == "async",
+    }
     for stage, skip in cfg.skip.items():
         if not skip.enable:
             continue
         if not skip.steps:
             errors.append((f"skip.{stage}.steps", "caching is enabled but no step is listed"))
         if not stage_runs.get(stage, True):
-            errors.append((f"skip.{stage}.enable", "caches the rollout service's samples: it needs "
-                           "actor_rollout_ref.rollout.mode=async" if stage == SAMPLE_CACHE_KEY
-                           else f"this run has no {stage} stage to cache"))
+            errors.append(
+                (
+                    f"skip.{stage}.enable",
+                    "caches the rollout service's samples: it needs actor_rollout_ref.rollout.mode=async"
+                    if stage == SAMPLE_CACHE_KEY
+                    else f"this run has no {stage} stage to cache",
+                )
+            )
         secrets = sorted(key for key in skip.storage_options if SECRET_OPTION.search(key))
         if secrets:
-            errors.append((f"skip.{stage}.storage_options", f"holds credentials {secrets}; configs are stored in "
-                           "Prefect run parameters, so pass credentials through the environment (e.g. "
-                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead"))
+            errors.append(
+                (
+                    f"skip.{stage}.storage_options",
+                    f"holds credentials {secrets}; configs are stored in "
+                    "Prefect run parameters, so pass credentials through the environment (e.g. "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead",
+                )
+            )
     errors += _resource_errors(cfg) + _data_parallel_errors(cfg) + _correction_errors(cfg)
-    if (cfg.skip.get("advantage") and cfg.skip["advantage"].enable and cfg.algorithm.use_kl_in_reward
-            and cfg.algorithm.kl_ctrl.type == "adaptive"):
-        errors.append(("skip.advantage.enable", "a replayed advantage cannot replay the adaptive KL controller's "
-                       "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off"))
+    if (
+        cfg.skip.get("advantage")
+        and cfg.skip["advantage"].enable
+        and cfg.algorithm.use_kl_in_reward
+        and cfg.algorithm.kl_ctrl.type == "adaptive"
+    ):
+        errors.append(
+            (
+                "skip.advantage.enable",
+                "a replayed advantage cannot replay the adaptive KL controller's "
+                "update; use algorithm.kl_ctrl.type=fixed or leave skip.advantage off",
+            )
+        )
     if rollout.name == "vllm":
         errors += _vllm_errors(cfg)
     if rollout.mode == "async":
@@ -95,22 +147,35 @@ def _async_mode_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     (a config error here, an assert in verl)."""
     errors, mode = [], cfg.trainer.mode
     if cfg.actor_rollout_ref.rollout.mode != "async":
-        errors.append(("trainer.mode", f"{mode} streams prompts through the rollout service; set "
-                                       "actor_rollout_ref.rollout.mode=async"))
+        errors.append(
+            (
+                "trainer.mode",
+                f"{mode} streams prompts through the rollout service; set actor_rollout_ref.rollout.mode=async",
+            )
+        )
     if mode == "separate_async":
         sync_step = cfg.trainer.v1.separate_async.parameter_sync_step
         mini_batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         if cfg.data.train_batch_size != sync_step * mini_batch:
-            errors.append(("trainer.v1.separate_async.parameter_sync_step",
-                           f"separate_async trains parameter_sync_step ({sync_step}) mini-batches of "
-                           f"ppo_mini_batch_size ({mini_batch}) prompts per step, so data.train_batch_size "
-                           f"({cfg.data.train_batch_size}) must be {sync_step * mini_batch}: set "
-                           f"parameter_sync_step={cfg.data.train_batch_size // mini_batch} or "
-                           f"ppo_mini_batch_size={cfg.data.train_batch_size // sync_step}"))
+            errors.append(
+                (
+                    "trainer.v1.separate_async.parameter_sync_step",
+                    f"separate_async trains parameter_sync_step ({sync_step}) mini-batches of "
+                    f"ppo_mini_batch_size ({mini_batch}) prompts per step, so data.train_batch_size "
+                    f"({cfg.data.train_batch_size}) must be {sync_step * mini_batch}: set "
+                    f"parameter_sync_step={cfg.data.train_batch_size // mini_batch} or "
+                    f"ppo_mini_batch_size={cfg.data.train_batch_size // sync_step}",
+                )
+            )
     step_cache = cfg.skip.get("rollout")
     if step_cache is not None and step_cache.enable:
-        errors.append(("skip.rollout.enable", f"{mode} has no generate stage per step to cache; its samples are "
-                                              "cached one prompt at a time with skip.async_rollout"))
+        errors.append(
+            (
+                "skip.rollout.enable",
+                f"{mode} has no generate stage per step to cache; its samples are "
+                "cached one prompt at a time with skip.async_rollout",
+            )
+        )
     return errors
 
 
@@ -118,17 +183,37 @@ def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     """What ``actor_rollout_ref.hybrid_engine=true`` (one worker for actor and rollout) cannot combine with."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.hybrid_engine"
     if cfg.trainer.mode != "sync":
-        return [(key, f"trainer.mode={cfg.trainer.mode} generates while the actor trains, which needs a rollout worker "
-                      "of its own; set hybrid_engine=false (or null)")]
+        return [
+            (
+                key,
+                f"trainer.mode={cfg.trainer.mode} generates while the actor trains, which needs a rollout worker "
+                "of its own; set hybrid_engine=false (or null)",
+            )
+        ]
     if rollout.mode != "sync":
-        return [(key, f"rollout.mode={rollout.mode} serves generation from replicas of their own; set "
-                      "hybrid_engine=false (or null)")]
+        return [
+            (
+                key,
+                f"rollout.mode={rollout.mode} serves generation from replicas of their own; set "
+                "hybrid_engine=false (or null)",
+            )
+        ]
     if rollout.name != "hf":
-        return [(key, f"rollout.name={rollout.name} cannot share the actor's worker yet (its engine would have to "
-                      "sleep during training); set hybrid_engine=false (or null)")]
+        return [
+            (
+                key,
+                f"rollout.name={rollout.name} cannot share the actor's worker yet (its engine would have to "
+                "sleep during training); set hybrid_engine=false (or null)",
+            )
+        ]
     if rollout.weight_sync.backend != "object_store":
-        return [(key, f"rollout.weight_sync.backend={rollout.weight_sync.backend} sends weights between two workers; "
-                      "a colocated rollout already holds them: use object_store, or hybrid_engine=false")]
+        return [
+            (
+                key,
+                f"rollout.weight_sync.backend={rollout.weight_sync.backend} sends weights between two workers; "
+                "a colocated rollout already holds them: use object_store, or hybrid_engine=false",
+            )
+        ]
     return []
 
 
@@ -136,21 +221,38 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     """What the rollout service (``rollout.mode=async``) does not run with yet."""
     rollout, errors = cfg.actor_rollout_ref.rollout, []
     if rollout.name != "hf":
-        errors.append(("actor_rollout_ref.rollout.mode", f"async serves the hf engine only so far, not "
-                                                          f"rollout.name={rollout.name}"))
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.mode",
+                f"async serves the hf engine only so far, not rollout.name={rollout.name}",
+            )
+        )
     if rollout.weight_sync.backend != "object_store":
-        errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
-                       f"{rollout.weight_sync.backend} pairs the actor with one rollout worker; rollout.mode=async "
-                       "pushes weights to every replica through the object store"))
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.weight_sync.backend",
+                f"{rollout.weight_sync.backend} pairs the actor with one rollout worker; rollout.mode=async "
+                "pushes weights to every replica through the object store",
+            )
+        )
     reward_cache = cfg.skip.get("reward")
     if reward_cache is not None and reward_cache.enable and cfg.reward_model.reward_manager == "naive":
-        errors.append(("skip.reward.enable", "rollout.mode=async scores each trajectory as it finishes, so there is "
-                                             "no reward stage to cache: the rollout cache (skip.rollout) keeps the "
-                                             "scores"))
+        errors.append(
+            (
+                "skip.reward.enable",
+                "rollout.mode=async scores each trajectory as it finishes, so there is "
+                "no reward stage to cache: the rollout cache (skip.rollout) keeps the "
+                "scores",
+            )
+        )
     multi_turn = rollout.multi_turn
     if multi_turn.format == "question_mark" and multi_turn.tool_config_path is None:
-        errors.append(("actor_rollout_ref.rollout.multi_turn.tool_config_path",
-                       "multi_turn.format=question_mark calls the first declared tool: declare one"))
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                "multi_turn.format=question_mark calls the first declared tool: declare one",
+            )
+        )
     return errors
 
 
@@ -188,33 +290,66 @@ def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
     version = installed_vllm_version() if local else VLLM_MIN_VERSION
     if version is None:
-        errors.append((f"{key}.name", "vllm is not installed; install the optional extra (pip install "
-                       "'ppoflow[vllm]') on a CUDA machine, or use actor_rollout_ref.rollout.name=hf"))
+        errors.append(
+            (
+                f"{key}.name",
+                "vllm is not installed; install the optional extra (pip install "
+                "'ppoflow[vllm]') on a CUDA machine, or use actor_rollout_ref.rollout.name=hf",
+            )
+        )
     elif not vllm_version_supported(version):
-        errors.append((f"{key}.name", f"vllm {version} is installed but rollout.name=vllm needs "
-                       f"vllm>={VLLM_MIN_VERSION} (logprobs_mode); upgrade it or use rollout.name=hf"))
+        errors.append(
+            (
+                f"{key}.name",
+                f"vllm {version} is installed but rollout.name=vllm needs "
+                f"vllm>={VLLM_MIN_VERSION} (logprobs_mode); upgrade it or use rollout.name=hf",
+            )
+        )
     if local and not torch.cuda.is_available():
-        errors.append((f"{key}.name", "vllm generates on CUDA GPUs but torch.cuda.is_available() is false on "
-                       "this machine; use actor_rollout_ref.rollout.name=hf"))
+        errors.append(
+            (
+                f"{key}.name",
+                "vllm generates on CUDA GPUs but torch.cuda.is_available() is false on "
+                "this machine; use actor_rollout_ref.rollout.name=hf",
+            )
+        )
     gpus, tp = rollout.resources.num_gpus, rollout.tensor_model_parallel_size
     if gpus == 0:
-        errors.append((f"{key}.resources.num_gpus", "rollout.name=vllm runs on GPUs; reserve them with "
-                       f"{key}.resources.num_gpus > 0 (= tensor_model_parallel_size), or use rollout.name=hf"))
+        errors.append(
+            (
+                f"{key}.resources.num_gpus",
+                "rollout.name=vllm runs on GPUs; reserve them with "
+                f"{key}.resources.num_gpus > 0 (= tensor_model_parallel_size), or use rollout.name=hf",
+            )
+        )
     elif tp > 1 and gpus < tp:
-        errors.append((f"{key}.tensor_model_parallel_size", f"{tp} GPUs of tensor parallelism but the rollout "
-                       f"worker reserves {key}.resources.num_gpus={gpus:g}"))
+        errors.append(
+            (
+                f"{key}.tensor_model_parallel_size",
+                f"{tp} GPUs of tensor parallelism but the rollout worker reserves {key}.resources.num_gpus={gpus:g}",
+            )
+        )
     if rollout.weight_sync.backend != "object_store":
-        errors.append((f"{key}.weight_sync.backend", f"{rollout.weight_sync.backend} is not supported with "
-                       "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
-                       "use object_store"))
+        errors.append(
+            (
+                f"{key}.weight_sync.backend",
+                f"{rollout.weight_sync.backend} is not supported with "
+                "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
+                "use object_store",
+            )
+        )
     return errors
 
 
 def _ranks_text(cfg: PPOConfig) -> str:
-    """How ``PPOConfig.data_parallel_size`` came about, e.g. ``W = 2 from trainer.nnodes=1 x trainer.n_gpus_per_node=2``."""
+    """How ``PPOConfig.data_parallel_size`` came about, e.g.
+    ``W = 2 from trainer.nnodes=1 x trainer.n_gpus_per_node=2``."""
     trainer = cfg.trainer
-    per_node = (f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}" if trainer.n_gpus_per_node > 0
-                else f"trainer.n_cpu_ranks_per_node={trainer.n_cpu_ranks_per_node}")
+    per_node = (
+        f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
+        if trainer.n_gpus_per_node > 0
+        else f"trainer.n_cpu_ranks_per_node={trainer.n_cpu_ranks_per_node}"
+    )
     return f"W = {cfg.data_parallel_size} from trainer.nnodes={trainer.nnodes} x {per_node}"
 
 
@@ -224,17 +359,27 @@ def _data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     errors: list[tuple[str, str]] = []
     arr, ranks = cfg.actor_rollout_ref, cfg.data_parallel_size
     if ranks > 1 and arr.hybrid_engine:
-        errors.append(("actor_rollout_ref.hybrid_engine", f"a colocated rollout needs one training rank, but the "
-                       f"training roles run as {ranks} ranks ({_ranks_text(cfg)}); use hybrid_engine=false (a "
-                       "separate rollout) or null"))
+        errors.append(
+            (
+                "actor_rollout_ref.hybrid_engine",
+                f"a colocated rollout needs one training rank, but the "
+                f"training roles run as {ranks} ranks ({_ranks_text(cfg)}); use hybrid_engine=false (a "
+                "separate rollout) or null",
+            )
+        )
     minis = {"actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size}
     if cfg.use_critic:
         minis["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size
     for key, prompts in minis.items():
         trajectories = prompts * arr.rollout.n
         if trajectories % ranks:
-            errors.append((key, f"mini-batches of {prompts} x rollout.n={arr.rollout.n} = {trajectories} trajectories "
-                                f"cannot be split evenly over {ranks} training ranks ({_ranks_text(cfg)})"))
+            errors.append(
+                (
+                    key,
+                    f"mini-batches of {prompts} x rollout.n={arr.rollout.n} = {trajectories} trajectories "
+                    f"cannot be split evenly over {ranks} training ranks ({_ranks_text(cfg)})",
+                )
+            )
     if cfg.trainer.n_gpus_per_node == 0:
         roles = {"actor_rollout_ref.actor": arr.actor}
         if cfg.use_reference:
@@ -243,8 +388,13 @@ def _data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             roles["critic"] = cfg.critic
         for key, role in roles.items():
             if role.fsdp_config.offload_policy:
-                errors.append((f"{key}.fsdp_config.offload_policy", "offloading moves GPU memory to the CPU, but the "
-                               "training pool is on CPUs (trainer.n_gpus_per_node=0); set offload_policy=false"))
+                errors.append(
+                    (
+                        f"{key}.fsdp_config.offload_policy",
+                        "offloading moves GPU memory to the CPU, but the "
+                        "training pool is on CPUs (trainer.n_gpus_per_node=0); set offload_policy=false",
+                    )
+                )
     return errors
 
 
@@ -262,28 +412,55 @@ def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     ranks = cfg.data_parallel_size  # every training role runs as this many ranks, each reserving its resources
     wanted = ranks * sum(resources.num_gpus for resources in training_roles.values())
     if wanted > trainer_gpus:
-        errors.append(("trainer.n_gpus_per_node", f"the training roles reserve {wanted:g} GPUs ({ranks} rank"
-                       f"{'s' if ranks > 1 else ''} x "
-                       f"({' + '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())})) "
-                       f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}"))
+        errors.append(
+            (
+                "trainer.n_gpus_per_node",
+                f"the training roles reserve {wanted:g} GPUs ({ranks} rank"
+                f"{'s' if ranks > 1 else ''} x "
+                f"({' + '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())})) "
+                f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}",
+            )
+        )
     replicas = arr.rollout.num_replicas if arr.rollout.mode == "async" else 1  # each on rollout.resources
     if replicas * arr.rollout.resources.num_gpus > rollout_gpus:
         reserved = f"actor_rollout_ref.rollout.resources.num_gpus={arr.rollout.resources.num_gpus:g}"
         if replicas > 1:
-            reserved = (f"rollout.mode=async: num_replicas={replicas} x {reserved} = "
-                        f"{replicas * arr.rollout.resources.num_gpus:g} GPUs")
-        errors.append(("rollout.n_gpus_per_node", f"{reserved} exceeds the rollout pool rollout.nnodes * "
-                       f"rollout.n_gpus_per_node = {rollout_gpus}"))
+            reserved = (
+                f"rollout.mode=async: num_replicas={replicas} x {reserved} = "
+                f"{replicas * arr.rollout.resources.num_gpus:g} GPUs"
+            )
+        errors.append(
+            (
+                "rollout.n_gpus_per_node",
+                f"{reserved} exceeds the rollout pool rollout.nnodes * rollout.n_gpus_per_node = {rollout_gpus}",
+            )
+        )
     if trainer_gpus and trainer_gpus % arr.rollout.n and (arr.rollout.n * cfg.data.train_batch_size) % trainer_gpus:
-        errors.append(("actor_rollout_ref.rollout.n", f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
-                       "must divide the GPU count, or rollout.n * data.train_batch_size must be divisible by it"))
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.n",
+                f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
+                "must divide the GPU count, or rollout.n * data.train_batch_size must be divisible by it",
+            )
+        )
     if cfg.trainer.mode == "one_step_off" and (trainer_gpus > 0) != (rollout_gpus > 0):
-        errors.append(("rollout.n_gpus_per_node", "one_step_off needs both pools on GPUs or both on CPUs "
-                       f"(training pool {trainer_gpus} GPUs, rollout pool {rollout_gpus})"))
-    if arr.rollout.weight_sync.backend == "nccl" and not (arr.actor.resources.num_gpus and arr.rollout.resources.num_gpus):
-        errors.append(("actor_rollout_ref.rollout.weight_sync.backend",
-                       "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
-                       "(use object_store or gloo on CPUs)"))
+        errors.append(
+            (
+                "rollout.n_gpus_per_node",
+                "one_step_off needs both pools on GPUs or both on CPUs "
+                f"(training pool {trainer_gpus} GPUs, rollout pool {rollout_gpus})",
+            )
+        )
+    if arr.rollout.weight_sync.backend == "nccl" and not (
+        arr.actor.resources.num_gpus and arr.rollout.resources.num_gpus
+    ):
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.weight_sync.backend",
+                "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
+                "(use object_store or gloo on CPUs)",
+            )
+        )
     return errors
 
 
@@ -312,12 +489,22 @@ def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             # every option takes, then the configured bounds, so the problem names the key that holds it
             for name, thresholds in (("rollout_rs", 1.0), ("rollout_rs_threshold", correction.rollout_rs_threshold)):
                 try:
-                    compute_rejection_mask(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                                           options=correction.rollout_rs, thresholds=thresholds)
+                    compute_rejection_mask(
+                        torch.zeros(1, 1),
+                        torch.zeros(1, 1),
+                        torch.ones(1, 1),
+                        options=correction.rollout_rs,
+                        thresholds=thresholds,
+                    )
                 except (TypeError, ValueError) as error:
                     errors.append((f"{key}.{name}", str(error)))
                     break
     if correction.bypass_mode and (correction.rollout_is or correction.rollout_rs):
-        errors.append((f"{key}.bypass_mode", "bypass mode uses the rollout's log-probs as old log-probs, so "
-                       "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false"))
+        errors.append(
+            (
+                f"{key}.bypass_mode",
+                "bypass mode uses the rollout's log-probs as old log-probs, so "
+                "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false",
+            )
+        )
     return errors

@@ -21,10 +21,16 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     "data.tokenizer": f"{MODEL}.tokenizer_path",
     "data.trust_remote_code": f"{MODEL}.trust_remote_code",
     # actor, ref and critic: the same concepts under each role
-    **{f"{role}.fsdp_config.{offload}": f"{role}.fsdp_config.offload_policy"
-       for role in (ACTOR, REF) for offload in _FSDP1_OFFLOAD},
-    **{f"critic.{section}.{offload}": "critic.fsdp_config.offload_policy"
-       for section in ("fsdp", "model.fsdp_config") for offload in (*_FSDP1_OFFLOAD, "offload_policy")},
+    **{
+        f"{role}.fsdp_config.{offload}": f"{role}.fsdp_config.offload_policy"
+        for role in (ACTOR, REF)
+        for offload in _FSDP1_OFFLOAD
+    },
+    **{
+        f"critic.{section}.{offload}": "critic.fsdp_config.offload_policy"
+        for section in ("fsdp", "model.fsdp_config")
+        for offload in (*_FSDP1_OFFLOAD, "offload_policy")
+    },
     "critic.fsdp.reshard_after_forward": "critic.fsdp_config.reshard_after_forward",
     **{f"{role}.fsdp_config.strategy": f"{role}.strategy" for role in (ACTOR, REF)},
     "critic.fsdp.strategy": "critic.strategy",
@@ -58,14 +64,19 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
 }
 """verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
 
-_PLANNED_PACKING = ("planned, not supported yet: micro-batches are counted in trajectories "
-                    "(ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu), not packed by tokens")
+_PLANNED_PACKING = (
+    "planned, not supported yet: micro-batches are counted in trajectories "
+    "(ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu), not packed by tokens"
+)
 _PLANNED_MODEL = "planned, not supported yet: models train with plain transformers forward passes"
-_NO_REWARD_MODEL = ("not supported until reward models land: rewards come from rule-based scorers "
-                    "(custom_reward_function.path, or the built-in scorer of each data_source)")
+_NO_REWARD_MODEL = (
+    "not supported until reward models land: rewards come from rule-based scorers "
+    "(custom_reward_function.path, or the built-in scorer of each data_source)"
+)
 _NO_SCHEDULE = "not supported: the learning rate rises linearly over optim.lr_warmup_steps, then stays constant"
-_NO_PARALLELISM = ("not supported: each role is data-parallel over its ranks (FSDP2), with no sequence or "
-                   "model parallelism")
+_NO_PARALLELISM = (
+    "not supported: each role is data-parallel over its ranks (FSDP2), with no sequence or model parallelism"
+)
 _VLLM_ENGINE = "not supported: ppoflow sets the vLLM engine's other arguments itself"
 _MEGATRON = "not supported: the training engine is FSDP2 (strategy: fsdp2); there is no Megatron engine"
 _ENGINE_TUNING = "not supported: FSDP2 shards each decoder layer over the role's ranks with fixed settings"
@@ -110,7 +121,7 @@ UNSUPPORTED: dict[str, str] = {
     "critic.ppo_max_token_len_per_gpu": _PLANNED_PACKING,
     "critic.forward_max_token_len_per_gpu": _PLANNED_PACKING,
     f"{ACTOR}.policy_loss": "not supported: the policy loss is verl's vanilla PPO clip (with the dual clip "
-                            "clip_ratio_c); clip_ratio_low / clip_ratio_high set its bounds",
+    "clip_ratio_c); clip_ratio_low / clip_ratio_high set its bounds",
     f"{ACTOR}.use_torch_compile": "not supported: models run eagerly",
     f"{ACTOR}.loss_scale_factor": "not supported: loss_agg_mode decides how token losses are reduced",
     f"{ACTOR}.checkpoint": "not supported: a checkpoint always holds the model, optimizer and scheduler state",
@@ -118,35 +129,57 @@ UNSUPPORTED: dict[str, str] = {
     f"{REF}.megatron": _MEGATRON,
     "critic.megatron": _MEGATRON,
     **{f"{role}.ulysses_sequence_parallel_size": _NO_PARALLELISM for role in (ACTOR, REF, "critic")},
-    **{f"{role}.fsdp_config.{option}": _ENGINE_TUNING for role in (ACTOR, REF)
-       for option in ("fsdp_size", "wrap_policy", "forward_prefetch", "use_orig_params")},
+    **{
+        f"{role}.fsdp_config.{option}": _ENGINE_TUNING
+        for role in (ACTOR, REF)
+        for option in ("fsdp_size", "wrap_policy", "forward_prefetch", "use_orig_params")
+    },
     **{f"critic.fsdp.{option}": _ENGINE_TUNING for option in ("fsdp_size", "wrap_policy", "forward_prefetch")},
-    **{f"{role}.optim.{option}": _NO_SCHEDULE for role in (ACTOR, "critic")
-       for option in ("lr_warmup_steps_ratio", "warmup_style", "lr_scheduler_type", "min_lr_ratio", "num_cycles")},
+    **{
+        f"{role}.optim.{option}": _NO_SCHEDULE
+        for role in (ACTOR, "critic")
+        for option in ("lr_warmup_steps_ratio", "warmup_style", "lr_scheduler_type", "min_lr_ratio", "num_cycles")
+    },
     **{f"{role}.optim.optimizer": "not supported: the optimizer is torch's AdamW" for role in (ACTOR, "critic")},
-    **{f"{role}.optim.total_training_steps": "not needed: the warm-up counts updates from the start of training"
-       for role in (ACTOR, "critic")},
+    **{
+        f"{role}.optim.total_training_steps": "not needed: the warm-up counts updates from the start of training"
+        for role in (ACTOR, "critic")
+    },
     # rollout
-    **{f"{ROLLOUT}.{option}": _VLLM_ENGINE
-       for option in ("enforce_eager", "free_cache_engine", "enable_chunked_prefill", "enable_prefix_caching",
-                      "max_num_batched_tokens", "max_model_len", "load_format", "layered_summon",
-                      "disable_log_stats", "cudagraph_capture_sizes", "logprobs_mode")},
-    **{f"{ROLLOUT}.{option}": "not supported: the vllm engine is split by tensor_model_parallel_size only"
-       for option in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")},
+    **{
+        f"{ROLLOUT}.{option}": _VLLM_ENGINE
+        for option in (
+            "enforce_eager",
+            "free_cache_engine",
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "load_format",
+            "layered_summon",
+            "disable_log_stats",
+            "cudagraph_capture_sizes",
+            "logprobs_mode",
+        )
+    },
+    **{
+        f"{ROLLOUT}.{option}": "not supported: the vllm engine is split by tensor_model_parallel_size only"
+        for option in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")
+    },
     f"{ROLLOUT}.calculate_log_probs": "not needed: the rollout always returns its sampling log-probs",
     f"{ROLLOUT}.ignore_eos": "not supported: a response ends at the tokenizer's end-of-sequence token",
     f"{ROLLOUT}.over_sample_rate": "not supported: every request runs to its end",
     f"{ROLLOUT}.full_determinism": "not supported: rollout.seed seeds the sampler, but engines are not bitwise "
-                                   "deterministic",
+    "deterministic",
     f"{ROLLOUT}.multi_turn.enable": "not needed: multi-turn is the tool_agent loop of the rollout service "
-                                    "(rollout.mode=async, agent.default_agent_loop=tool_agent)",
+    "(rollout.mode=async, agent.default_agent_loop=tool_agent)",
     f"{ROLLOUT}.multi_turn.max_user_turns": "not supported: a trajectory's turns are bounded by "
-                                            "multi_turn.max_assistant_turns",
+    "multi_turn.max_assistant_turns",
     f"{ROLLOUT}.multi_turn.max_parallel_calls": "not supported: a model turn makes one tool call",
     f"{ROLLOUT}.agent.custom_async_server": "not supported: the replicas are ppoflow's own",
     # algorithm
     "algorithm.filter_groups": "not supported: dynamic sampling (DAPO) generates more prompts than are trained "
-                               "on, which ppoflow does not do (see data.gen_batch_size)",
+    "on, which ppoflow does not do (see data.gen_batch_size)",
     "algorithm.use_pf_ppo": "not supported: every trajectory of a batch is trained on (no PF-PPO reweighting)",
     "algorithm.rollout_correction.loss_type": "not supported: correction weights multiply the PPO loss",
     # reward models
@@ -159,7 +192,7 @@ UNSUPPORTED: dict[str, str] = {
     "reward.sandbox_fusion": "not supported: write a scorer (custom_reward_function.path) that calls the sandbox",
     # trainer
     "trainer.device": "not supported: the device follows the resources: trainer.n_gpus_per_node (0 = CPU) and "
-                      "each role's resources.num_gpus",
+    "each role's resources.num_gpus",
     "trainer.use_v1": "not supported: one trainer runs every mode; trainer.mode picks it",
     "trainer.balance_batch": "not supported: training ranks get equal numbers of trajectories, not of tokens",
     "trainer.critic_warmup": "not supported: the actor trains from the first step",
@@ -173,13 +206,13 @@ UNSUPPORTED: dict[str, str] = {
     "trainer.max_critic_ckpt_to_keep": "not supported: every checkpoint is kept",
     "trainer.ray_wait_register_center_timeout": "not supported: the workers are Ray actors started by the flow",
     "trainer.v1.sampler.sync_refill_failed_groups": "not needed: the replay buffer always evicts and "
-                                                    "replaces failed prompt groups",
+    "replaces failed prompt groups",
     "trainer.v1.separate_async.hybrid_rollout": "not supported: the trainer's GPUs are not lent to generation",
     # whole sections
     "ray_kwargs.ray_init.runtime_env": "not supported: Ray workers run in the driver's environment "
-                                       "(or the cluster's, with ray.address)",
+    "(or the cluster's, with ray.address)",
     "ray_kwargs.timeline_json_file": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the "
-                                     "Prefect UI",
+    "Prefect UI",
     "global_profiler": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI",
     "transfer_queue": "not supported: the async modes' replay buffer is ppoflow's own (trainer.v1.sampler)",
 }

@@ -59,10 +59,12 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
             extra_info = {"split": split, "index": index}
             if task == "vault":
                 extra_info["tools_kwargs"] = {"vault": {"key": digits}}
-            record = {"data_source": SYNTHETIC_SOURCES[task],
-                      "prompt": [{"role": "user", "content": prompt}],
-                      "reward_model": {"style": "rule", "ground_truth": vault_code(digits) if task == "vault" else digits},
-                      "extra_info": extra_info}
+            record = {
+                "data_source": SYNTHETIC_SOURCES[task],
+                "prompt": [{"role": "user", "content": prompt}],
+                "reward_model": {"style": "rule", "ground_truth": vault_code(digits) if task == "vault" else digits},
+                "extra_info": extra_info,
+            }
             if task != spec.task:  # a copy row among vault rows: answered without tools (verl's per-row agent_name)
                 record["agent_name"] = "single_turn_agent"
             records.append(record)
@@ -75,8 +77,11 @@ def files_to_generate(data: DataConfig) -> dict[str, str]:
     those missing when ``data.synthetic`` is set; none otherwise."""
     if data.synthetic is None:
         return {}
-    files = {key: _single_file(value, key) for key, value in (("data.train_files", data.train_files),
-                                                             ("data.val_files", data.val_files)) if value is not None}
+    files = {
+        key: _single_file(value, key)
+        for key, value in (("data.train_files", data.train_files), ("data.val_files", data.val_files))
+        if value is not None
+    }
     return {key: url for key, url in files.items() if not _exists(url, key)}
 
 
@@ -154,8 +159,15 @@ def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) 
             if row.get(column) is None:
                 raise ConfigError([(key, f"row {index} has no {column!r} value (columns: {sorted(row)})")])
         if not isinstance(row["reward_model"], dict):
-            raise ConfigError([(key, f"row {index} reward_model must be a mapping with ground_truth, "
-                                     f"got {row['reward_model']!r:.80}")])
+            raise ConfigError(
+                [
+                    (
+                        key,
+                        f"row {index} reward_model must be a mapping with ground_truth, "
+                        f"got {row['reward_model']!r:.80}",
+                    )
+                ]
+            )
     return rows
 
 
@@ -181,11 +193,14 @@ class PromptDataset:
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
         for position, row in enumerate(rows):
             ids = self.prompt_ids[row]
-            prompts[position, width - len(ids):] = torch.tensor(ids, dtype=torch.int64)
-            mask[position, width - len(ids):] = True
+            prompts[position, width - len(ids) :] = torch.tensor(ids, dtype=torch.int64)
+            mask[position, width - len(ids) :] = True
         batch = TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[len(rows)])
-        columns = {"uid": list(uids), "data_source": [self.data_sources[row] for row in rows],
-                   "ground_truth": [self.ground_truths[row] for row in rows]}
+        columns = {
+            "uid": list(uids),
+            "data_source": [self.data_sources[row] for row in rows],
+            "ground_truth": [self.ground_truths[row] for row in rows],
+        }
         for name, values in (("agent_name", self.agent_names), ("tools_kwargs", self.tools_kwargs)):
             if any(value is not None for value in values):
                 columns[name] = [values[row] for row in rows]
@@ -207,10 +222,17 @@ def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) ->
             if data.filter_overlong_prompts:
                 continue
             if data.truncation == "error":
-                raise ConfigError([(key, f"row {index} prompt has {len(ids)} tokens > data.max_prompt_length="
-                                         f"{data.max_prompt_length} (set data.filter_overlong_prompts=true or "
-                                         "data.truncation)")])
-            ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
+                raise ConfigError(
+                    [
+                        (
+                            key,
+                            f"row {index} prompt has {len(ids)} tokens > data.max_prompt_length="
+                            f"{data.max_prompt_length} (set data.filter_overlong_prompts=true or "
+                            "data.truncation)",
+                        )
+                    ]
+                )
+            ids = ids[-data.max_prompt_length :] if data.truncation == "left" else ids[: data.max_prompt_length]
         prompt_ids.append(ids)
         sources.append(row["data_source"])
         truths.append(row["reward_model"].get("ground_truth"))
@@ -251,7 +273,7 @@ class PromptLoader:
             while self.batch_in_epoch < self.batches_per_epoch:
                 start = self.batch_in_epoch * self.batch_size
                 self.batch_in_epoch += 1
-                yield self.epoch, order[start:start + self.batch_size]
+                yield self.epoch, order[start : start + self.batch_size]
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
@@ -272,12 +294,20 @@ def _tokenize_prompt(prompt, tokenizer, *, key: str, index: int) -> list[int]:
         text = prompt
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError([(key, f"row {index}: the prompt is a list of chat messages but the tokenizer has no "
-                                     "chat_template")])
+            raise ConfigError(
+                [(key, f"row {index}: the prompt is a list of chat messages but the tokenizer has no chat_template")]
+            )
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     else:
-        raise ConfigError([(key, f"row {index}: a prompt must be a string or a list of {{role, content}} messages, "
-                                 f"got {prompt!r:.80}")])
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"row {index}: a prompt must be a string or a list of {{role, content}} messages, "
+                    f"got {prompt!r:.80}",
+                )
+            ]
+        )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

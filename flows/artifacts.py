@@ -34,8 +34,12 @@ import torch
 import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.context import FlowRunContext
 from tensordict import TensorDict
 
@@ -43,13 +47,20 @@ from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.fs import atomic_write, join, open_fs
 
-TABLE_COLUMNS = {"critic/score/mean": "score", "critic/rewards/mean": "rewards", "actor/pg_loss": "pg_loss",
-                 "actor/grad_norm": "grad_norm", "actor/entropy": "entropy",
-                 "response_length/mean": "response_length",
-                 "training/off_policy/trajectory_staleness/mean": "staleness",
-                 "training/off_policy/trajectory_staleness/max": "staleness_max",
-                 "agent/num_turns/mean": "turns", "agent/tool_calls/mean": "tool_calls",
-                 "agent/tool_errors/count": "tool_errors", "timing_s/step": "step_s"}
+TABLE_COLUMNS = {
+    "critic/score/mean": "score",
+    "critic/rewards/mean": "rewards",
+    "actor/pg_loss": "pg_loss",
+    "actor/grad_norm": "grad_norm",
+    "actor/entropy": "entropy",
+    "response_length/mean": "response_length",
+    "training/off_policy/trajectory_staleness/mean": "staleness",
+    "training/off_policy/trajectory_staleness/max": "staleness_max",
+    "agent/num_turns/mean": "turns",
+    "agent/tool_calls/mean": "tool_calls",
+    "agent/tool_errors/count": "tool_errors",
+    "timing_s/step": "step_s",
+}
 """The metrics the per-step table shows (verl name -> column), besides ``step``, the per-stage timings and
 ``val-core/*``; a column no row has a value for is left out (a single-turn run has no agent columns)."""
 
@@ -95,8 +106,10 @@ class RunArtifacts:
         """When the progress artifact was last updated (``time.monotonic()``)."""
         if self.active:
             self.progress_id = create_progress_artifact(
-                progress=100.0 * (first_step - 1) / total_steps, key=f"{self.prefix}-progress",
-                description=f"{cfg.trainer.experiment_name} ({self.run_name}): training steps done")
+                progress=100.0 * (first_step - 1) / total_steps,
+                key=f"{self.prefix}-progress",
+                description=f"{cfg.trainer.experiment_name} ({self.run_name}): training steps done",
+            )
 
     def step(self, step: int, metrics: dict[str, float], batch: TensorDict | None = None) -> None:
         """Record that ``step`` is done (``metrics`` are that step's; only the progress is published now,
@@ -116,8 +129,15 @@ class RunArtifacts:
         """The step-0 validation (``trainer.val_before_train``), the first point of the validation curve."""
         self.validation_before_training = dict(metrics)
 
-    def finish(self, rows: list[dict], *, checkpoint: str | None, final_model: str | None, caches: list[str],
-               cache_lines: list[str] = ()) -> str:
+    def finish(
+        self,
+        rows: list[dict],
+        *,
+        checkpoint: str | None,
+        final_model: str | None,
+        caches: list[str],
+        cache_lines: list[str] = (),
+    ) -> str:
         """Write the reward curve to the run directory and publish the metrics table, the summary, the
         config, the staleness histogram (when some sample was off-policy) and the experiment's ``latest``
         pointer; ``rows`` are the run's per-step metrics (each with ``step``), ``cache_lines`` the summary's
@@ -131,51 +151,81 @@ class RunArtifacts:
         atomic_write(fs, path, png)
         if self.active:
             name = f"{self.cfg.trainer.experiment_name} ({self.run_name})"
-            create_table_artifact(table=metrics_table(rows), key=f"{self.prefix}-metrics",
-                                  description=f"{name}: metrics per step")
-            create_markdown_artifact(markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png,
-                                                           cache_lines=cache_lines),
-                                     key=f"{self.prefix}-summary", description=f"{name}: run summary")
+            create_table_artifact(
+                table=metrics_table(rows), key=f"{self.prefix}-metrics", description=f"{name}: metrics per step"
+            )
+            create_markdown_artifact(
+                markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png, cache_lines=cache_lines),
+                key=f"{self.prefix}-summary",
+                description=f"{name}: run summary",
+            )
             config = yaml.safe_dump(config_as_dict(self.cfg), sort_keys=False)
-            create_markdown_artifact(markdown=f"```yaml\n{config.rstrip()}\n```", key=f"{self.prefix}-config",
-                                     description=f"{name}: config")
+            create_markdown_artifact(
+                markdown=f"```yaml\n{config.rstrip()}\n```", key=f"{self.prefix}-config", description=f"{name}: config"
+            )
             if set(self.staleness) - {0}:  # a histogram of on-policy samples only would say "0: 100%"
-                create_markdown_artifact(markdown=staleness_histogram(self.staleness), key=f"{self.prefix}-staleness",
-                                         description=f"{name}: staleness of the trained samples")
-            create_markdown_artifact(markdown=self.pointer(), key=f"{self.slug}-latest",
-                                     description=f"{self.cfg.trainer.experiment_name}: the latest run")
+                create_markdown_artifact(
+                    markdown=staleness_histogram(self.staleness),
+                    key=f"{self.prefix}-staleness",
+                    description=f"{name}: staleness of the trained samples",
+                )
+            create_markdown_artifact(
+                markdown=self.pointer(),
+                key=f"{self.slug}-latest",
+                description=f"{self.cfg.trainer.experiment_name}: the latest run",
+            )
         return png_url
 
-    def summary(self, rows: list[dict], checkpoint: str | None, final_model: str | None, caches: list[str],
-                png_url: str, png: bytes, *, cache_lines: list[str] = ()) -> str:
+    def summary(
+        self,
+        rows: list[dict],
+        checkpoint: str | None,
+        final_model: str | None,
+        caches: list[str],
+        png_url: str,
+        png: bytes,
+        *,
+        cache_lines: list[str] = (),
+    ) -> str:
         """The summary artifact's markdown: short enough to read without scrolling past the curve (with a
         "Step cache" section of ``cache_lines``, given as they are, when there are any)."""
         trainer = self.cfg.trainer
         last = rows[-1] if rows else {}
         headline = metrics_table([last], stage_timings=False)[0] if last else {}
-        places = [("run directory", trainer.default_local_dir), ("checkpoint", checkpoint),
-                  ("final model", final_model), *(("cache", cache) for cache in caches)]
-        return "\n".join([
-            f"# {trainer.experiment_name} ({trainer.project_name}), run {self.run_name}",
-            "",
-            f"`{self.cfg.algorithm.adv_estimator}`, {'with' if self.cfg.use_critic else 'no'} critic, "
-            f"mode `{trainer.mode}`: {last.get('step', 0)} of {self.total_steps} steps.",
-            "",
-            markdown_table(headline),
-            "",
-            f"![reward curve](data:image/png;base64,{base64.b64encode(png).decode()})",
-            "",
-            markdown_table([(label, f"`{where}`") for label, where in places if where], header=("", "where")),
-            "",
-            *(["## Step cache", "", *cache_lines, ""] if cache_lines else []),
-            f"Per-step metrics: artifact `{self.prefix}-metrics`; config: artifact `{self.prefix}-config`; "
-            f"curve: `{png_url}`.",
-        ])
+        places = [
+            ("run directory", trainer.default_local_dir),
+            ("checkpoint", checkpoint),
+            ("final model", final_model),
+            *(("cache", cache) for cache in caches),
+        ]
+        return "\n".join(
+            [
+                f"# {trainer.experiment_name} ({trainer.project_name}), run {self.run_name}",
+                "",
+                f"`{self.cfg.algorithm.adv_estimator}`, {'with' if self.cfg.use_critic else 'no'} critic, "
+                f"mode `{trainer.mode}`: {last.get('step', 0)} of {self.total_steps} steps.",
+                "",
+                markdown_table(headline),
+                "",
+                f"![reward curve](data:image/png;base64,{base64.b64encode(png).decode()})",
+                "",
+                markdown_table([(label, f"`{where}`") for label, where in places if where], header=("", "where")),
+                "",
+                *(["## Step cache", "", *cache_lines, ""] if cache_lines else []),
+                f"Per-step metrics: artifact `{self.prefix}-metrics`; config: artifact `{self.prefix}-config`; "
+                f"curve: `{png_url}`.",
+            ]
+        )
 
     def pointer(self) -> str:
         """The ``<slug>-latest`` markdown: which run is the experiment's latest, and its artifact keys."""
-        return "\n".join([f"# {self.cfg.trainer.experiment_name}: latest run `{self.run_name}`", "",
-                           *(f"* {what}: `{self.prefix}-{what}`" for what in ("summary", "metrics", "config"))])
+        return "\n".join(
+            [
+                f"# {self.cfg.trainer.experiment_name}: latest run `{self.run_name}`",
+                "",
+                *(f"* {what}: `{self.prefix}-{what}`" for what in ("summary", "metrics", "config")),
+            ]
+        )
 
 
 def staleness_histogram(counts: dict[int, int], width: int = 40) -> str:
@@ -183,10 +233,15 @@ def staleness_histogram(counts: dict[int, int], width: int = 40) -> str:
     bar per row; what the off-policy modes trade for their speed, at a glance."""
     total = sum(counts.values())
     widest = max(counts.values())
-    lines = ["# Staleness of the trained samples", "",
-             "Weight updates between the weights a sample's newest token was drawn with and the weights it "
-             f"trained (verl's `trajectory_staleness`); {total} samples.", "",
-             "| staleness | samples | share | |", "|---|---|---|---|"]
+    lines = [
+        "# Staleness of the trained samples",
+        "",
+        "Weight updates between the weights a sample's newest token was drawn with and the weights it "
+        f"trained (verl's `trajectory_staleness`); {total} samples.",
+        "",
+        "| staleness | samples | share | |",
+        "|---|---|---|---|",
+    ]
     for value in range(min(counts), max(counts) + 1):
         count = counts.get(value, 0)
         lines.append(f"| {value} | {count} | {count / total:.1%} | {'█' * round(width * count / widest)} |")
@@ -198,14 +253,22 @@ def metrics_table(rows: list[dict], *, stage_timings: bool = True) -> list[dict]
     ``stage_timings``) and every ``val-core/*`` metric (as ``val/...``) that some row has a value for;
     missing values are ``""``."""
     present = {name for row in rows for name, value in row.items() if value is not None}
-    stages = [name for name in dict.fromkeys(name for row in rows for name in row)
-              if stage_timings and name.startswith(TIMING) and name in present and name not in TABLE_COLUMNS]
+    stages = [
+        name
+        for name in dict.fromkeys(name for row in rows for name in row)
+        if stage_timings and name.startswith(TIMING) and name in present and name not in TABLE_COLUMNS
+    ]
     validation = sorted(name for name in present if name.startswith("val-core/"))
-    columns = {"step": "step", **{name: label for name, label in TABLE_COLUMNS.items() if name in present},
-               **{name: name.removeprefix(TIMING) + "_s" for name in stages},
-               **{name: "val/" + name.removeprefix("val-core/") for name in validation}}
-    return [{label: _cell(row.get(name), digits=3 if name.startswith(TIMING) else 4) for name, label in columns.items()}
-            for row in rows]
+    columns = {
+        "step": "step",
+        **{name: label for name, label in TABLE_COLUMNS.items() if name in present},
+        **{name: name.removeprefix(TIMING) + "_s" for name in stages},
+        **{name: "val/" + name.removeprefix("val-core/") for name in validation},
+    }
+    return [
+        {label: _cell(row.get(name), digits=3 if name.startswith(TIMING) else 4) for name, label in columns.items()}
+        for row in rows
+    ]
 
 
 def markdown_table(row: dict | list[tuple[str, object]], header: tuple[str, str] = ("metric", "value")) -> str:
@@ -224,8 +287,12 @@ def reward_figure(rows: list[dict], title: str) -> Figure:
     axes.plot([row["step"] for row in scored], [row[SCORE] for row in scored], label="train score")
     for name in sorted({name for row in rows for name in row if VALIDATION.match(name)}):
         points = [row for row in rows if _finite(row.get(name))]
-        axes.plot([row["step"] for row in points], [row[name] for row in points], "o--",
-                  label="val " + name.removeprefix("val-core/"))
+        axes.plot(
+            [row["step"] for row in points],
+            [row[name] for row in points],
+            "o--",
+            label="val " + name.removeprefix("val-core/"),
+        )
     axes.set(xlabel="step", ylabel="reward", title=title)
     axes.grid(alpha=0.3)
     if axes.lines:

@@ -53,9 +53,12 @@ class AsyncTrainer(TrainerMode):
         super().__init__(run, state)
         sampler = run.cfg.trainer.v1.sampler
         buffer_class = load_sampler(sampler.custom_sampler.path, sampler.custom_sampler.name)
-        self.buffer = buffer_class(pad_token_id=run.tokenizer.pad_token_id,
-                                   max_off_policy_threshold=sampler.max_off_policy_threshold,
-                                   max_off_policy_strategy=sampler.max_off_policy_strategy, refill=self.refill)
+        self.buffer = buffer_class(
+            pad_token_id=run.tokenizer.pad_token_id,
+            max_off_policy_threshold=sampler.max_off_policy_threshold,
+            max_off_policy_strategy=sampler.max_off_policy_strategy,
+            refill=self.refill,
+        )
         self.settings = getattr(run.cfg.trainer.v1, self.settings_key)
         self.generating: dict = {}
         """Reference to a prompt group being generated -> the prompt's uid."""
@@ -89,8 +92,12 @@ class AsyncTrainer(TrainerMode):
         prompts = with_non_tensor_columns(prompts, {"sample_id": uids})
         sent = prompts.exclude("uid") if run.workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
         for position, uid in enumerate(uids):
-            reference = run.workers.rollout.submit_group(sent[position:position + 1], position=feed_index(uid) - 1,
-                                                         step=self.dispatch_step, sampling=run.sampling)
+            reference = run.workers.rollout.submit_group(
+                sent[position : position + 1],
+                position=feed_index(uid) - 1,
+                step=self.dispatch_step,
+                sampling=run.sampling,
+            )
             self.generating[reference] = uid
             self.buffer.mark_running(uid)
 
@@ -115,8 +122,9 @@ class AsyncTrainer(TrainerMode):
                 logger.warning("generating prompt %s failed: %r", uid, error)
                 self.failed_in_a_row += 1
                 if self.failed_in_a_row >= FAILED_GROUPS_IN_A_ROW * self.batch_size:
-                    raise RolloutFailing(f"the last {self.failed_in_a_row} prompt groups generated all failed, "
-                                         f"the last with {error!r}") from error
+                    raise RolloutFailing(
+                        f"the last {self.failed_in_a_row} prompt groups generated all failed, the last with {error!r}"
+                    ) from error
                 self.buffer.fail(uid, repr(error))
 
     # -- the lifecycle ---------------------------------------------------------------------------------
@@ -161,12 +169,15 @@ class AsyncTrainer(TrainerMode):
 
     def sample(self, step: StepData) -> None:
         """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
-        result = self.run.stages.run(SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll,
-                                     self.replayable, label=step.label)
+        result = self.run.stages.run(
+            SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll, self.replayable, label=step.label
+        )
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
-        columns = {"data_source": [self.run.train_set.data_sources[row] for row in rows],
-                   "ground_truth": [self.run.train_set.ground_truths[row] for row in rows]}
+        columns = {
+            "data_source": [self.run.train_set.data_sources[row] for row in rows],
+            "ground_truth": [self.run.train_set.ground_truths[row] for row in rows],
+        }
         step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
         for uid in set(uids):
             del self.prompts[uid]

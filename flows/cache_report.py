@@ -24,8 +24,12 @@ from ppoflow.storage.step_cache.stage_cache import OUTCOMES, StageCache, StepOut
 logger = logging.getLogger(__name__)
 
 SHAPE = re.compile(r"GBS(\d+)_N(\d+)_in(\d+)_out(\d+)")
-SHAPE_KEYS = ("data.gen_batch_size", "actor_rollout_ref.rollout.n", "data.max_prompt_length",
-              "data.max_response_length")
+SHAPE_KEYS = (
+    "data.gen_batch_size",
+    "actor_rollout_ref.rollout.n",
+    "data.max_prompt_length",
+    "data.max_response_length",
+)
 """The config keys a configuration directory's name is made of, in its order (``GBS`` is
 ``data.gen_batch_size``, which defaults to ``data.train_batch_size``)."""
 
@@ -41,8 +45,9 @@ class Elsewhere:
 
     def __str__(self) -> str:
         steps = ", ".join(map(str, self.steps))
-        return f"step{'s' if len(self.steps) > 1 else ''} {steps} under {self.directory}, where " \
-               + ", ".join(self.differences)
+        return f"step{'s' if len(self.steps) > 1 else ''} {steps} under {self.directory}, where " + ", ".join(
+            self.differences
+        )
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,19 @@ class CacheReport:
         """``replayed 0 of 5 planned steps of rollout: 5 missing (...)``."""
         parts = []
         if self.outcomes["rejected"]:
-            parts.append(f"{len(self.outcomes['rejected'])} rejected ("
-                         + "; ".join(f"step {o.step}: {o.detail}" for o in self.outcomes["rejected"]) + ")")
+            parts.append(
+                f"{len(self.outcomes['rejected'])} rejected ("
+                + "; ".join(f"step {o.step}: {o.detail}" for o in self.outcomes["rejected"])
+                + ")"
+            )
         if self.outcomes["missing"]:
             parts.append(f"{len(self.outcomes['missing'])} missing ({self.missing_detail()})")
         if self.outcomes["unreadable"]:
-            parts.append(f"{len(self.outcomes['unreadable'])} unreadable, computed without the cache ("
-                         + "; ".join(f"step {o.step}: {o.detail}" for o in self.outcomes["unreadable"]) + ")")
+            parts.append(
+                f"{len(self.outcomes['unreadable'])} unreadable, computed without the cache ("
+                + "; ".join(f"step {o.step}: {o.detail}" for o in self.outcomes["unreadable"])
+                + ")"
+            )
         return self.headline() + (": " + ", ".join(parts) if parts else "")
 
     def headline(self) -> str:
@@ -87,9 +98,12 @@ class CacheReport:
 
     def markdown(self) -> list[str]:
         """The cache's bullet in the summary, with one sub-bullet per rejected step."""
-        lines = [f"- {self.headline()} (`skip.{self.key}`)"
-                 + "".join(f", {len(self.outcomes[outcome])} {outcome}" for outcome in OUTCOMES[1:]
-                           if self.outcomes[outcome])]
+        lines = [
+            f"- {self.headline()} (`skip.{self.key}`)"
+            + "".join(
+                f", {len(self.outcomes[outcome])} {outcome}" for outcome in OUTCOMES[1:] if self.outcomes[outcome]
+            )
+        ]
         lines += [f"  - step {o.step} rejected: {o.detail}" for o in self.outcomes["rejected"]]
         if self.outcomes["missing"]:
             lines.append(f"  - missing: {self.missing_detail()}")
@@ -104,21 +118,27 @@ def config_differences(here: str, there: str, *, experiment: str, project: str) 
     differences = []
     if there_project != here_project:
         if there_project.endswith(f"_{project}"):
-            differences.append(f"trainer.experiment_name is {there_project[:-len(project) - 1]!r} there, "
-                               f"{experiment!r} here")
+            differences.append(
+                f"trainer.experiment_name is {there_project[: -len(project) - 1]!r} there, {experiment!r} here"
+            )
         elif there_project.startswith(f"{experiment}_"):
-            differences.append(f"trainer.project_name is {there_project[len(experiment) + 1:]!r} there, "
-                               f"{project!r} here")
+            differences.append(
+                f"trainer.project_name is {there_project[len(experiment) + 1 :]!r} there, {project!r} here"
+            )
         else:
-            differences.append(f"trainer.experiment_name and project_name make {there_project!r} there, "
-                               f"{here_project!r} here")
+            differences.append(
+                f"trainer.experiment_name and project_name make {there_project!r} there, {here_project!r} here"
+            )
     here_values, there_values = SHAPE.fullmatch(here_shape), SHAPE.fullmatch(there_shape)
     if here_values is None or there_values is None:
         if there_shape != here_shape:
             differences.append(f"the shape is {there_shape!r} there, {here_shape!r} here")
         return differences
-    differences += [f"{key} is {value} there, {own} here" for key, own, value
-                    in zip(SHAPE_KEYS, here_values.groups(), there_values.groups()) if own != value]
+    differences += [
+        f"{key} is {value} there, {own} here"
+        for key, own, value in zip(SHAPE_KEYS, here_values.groups(), there_values.groups())
+        if own != value
+    ]
     return differences
 
 
@@ -132,20 +152,30 @@ def report(cache: StageCache, cfg: PPOConfig) -> CacheReport:
     found: dict[str, list[int]] = {}
     if missing:
         try:
-            entries = bounded(lambda: scan(cache.dump_dir, cache.storage_options), timeout_s=cache.timeout_s,
-                              what=f"listing {cache.dump_dir}")
+            entries = bounded(
+                lambda: scan(cache.dump_dir, cache.storage_options),
+                timeout_s=cache.timeout_s,
+                what=f"listing {cache.dump_dir}",
+            )
         except Exception as error:  # the report goes without the hint
-            logger.info("could not list %s to say where the missing %s entries are: %r", cache.dump_dir, cache.key,
-                        error)
+            logger.info(
+                "could not list %s to say where the missing %s entries are: %r", cache.dump_dir, cache.key, error
+            )
             entries = []
         for entry in entries:  # sorted by directory, then step
             directory = f"{entry.project}/{entry.config}"
             if entry.stage == cache.key and entry.valid and entry.step in missing and directory != cache.prefix:
                 found.setdefault(directory, []).append(entry.step)
-    elsewhere = [Elsewhere(directory, steps, config_differences(cache.prefix, directory,
-                                                                experiment=cfg.trainer.experiment_name,
-                                                                project=cfg.trainer.project_name))
-                 for directory, steps in found.items()]
+    elsewhere = [
+        Elsewhere(
+            directory,
+            steps,
+            config_differences(
+                cache.prefix, directory, experiment=cfg.trainer.experiment_name, project=cfg.trainer.project_name
+            ),
+        )
+        for directory, steps in found.items()
+    ]
     return CacheReport(cache.key, outcomes, elsewhere)
 
 

@@ -39,8 +39,7 @@ def watch(flow_run_id: str | None) -> None:
     if not _stops_process or flow_run_id is None:
         return
     context = contextvars.copy_context()  # the flow's Prefect settings: which server to ask
-    threading.Thread(target=context.run, args=(_watch, flow_run_id), name="ppoflow-cancel-watch",
-                     daemon=True).start()
+    threading.Thread(target=context.run, args=(_watch, flow_run_id), name="ppoflow-cancel-watch", daemon=True).start()
 
 
 def _watch(flow_run_id: str) -> None:
@@ -78,8 +77,10 @@ def record_cancelled() -> None:
     try:
         with get_client(sync_client=True) as client:
             for flow_run_id in _cancelled:
-                client.set_flow_run_state(flow_run_id, Cancelled(message="cancelled in Prefect: ppoflow train "
-                                                                         "stopped, its last checkpoint kept"),
-                                          force=True)
+                client.set_flow_run_state(
+                    flow_run_id,
+                    Cancelled(message="cancelled in Prefect: ppoflow train stopped, its last checkpoint kept"),
+                    force=True,
+                )
     except Exception as error:  # the server is gone: the run stays Crashed there, the process stopped all the same
         logger.warning("could not record flow run %s as Cancelled: %r", _cancelled[0], error)

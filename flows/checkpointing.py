@@ -21,8 +21,16 @@ from tensordict import TensorDict
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.batch import decode_batch, encode_batch
-from ppoflow.storage.checkpoint import (CheckpointError, commit, complete_checkpoints, read_decoded, read_trainer_state,
-                                        step_url, verify_checkpoint, write_file)
+from ppoflow.storage.checkpoint import (
+    CheckpointError,
+    commit,
+    complete_checkpoints,
+    read_decoded,
+    read_trainer_state,
+    step_url,
+    verify_checkpoint,
+    write_file,
+)
 from ppoflow.storage.fs import join, open_fs, remove_stale_temp_files
 from ppoflow.workers.group import Workers
 
@@ -30,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_FILE = "{name}.safetensors"
 """Where a batch found in a state dict under ``name`` is written inside the checkpoint directory."""
+
 
 class Restored(NamedTuple):
     """A checkpoint loaded into the workers: its directory, its step and the states saved with it."""
@@ -42,11 +51,19 @@ class Restored(NamedTuple):
 def save_checkpoint(cfg: PPOConfig, workers: Workers, step: int, states: dict[str, dict]) -> str:
     """Write the workers' weights and optimizers, then ``states`` (``{part: state_dict}``), then commit."""
     directory = step_url(cfg.trainer.default_local_dir, step)
-    files = {f"actor/{name}": entry for name, entry in
-             workers.get(workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()}
+    files = {
+        f"actor/{name}": entry
+        for name, entry in workers.get(workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()
+    }
     if cfg.use_critic:
-        files.update({f"critic/{name}": entry for name, entry in
-                      workers.get(workers.critic.submit("save_checkpoint", join(directory, "critic"))).items()})
+        files.update(
+            {
+                f"critic/{name}": entry
+                for name, entry in workers.get(
+                    workers.critic.submit("save_checkpoint", join(directory, "critic"))
+                ).items()
+            }
+        )
     saved = {}
     for part, state in states.items():
         saved[part] = _externalize(state, part, directory, files)
@@ -71,8 +88,9 @@ def restore_checkpoint(cfg: PPOConfig, workers: Workers, directory: str) -> tupl
     trainer, mode = parts.get("trainer"), parts.get("mode")
     if not (isinstance(trainer, dict) and type(trainer.get("weight_version")) is int and isinstance(mode, dict)):
         raise CheckpointError(join(directory, "trainer_state.json"), "does not hold a trainer state and a mode state")
-    workers.get(workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"),
-                                     trainer["weight_version"]))
+    workers.get(
+        workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"), trainer["weight_version"])
+    )
     if cfg.use_critic:
         workers.get(workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
     return step, parts
@@ -97,8 +115,9 @@ def restore_newest(cfg: PPOConfig, workers: Workers) -> Restored | None:
         try:
             return Restored(directory, *restore_checkpoint(cfg, workers, directory))
         except CheckpointError as error:
-            raise ConfigError([("trainer.resume_from_path", f"cannot resume from {directory!r}: "
-                                                            f"{_reason(error)}")]) from None
+            raise ConfigError(
+                [("trainer.resume_from_path", f"cannot resume from {directory!r}: {_reason(error)}")]
+            ) from None
     failures = []
     for directory in complete_checkpoints(run_dir):
         try:
@@ -107,9 +126,16 @@ def restore_newest(cfg: PPOConfig, workers: Workers) -> Restored | None:
             failures.append(f"{directory}: {_reason(error)}")
             logger.warning("not resuming from checkpoint %s: %s; trying the next older one", directory, _reason(error))
     if failures:
-        raise ConfigError([("trainer.default_local_dir", f"no checkpoint in {run_dir!r} can be loaded "
-                            f"({'; '.join(failures)}); move them aside, or set trainer.resume_mode=disable "
-                            "to start over")])
+        raise ConfigError(
+            [
+                (
+                    "trainer.default_local_dir",
+                    f"no checkpoint in {run_dir!r} can be loaded "
+                    f"({'; '.join(failures)}); move them aside, or set trainer.resume_mode=disable "
+                    "to start over",
+                )
+            ]
+        )
     return None
 
 

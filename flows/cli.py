@@ -21,15 +21,22 @@ import os
 import signal
 import sys
 
-QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
-             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1",
-             # Without PREFECT_API_URL, Prefect starts a temporary server whose fresh database is slow to
-             # migrate on a small machine, often past its default start-up timeout (docs/benchmarks.md).
-             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+QUIET_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "RAY_DEDUP_LOGS": "1",
+    # Without PREFECT_API_URL, Prefect starts a temporary server whose fresh database is slow to
+    # migrate on a small machine, often past its default start-up timeout (docs/benchmarks.md).
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+}
 
-SERVER_ENV = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
-              "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
-              "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
+SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
 """Settings for a Prefect server that records training runs. A step makes a few task runs, each three state
 events, and Prefect's task-run recorder by default writes every event to the database in a transaction
 of its own: on a small machine the server then spends more CPU per step than a small step itself takes,
@@ -54,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
     parser = argparse.ArgumentParser(prog="ppoflow", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--debug", action="store_true", default=os.environ.get(DEBUG_ENV) == "1",
-                        help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get(DEBUG_ENV) == "1",
+        help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="run the training flow")
@@ -69,37 +80,58 @@ def main(argv: list[str] | None = None) -> int:
 
     cache = commands.add_parser("cache", help="inspect or remove step caches under a dump_dir")
     cache_commands = cache.add_subparsers(dest="cache_command", required=True)
-    for name, text in (("ls", "list projects, configs, steps, validity and sizes"),
-                       ("show", "decode a cached step's prompts and responses, with their rewards"),
-                       ("rm", "remove a step's entries")):
+    for name, text in (
+        ("ls", "list projects, configs, steps, validity and sizes"),
+        ("show", "decode a cached step's prompts and responses, with their rewards"),
+        ("rm", "remove a step's entries"),
+    ):
         sub = cache_commands.add_parser(name, help=text)
         sub.add_argument("dump_dir")
-        sub.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, region; no secrets)")
+        sub.add_argument(
+            "--storage-options", default="{}", help="fsspec options as JSON (endpoint, region; no secrets)"
+        )
         if name == "ls":
-            sub.add_argument("--quick", action="store_true",
-                             help="check markers and payload sizes only, without reading the payloads")
-            sub.add_argument("--list-only", action="store_true",
-                             help="exit 0 even when entries are invalid (by default: exit 1 after listing them)")
+            sub.add_argument(
+                "--quick",
+                action="store_true",
+                help="check markers and payload sizes only, without reading the payloads",
+            )
+            sub.add_argument(
+                "--list-only",
+                action="store_true",
+                help="exit 0 even when entries are invalid (by default: exit 1 after listing them)",
+            )
         else:
             sub.add_argument("--step", type=int, required=True)
             sub.add_argument("--project", help="{experiment}_{project} directory (needed when there are several)")
             sub.add_argument("--config", dest="config_dir", help="GBS.._N.._in.._out.. directory (when several)")
-            sub.add_argument("--stage", default="rollout" if name == "show" else None,
-                             help="stage entry (show: default rollout; rm: default every stage)")
+            sub.add_argument(
+                "--stage",
+                default="rollout" if name == "show" else None,
+                help="stage entry (show: default rollout; rm: default every stage)",
+            )
         if name == "show":
             sub.add_argument("--samples", type=int, default=8, help="how many trajectories to print")
-            sub.add_argument("--max-bytes", type=int, default=1 << 30,
-                             help="refuse a payload larger than this many bytes before reading it (default 1 GiB)")
+            sub.add_argument(
+                "--max-bytes",
+                type=int,
+                default=1 << 30,
+                help="refuse a payload larger than this many bytes before reading it (default 1 GiB)",
+            )
 
     serve = commands.add_parser("serve", help="register the ppo-train and regression-replay deployments and run them")
     serve.add_argument("--replay-dir", default="regression/golden", help="golden directory of `ppoflow replay record`")
     serve.add_argument("--cron", default="0 3 * * *", help="schedule of regression-replay (default: nightly at 03:00)")
     serve.add_argument("--limit", type=int, default=1, help="flow runs executed at once")
-    serve.add_argument("--config", default="grpo_tiny",
-                       help="preset or YAML whose values fill ppo-train's form (default: grpo_tiny)")
+    serve.add_argument(
+        "--config", default="grpo_tiny", help="preset or YAML whose values fill ppo-train's form (default: grpo_tiny)"
+    )
 
-    server = commands.add_parser("server", help="start a Prefect server set up for training runs (prefect server "
-                                                 "start with ppoflow's task-run recorder settings)")
+    server = commands.add_parser(
+        "server",
+        help="start a Prefect server set up for training runs (prefect server "
+        "start with ppoflow's task-run recorder settings)",
+    )
     server.add_argument("--host", help="address to serve on (default: PREFECT_SERVER_API_HOST)")
     server.add_argument("--port", type=int, help="port to serve on (default: PREFECT_SERVER_API_PORT)")
     server.epilog = "Other arguments (--log-level, ...) are passed on to `prefect server start`."
@@ -129,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if "ephemeral Prefect API server" not in str(error):
             raise
         # The temporary server's own logs are silenced above, so say where to look.
-        print(f"ppoflow: {error}\nThe temporary Prefect server did not start. Run `prefect server start` to see "
-              "why (often: the database under PREFECT_HOME was migrated by a newer Prefect than this one), "
-              "then point PREFECT_API_URL at a server that works.", file=sys.stderr)
+        print(
+            f"ppoflow: {error}\nThe temporary Prefect server did not start. Run `prefect server start` to see "
+            "why (often: the database under PREFECT_HOME was migrated by a newer Prefect than this one), "
+            "then point PREFECT_API_URL at a server that works.",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -170,11 +205,10 @@ def _train(args) -> int:
     for name, value in RAY_SIGNAL_ENV.items():  # before Ray is imported: it reads the setting then
         os.environ.setdefault(name, value)
     reap_on_exit()  # before the first process this run starts
+    from ppoflow.flows import cancellation
     from ppoflow.flows.logs import hide_user_error_tracebacks, run_failures
     from ppoflow.flows.preflight import preflight
     from ppoflow.flows.train import check_mode, run_ppo_train
-
-    from ppoflow.flows import cancellation
 
     check_mode(cfg)
     preflight(cfg)
@@ -203,8 +237,10 @@ def _train(args) -> int:
     ray.shutdown()  # the workers are gone before the line saying that the run stopped
     if cancellation.was_cancelled():
         cancellation.record_cancelled()
-    print(f"ppoflow: {_interrupted_line(cfg.trainer.default_local_dir, signum, cancellation.was_cancelled())}",
-          file=sys.stderr)
+    print(
+        f"ppoflow: {_interrupted_line(cfg.trainer.default_local_dir, signum, cancellation.was_cancelled())}",
+        file=sys.stderr,
+    )
     return INTERRUPT_EXIT_CODES[signum]
 
 
@@ -220,9 +256,15 @@ def _interrupted_line(run_dir: str, signum: int, cancelled: bool = False) -> str
         steps = []
     checkpoint = latest(run_dir)
     what = "cancelled in Prefect" if cancelled else f"interrupted ({signal.Signals(signum).name})"
-    return (what + (f" after step {max(steps)}" if steps else "")
-            + (f"; the last checkpoint is {checkpoint}; rerun the same command to resume from it" if checkpoint
-               else "; no checkpoint was written yet: a rerun starts over"))
+    return (
+        what
+        + (f" after step {max(steps)}" if steps else "")
+        + (
+            f"; the last checkpoint is {checkpoint}; rerun the same command to resume from it"
+            if checkpoint
+            else "; no checkpoint was written yet: a rerun starts over"
+        )
+    )
 
 
 def _config(args) -> int:
@@ -296,41 +338,61 @@ def _cache_command(args, options: dict) -> int:
     if args.cache_command == "ls":
         print(f"{'project':<28} {'config':<24} {'step':>6} {'stage':<14} {'valid':<6} {'bytes':>10}  reason")
         for entry in entries:
-            print(f"{entry.project:<28} {entry.config:<24} {entry.step:>6} {entry.stage:<14} "
-                  f"{'yes' if entry.valid else 'NO':<6} {entry.nbytes:>10}  {entry.reason}")
-        print(f"{len(entries)} entries, {sum(e.valid for e in entries)} valid, "
-              f"{sum(e.nbytes for e in entries)} payload bytes "
-              + ("(every payload read, checksummed and decoded, as a replay would)" if verify
-                 else "(markers and sizes checked; payloads not read)"))
+            print(
+                f"{entry.project:<28} {entry.config:<24} {entry.step:>6} {entry.stage:<14} "
+                f"{'yes' if entry.valid else 'NO':<6} {entry.nbytes:>10}  {entry.reason}"
+            )
+        print(
+            f"{len(entries)} entries, {sum(e.valid for e in entries)} valid, "
+            f"{sum(e.nbytes for e in entries)} payload bytes "
+            + (
+                "(every payload read, checksummed and decoded, as a replay would)"
+                if verify
+                else "(markers and sizes checked; payloads not read)"
+            )
+        )
         invalid = sum(not entry.valid for entry in entries)
         if invalid and not args.list_only:
-            print(f"ppoflow: {args.dump_dir}: {invalid} of {len(entries)} entries are invalid (listed above; "
-                  "`ppoflow cache rm` removes one, --list-only lists without failing)", file=sys.stderr)
+            print(
+                f"ppoflow: {args.dump_dir}: {invalid} of {len(entries)} entries are invalid (listed above; "
+                "`ppoflow cache rm` removes one, --list-only lists without failing)",
+                file=sys.stderr,
+            )
             return 1
         return 0
-    matches = [e for e in entries if e.step == args.step and (args.project in (None, e.project))
-               and (args.config_dir in (None, e.config)) and (args.stage in (None, e.stage))]
+    matches = [
+        e
+        for e in entries
+        if e.step == args.step
+        and (args.project in (None, e.project))
+        and (args.config_dir in (None, e.config))
+        and (args.stage in (None, e.stage))
+    ]
     locations = sorted({(e.project, e.config) for e in matches})
     if len(locations) != 1:
         found = ", ".join(f"{p}/{c}" for p, c in locations) or "none"
-        print(f"ppoflow: {args.dump_dir}: step {args.step} matches {len(locations)} cache directories ({found}); "
-              "narrow it with --project/--config", file=sys.stderr)
+        print(
+            f"ppoflow: {args.dump_dir}: step {args.step} matches {len(locations)} cache directories ({found}); "
+            "narrow it with --project/--config",
+            file=sys.stderr,
+        )
         return 2
-    (project, config_dir), = locations
+    ((project, config_dir),) = locations
     root = f"{args.dump_dir.rstrip('/')}/{project}/{config_dir}"
     if args.cache_command == "rm":
         for entry in matches:  # Prefect's record of an entry is derived from its marker: nothing else to remove
             step_cache.StepCache(root, stage=entry.stage, storage_options=options).remove(args.step)
             print(f"removed {entry.stage} of step {args.step} from {root}")
         return 0
-    return _show_step(step_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples,
-                      args.max_bytes)
+    return _show_step(
+        step_cache.StepCache(root, stage=args.stage, storage_options=options), args.step, args.samples, args.max_bytes
+    )
 
 
 def _show_step(step_cache, step: int, samples: int, max_bytes: int) -> int:
     """Print a cached step's manifest and its first trajectories, decoded and scored."""
-    from ppoflow.storage.batch import non_tensor_column
     from ppoflow.algorithms.scoring import BUILTIN_SCORERS
+    from ppoflow.storage.batch import non_tensor_column
 
     batch, manifest = step_cache.load(step, max_bytes=max_bytes)
     print(json.dumps({key: value for key, value in manifest.items() if key != "metrics"}, indent=2))
@@ -345,13 +407,16 @@ def _show_step(step_cache, step: int, samples: int, max_bytes: int) -> int:
         scorer = BUILTIN_SCORERS.get(sources[row])
         score = scorer(sources[row], response.removesuffix(decode.eos), truths[row]) if scorer and decode.eos else None
         score = score["score"] if isinstance(score, dict) else score
-        print(f"[{row}] uid={non_tensor_column(batch, 'uid')[row]} prompt={prompt!r} response={response!r} "
-              f"truth={truths[row]!r} reward={'n/a' if score is None else f'{score:.3f}'}")
+        print(
+            f"[{row}] uid={non_tensor_column(batch, 'uid')[row]} prompt={prompt!r} response={response!r} "
+            f"truth={truths[row]!r} reward={'n/a' if score is None else f'{score:.3f}'}"
+        )
     return 0
 
 
 def _decoder(tokenizer_path: str | None):
     """Token ids -> text with the cached run's tokenizer, or the ids themselves when it is unavailable."""
+
     def ids(tokens):
         return " ".join(map(str, tokens))
 
@@ -366,6 +431,7 @@ def _decoder(tokenizer_path: str | None):
         except (OSError, ValueError) as error:
             print(f"(tokenizer {tokenizer_path} unavailable: {error}; showing token ids)")
         else:
+
             def text(tokens):
                 return tokenizer.decode(tokens, skip_special_tokens=False)
 
@@ -393,8 +459,11 @@ def _server(args) -> int:
     own = {"PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
     if "api_url" not in settings.server.ui.model_fields_set:  # Prefect's default, not the user's
         own["PREFECT_UI_API_URL"] = f"http://{_url_host(host)}:{port}/api"
-    env = {name: value for name, value in os.environ.items()
-           if not (name in TEMPORARY_SERVER_QUIET and value == TEMPORARY_SERVER_QUIET[name])}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not (name in TEMPORARY_SERVER_QUIET and value == TEMPORARY_SERVER_QUIET[name])
+    }
     command = ["server", "start", "--host", host, "--port", str(port), *args.server_args]
     os.execve(sys.executable, [sys.executable, "-m", "prefect", *command], {**env, **own})
 
@@ -409,8 +478,14 @@ def _url_host(host: str) -> str:
         return host
 
 
-COMMANDS = {"train": _train, "config": _config, "cache": _cache, "serve": _serve, "server": _server,
-            "build-tiny-model": _build_tiny_model}
+COMMANDS = {
+    "train": _train,
+    "config": _config,
+    "cache": _cache,
+    "serve": _serve,
+    "server": _server,
+    "build-tiny-model": _build_tiny_model,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,22 +47,31 @@ def deployments(replay_dir: str, cron: str = NIGHTLY, preset: str = DEFAULT_PRES
     form = form_defaults(preset)  # a config that does not load fails first
     scheduled = holds_baseline(replay_dir)
     if not scheduled:
-        print(f"ppoflow: warning: --replay-dir {replay_dir} holds no {BASELINE_FILE} (record one with `ppoflow replay "
-              f"record --dir {replay_dir}`); the regression-replay schedule ({cron}) is registered inactive",
-              file=sys.stderr)
+        print(
+            f"ppoflow: warning: --replay-dir {replay_dir} holds no {BASELINE_FILE} (record one with `ppoflow replay "
+            f"record --dir {replay_dir}`); the regression-replay schedule ({cron}) is registered inactive",
+            file=sys.stderr,
+        )
     return [
-        ppo_train.to_deployment(name="ppo-train", tags=["ppoflow"], entrypoint_type=EntrypointType.MODULE_PATH,
-                                parameters=form,
-                                description=f"Train with PPO/GRPO: a preset or YAML, key=value overrides, and the "
-                                            f"common knobs as typed fields, filled in with {preset}'s values "
-                                            f"(they are applied over any config you choose; clear one to keep "
-                                            f"that config's)."),
-        regression_replay.to_deployment(name="regression-replay", tags=["ppoflow", "regression"],
-                                        schedules=[Cron(cron, active=scheduled)],
-                                        entrypoint_type=EntrypointType.MODULE_PATH,
-                                        parameters={"directory": replay_dir},
-                                        description="Replay the golden cached rollouts through the current trainer "
-                                                    "and fail, with a diff table, when a metric moves."),
+        ppo_train.to_deployment(
+            name="ppo-train",
+            tags=["ppoflow"],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            parameters=form,
+            description=f"Train with PPO/GRPO: a preset or YAML, key=value overrides, and the "
+            f"common knobs as typed fields, filled in with {preset}'s values "
+            f"(they are applied over any config you choose; clear one to keep "
+            f"that config's).",
+        ),
+        regression_replay.to_deployment(
+            name="regression-replay",
+            tags=["ppoflow", "regression"],
+            schedules=[Cron(cron, active=scheduled)],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            parameters={"directory": replay_dir},
+            description="Replay the golden cached rollouts through the current trainer "
+            "and fail, with a diff table, when a metric moves.",
+        ),
     ]
 
 

@@ -74,8 +74,8 @@ def _without_user_error_traceback(record: logging.LogRecord) -> bool:
 def hide_user_error_tracebacks() -> None:
     """Prefect logs a failed task or flow run's exception with its traceback. A :class:`ConfigError` raised
     inside a run (a role asking for more than the Ray cluster has, say) is bad input, not a bug, and a run
-    failure (:func:`run_failures`) says where it arose: their lines keep the message and drop the traceback, as ``ppoflow train`` reports bad input
-    found before Prefect starts. Idempotent."""
+    failure (:func:`run_failures`) says where it arose: their lines keep the message and drop the traceback,
+    as ``ppoflow train`` reports bad input found before Prefect starts. Idempotent."""
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)
         if _without_user_error_traceback not in logger.filters:

@@ -45,12 +45,14 @@ GENERATE, WEIGHT_SYNC = STAGE_NAMES["generate"], STAGE_NAMES["weight_sync"]
 
 def register_trainer(name: str):
     """Class decorator: make a :class:`TrainerMode` subclass available as ``trainer.mode=<name>``."""
+
     def register(cls: type[TrainerMode]) -> type[TrainerMode]:
         if name in TRAINER_MODES and not _same_definition(TRAINER_MODES[name], cls):
             raise ValueError(f"trainer mode {name!r} is already registered ({TRAINER_MODES[name].__qualname__})")
         cls.name = name
         TRAINER_MODES[name] = cls
         return cls
+
     return register
 
 
@@ -122,9 +124,17 @@ class TrainerMode:
         self.launch_versions[step] = self.synced_version
         cached = run.stages.caches.get(GENERATE.name)
         self.in_flight[step] = run.stages.start(
-            GENERATE.name, step, run.workers, prompts, step, run.sampling, background=background,
-            meta=run.rollout_record(), identity=run.rollout_identity if cached and cached.covers(step) else None,
-            fit=lambda entry: remap_to_prompts(entry, uids, n))
+            GENERATE.name,
+            step,
+            run.workers,
+            prompts,
+            step,
+            run.sampling,
+            background=background,
+            meta=run.rollout_record(),
+            identity=run.rollout_identity if cached and cached.covers(step) else None,
+            fit=lambda entry: remap_to_prompts(entry, uids, n),
+        )
 
     def sample(self, step: StepData) -> None:
         """Stage 1: wait for the step's batch and take it into ``step``. A batch that a restarted rollout
@@ -144,8 +154,12 @@ class TrainerMode:
         step.merge(generated)
         if not _replayed(generated):  # a replayed batch's weight versions are history
             staleness = (step.step - 1 - step.batch["weight_version"]).float()
-            step.metrics.update({"training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
-                                 "training/off_policy/trajectory_staleness/max": float(staleness.max())})
+            step.metrics.update(
+                {
+                    "training/off_policy/trajectory_staleness/mean": float(staleness.mean()),
+                    "training/off_policy/trajectory_staleness/max": float(staleness.max()),
+                }
+            )
         if pending.background_seconds is not None:
             gen = step.metrics.get(f"timing_s/{GENERATE.timing}", 0.0)
             step.metrics["timing_s/generate_async"] = pending.background_seconds
@@ -158,9 +172,13 @@ class TrainerMode:
         versions = generated.fields["weight_version"]
         if bool((versions == expected).all()):
             return False
-        logger.warning("step %d was generated with weight version %s instead of %d: the rollout worker was "
-                       "restarted; re-syncing its weights and generating again", step, sorted(set(versions.tolist())),
-                       expected)
+        logger.warning(
+            "step %d was generated with weight version %s instead of %d: the rollout worker was "
+            "restarted; re-syncing its weights and generating again",
+            step,
+            sorted(set(versions.tolist())),
+            expected,
+        )
         return True
 
     def push_weights(self, again: bool = False) -> None:

@@ -45,11 +45,23 @@ def _claim_per_policy(trainer: TrainerConfig, poll_s: float) -> RunLock:
             return claim(trainer.default_local_dir, flow_run_id=flow_run_id, flow_run_name=flow_run_name)
         except RunDirectoryBusy as busy:
             if trainer.run_dir_busy == "fail":
-                raise ConfigError([("trainer.default_local_dir", f"{busy}; wait for it to end, choose another "
-                                    "directory, or set trainer.run_dir_busy=wait")]) from None
+                raise ConfigError(
+                    [
+                        (
+                            "trainer.default_local_dir",
+                            f"{busy}; wait for it to end, choose another directory, or set trainer.run_dir_busy=wait",
+                        )
+                    ]
+                ) from None
             if deadline is not None and time.monotonic() >= deadline:
-                raise ConfigError([("trainer.default_local_dir", f"{busy}, still after waiting "
-                                    f"trainer.run_dir_wait_s={trainer.run_dir_wait_s} s")]) from None
+                raise ConfigError(
+                    [
+                        (
+                            "trainer.default_local_dir",
+                            f"{busy}, still after waiting trainer.run_dir_wait_s={trainer.run_dir_wait_s} s",
+                        )
+                    ]
+                ) from None
             if not waiting:
                 logger.warning("%s; waiting for it to end (trainer.run_dir_busy=wait)", busy)
                 waiting = True

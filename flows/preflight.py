@@ -31,8 +31,14 @@ from ppoflow.algorithms.scoring import ScorerFailed, ScorerTimedOut, score_one, 
 from ppoflow.configs import ConfigError, config_as_dict, tool_config_file
 from ppoflow.configs.cache_settings import storage_settings
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.data.datasets import (SYNTHETIC_SOURCES, check_batch_fits, files_to_generate, read_prompt_rows,
-                                   tokenize_rows, write_synthetic_dataset)
+from ppoflow.data.datasets import (
+    SYNTHETIC_SOURCES,
+    check_batch_fits,
+    files_to_generate,
+    read_prompt_rows,
+    tokenize_rows,
+    write_synthetic_dataset,
+)
 from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import checked_manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
@@ -98,8 +104,13 @@ def _storage_problems(cfg: PPOConfig) -> Problems:
         except ConfigError as error:
             problems += error.problems
         except StorageStalled:
-            problems.append((key, f"{url} did not answer within {STORAGE_TIMEOUT_S:g} s; check the endpoint "
-                                  "(storage_options), the network and the credentials"))
+            problems.append(
+                (
+                    key,
+                    f"{url} did not answer within {STORAGE_TIMEOUT_S:g} s; check the endpoint "
+                    "(storage_options), the network and the credentials",
+                )
+            )
         except Exception as error:  # noqa: BLE001 - fsspec backends raise their own types (botocore's are not OSError)
             problems.append((key, f"cannot use {url}: {type(error).__name__}: {error}"))
     return problems
@@ -119,8 +130,14 @@ def _check_checkpoint(url: str) -> None:
         raise ConfigError([("trainer.resume_from_path", f"no such checkpoint directory {url}")])
     marker, why = checked_manifest(url)
     if marker is None:
-        raise ConfigError([("trainer.resume_from_path", f"{url} is not a complete checkpoint ({why}); resume from "
-                            "another global_step_N directory")])
+        raise ConfigError(
+            [
+                (
+                    "trainer.resume_from_path",
+                    f"{url} is not a complete checkpoint ({why}); resume from another global_step_N directory",
+                )
+            ]
+        )
 
 
 # ---------------------------------------------------------------------------------------- ray
@@ -130,7 +147,9 @@ def _ray_problems(cfg: PPOConfig) -> Problems:
     """The Ray cluster to join (``ray.address``, else env ``RAY_ADDRESS``) answers Ray's own handshake within
     :data:`RAY_CONNECT_TIMEOUT_S`: the GCS's ``GetClusterId`` call, the first one ``ray.init`` makes (or, for
     ``ray://``, the Ray client server's ping), over gRPC with a deadline and without starting Ray here."""
-    key, address = ("ray.address", cfg.ray.address) if cfg.ray.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    key, address = (
+        ("ray.address", cfg.ray.address) if cfg.ray.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    )
     if not address or address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
         return []  # a local Ray, or a scheme that a Ray plug-in resolves
     parts = urlsplit(f"//{address.removeprefix('ray://')}")
@@ -143,13 +162,19 @@ def _ray_problems(cfg: PPOConfig) -> Problems:
     try:
         socket.create_connection((host, port), timeout=RAY_CONNECT_TIMEOUT_S).close()
     except OSError as error:
-        return [(key, f"no Ray cluster answers at {address} ({type(error).__name__}: {error}); start it "
-                      "(ray start --head) or leave ray.address and RAY_ADDRESS unset to start a local Ray")]
+        return [
+            (
+                key,
+                f"no Ray cluster answers at {address} ({type(error).__name__}: {error}); start it "
+                "(ray start --head) or leave ray.address and RAY_ADDRESS unset to start a local Ray",
+            )
+        ]
     client = address.startswith("ray://")
     refusal = _ray_handshake(f"{host}:{port}", client=client)
     if refusal:
-        server = ("a Ray client server (ray://, the head's port 10001)" if client
-                  else "a Ray cluster (the head's GCS port)")
+        server = (
+            "a Ray client server (ray://, the head's port 10001)" if client else "a Ray cluster (the head's GCS port)"
+        )
         return [(key, f"{address} accepts connections but is not {server}: {refusal}")]
     return []
 
@@ -169,7 +194,8 @@ def _ray_handshake(target: str, *, client: bool) -> str | None:
                 from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
                 gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                    gcs_service_pb2.GetClusterIdRequest(), timeout=RAY_CONNECT_TIMEOUT_S)
+                    gcs_service_pb2.GetClusterIdRequest(), timeout=RAY_CONNECT_TIMEOUT_S
+                )
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNAUTHENTICATED:
                 return None  # a Ray cluster with token authentication: it answered, ray.init brings the token
@@ -181,8 +207,13 @@ def _ray_handshake(target: str, *, client: bool) -> str | None:
 
 def _reward_manager_problems(cfg: PPOConfig) -> Problems:
     if cfg.reward_model.reward_manager == "ray" and not get_current_settings().api.url:
-        return [("reward_model.reward_manager", "reward_model.reward_manager=ray scores in Prefect tasks on Ray "
-                 "workers, which must report to a Prefect server: set PREFECT_API_URL")]
+        return [
+            (
+                "reward_model.reward_manager",
+                "reward_model.reward_manager=ray scores in Prefect tasks on Ray "
+                "workers, which must report to a Prefect server: set PREFECT_API_URL",
+            )
+        ]
     return []
 
 
@@ -203,9 +234,13 @@ def _agent_problems(cfg: PPOConfig) -> Problems:
         except ConfigError as error:
             problems += error.problems
     if rollout.agent.default_agent_loop not in AGENT_LOOPS:
-        problems.append(("actor_rollout_ref.rollout.agent.default_agent_loop",
-                         f"unknown agent loop {rollout.agent.default_agent_loop!r}; registered: "
-                         f"{', '.join(sorted(AGENT_LOOPS))}"))
+        problems.append(
+            (
+                "actor_rollout_ref.rollout.agent.default_agent_loop",
+                f"unknown agent loop {rollout.agent.default_agent_loop!r}; registered: "
+                f"{', '.join(sorted(AGENT_LOOPS))}",
+            )
+        )
     key = TOOL_CONFIG_KEY
     if rollout.multi_turn.tool_config_path:
         try:
@@ -240,8 +275,12 @@ def _model_problems(cfg: PPOConfig):
     try:
         return load_tokenizer(actor), problems
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, tokenizers' own errors, ...
-        return None, problems + [(key, f"the tokenizer of {actor.tokenizer_path or actor.path} does not load: "
-                                       f"{type(error).__name__}: {error}")]
+        return None, problems + [
+            (
+                key,
+                f"the tokenizer of {actor.tokenizer_path or actor.path} does not load: {type(error).__name__}: {error}",
+            )
+        ]
 
 
 def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], dict | None, Problems]:
@@ -313,8 +352,9 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     return problems
 
 
-_AS_THE_REWARD_STAGE = (", called as the reward stage calls it (data_source, its ground truth as the response, "
-                        "ground_truth)")
+_AS_THE_REWARD_STAGE = (
+    ", called as the reward stage calls it (data_source, its ground truth as the response, ground_truth)"
+)
 
 
 def _custom_scorer_problems(custom, row: dict | None) -> Problems:
@@ -322,23 +362,38 @@ def _custom_scorer_problems(custom, row: dict | None) -> Problems:
     key's problem, whatever ``on_timeout`` says (a run whose scorer hangs on a real row would learn nothing), any
     other failure ``custom_reward_function.path``'s."""
     key = "custom_reward_function.path"
-    with ScorerProcess(custom.path, custom.name, timeout_s=custom.timeout_s,
-                       start_timeout_s=SCORER_START_TIMEOUT_S) as scorer:
+    with ScorerProcess(
+        custom.path, custom.name, timeout_s=custom.timeout_s, start_timeout_s=SCORER_START_TIMEOUT_S
+    ) as scorer:
         try:
             problem = scorer.import_error()
             if problem or row is None:
                 return [(key, problem)] if problem else []
             truth = row["reward_model"].get("ground_truth")
-            score, extras = score_one(row["data_source"], "" if truth is None else str(truth), truth, scorer,
-                                      sample=f"the first row of data.train_files (data source {row['data_source']!r})")
+            score, extras = score_one(
+                row["data_source"],
+                "" if truth is None else str(truth),
+                truth,
+                scorer,
+                sample=f"the first row of data.train_files (data source {row['data_source']!r})",
+            )
         except ScorerTimedOut as error:
-            return [("custom_reward_function.timeout_s", f"{error}{_AS_THE_REWARD_STAGE}; raise it if the scorer is "
-                                                         "only slow")]
+            return [
+                (
+                    "custom_reward_function.timeout_s",
+                    f"{error}{_AS_THE_REWARD_STAGE}; raise it if the scorer is only slow",
+                )
+            ]
         except ScorerFailed as error:
             return [(key, f"{error}{_AS_THE_REWARD_STAGE}")]
     values = {"score": score, **extras}
     bad = next((name for name, value in values.items() if not math.isfinite(value)), None)
     if bad:
-        return [(key, f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
-                      "data.train_files; scores must be finite")]
+        return [
+            (
+                key,
+                f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
+                "data.train_files; scores must be finite",
+            )
+        ]
     return []

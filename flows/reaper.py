@@ -36,9 +36,14 @@ def reap_on_exit() -> None:
         return
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"
     env = {name: value for name, value in os.environ.items() if name != MARKER_ENV}
-    _watchdog = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid()), marker], env=env,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
+    _watchdog = subprocess.Popen(
+        [sys.executable, "-m", __name__, str(os.getpid()), marker],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.environ[MARKER_ENV] = marker  # after the watchdog started: it carries none
 
 

@@ -75,8 +75,11 @@ class RunContext:
     def rollout_record(self) -> dict:
         """What a cached rollout records beside its identity, for people reading the cache."""
         model = self.cfg.actor_rollout_ref.model
-        return {"model_path": model.path, "tokenizer_path": model.tokenizer_path or model.path,
-                "seed": self.sampling.seed}
+        return {
+            "model_path": model.path,
+            "tokenizer_path": model.tokenizer_path or model.path,
+            "seed": self.sampling.seed,
+        }
 
 
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
@@ -85,14 +88,23 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     each noted with its duration."""
     preflight(cfg)
     if cfg.reward_model.reward_manager == "ray" and not orchestrated:
-        raise ConfigError([("reward_model.reward_manager", "reward_model.reward_manager=ray scores in Prefect tasks "
-                            "on Ray workers, which exist only in an orchestrated flow run: run it as a flow (and "
-                            "set PREFECT_API_URL)")])
+        raise ConfigError(
+            [
+                (
+                    "reward_model.reward_manager",
+                    "reward_model.reward_manager=ray scores in Prefect tasks "
+                    "on Ray workers, which exist only in an orchestrated flow run: run it as a flow (and "
+                    "set PREFECT_API_URL)",
+                )
+            ]
+        )
     as_tasks = orchestrated and FlowRunContext.get() is not None
     started = time.perf_counter()
     inputs = (load_data if as_tasks else load_data.fn)(cfg)
-    note(f"loaded the tokenizer and data in {time.perf_counter() - started:.1f} s "
-         f"({len(inputs.train_set)} training prompts, {len(inputs.val_set) if inputs.val_set else 0} validation)")
+    note(
+        f"loaded the tokenizer and data in {time.perf_counter() - started:.1f} s "
+        f"({len(inputs.train_set)} training prompts, {len(inputs.val_set) if inputs.val_set else 0} validation)"
+    )
     batches_per_epoch = len(inputs.train_set) // cfg.data.train_batch_size
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
     reward_chunks = cfg.reward_model.num_workers if cfg.reward_model.reward_manager == "ray" else 0
@@ -100,10 +112,22 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     started = time.perf_counter()
     workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
     placement = workers.placement_note()
-    note(f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s"
-         + (f"; {placement}" if placement else ""))
-    tags = (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}") if cfg.trainer.task_run_tags \
-        else None
-    return RunContext(cfg, inputs.tokenizer, inputs.train_set, inputs.val_set, total_steps, inputs.custom_scorer,
-                      reward_chunks, workers, Stages(workers, caches, orchestrated=orchestrated, tags=tags),
-                      SamplingParams.for_training(cfg))
+    note(
+        f"started the workers ({', '.join(workers.roles())}) in {time.perf_counter() - started:.1f} s"
+        + (f"; {placement}" if placement else "")
+    )
+    tags = (
+        (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}") if cfg.trainer.task_run_tags else None
+    )
+    return RunContext(
+        cfg,
+        inputs.tokenizer,
+        inputs.train_set,
+        inputs.val_set,
+        total_steps,
+        inputs.custom_scorer,
+        reward_chunks,
+        workers,
+        Stages(workers, caches, orchestrated=orchestrated, tags=tags),
+        SamplingParams.for_training(cfg),
+    )

@@ -90,8 +90,14 @@ class Stages:
     ``kind:validation`` for the UI's tag filters; without, no tags, because Prefect acquires tag
     concurrency slots from its server before every tagged task run."""
 
-    def __init__(self, workers: Workers, caches: dict[str, StageCache], *, orchestrated: bool,
-                 tags: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        workers: Workers,
+        caches: dict[str, StageCache],
+        *,
+        orchestrated: bool,
+        tags: tuple[str, ...] | None = None,
+    ):
         self.workers, self.caches, self.orchestrated, self.tags = workers, caches, orchestrated, tags
 
     def task(self, name: str, label: str, kind: str = "train"):
@@ -136,8 +142,9 @@ class Stages:
             role = getattr(self.workers, stage.weights) if stage.weights else None
             weights = self.workers.get(role.submit("weights_digest")) if role else None
             requires = {"input_fingerprint": fingerprint(step.batch, weights=weights)}
-        return start_stage(cache, self.task(name, step.label), step.step, *args, requires=requires,
-                           background=background, **kwargs)
+        return start_stage(
+            cache, self.task(name, step.label), step.step, *args, requires=requires, background=background, **kwargs
+        )
 
     def start(self, name: str, step: int, *args, **options) -> PendingStage:
         """Start stage ``name`` for step ``step`` through its cache without waiting (``options`` as

@@ -62,10 +62,14 @@ class TrainerState:
         return epoch
 
     def state_dict(self) -> dict:
-        return {"dataloader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                "weight_version": self.weight_version,
-                "drawn": {str(step): [epoch, rows] for step, (epoch, rows) in self._drawn.items()},
-                "fed": self.fed, "unfed": [list(prompt) for prompt in self._unfed]}
+        return {
+            "dataloader": self.loader.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "weight_version": self.weight_version,
+            "drawn": {str(step): [epoch, rows] for step, (epoch, rows) in self._drawn.items()},
+            "fed": self.fed,
+            "unfed": [list(prompt) for prompt in self._unfed],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["dataloader"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from ppoflow.storage.fs import atomic_write, open_fs
 
@@ -58,8 +58,14 @@ class Tracker:
         if discarded:
             aside = f"{self.run_dir}/metrics.discarded-{_utc_stamp()}.jsonl"
             atomic_write(self.fs, aside, b"".join(discarded))
-            logger.warning("resuming at step %d: set aside %d line(s) of %s (rows of steps from %d on, or torn) "
-                           "in %s", first_step, len(discarded), self.metrics_path, first_step, aside)
+            logger.warning(
+                "resuming at step %d: set aside %d line(s) of %s (rows of steps from %d on, or torn) in %s",
+                first_step,
+                len(discarded),
+                self.metrics_path,
+                first_step,
+                aside,
+            )
         atomic_write(self.fs, self.metrics_path, b"".join(kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -76,12 +82,13 @@ class Tracker:
                 self.tensorboard.add_scalar(name, value, global_step=step)
         if self.progress is not None:
             shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_KEYS.items() if key in metrics}
-            validation = [value for key, value in metrics.items() if key.startswith("val-core/") and "/reward/mean@" in key]
+            validation = [
+                value for key, value in metrics.items() if key.startswith("val-core/") and "/reward/mean@" in key
+            ]
             if validation:
                 shown["val"] = f"{validation[0]:.3g}"
             self.progress.set_postfix(shown, refresh=False)
             self.progress.update(1)
-
 
     def close(self) -> None:
         if self.progress is not None:
@@ -129,4 +136,4 @@ def _parse_row(line: bytes) -> dict | None:
 
 def _utc_stamp() -> str:
     """A UTC time stamp for the names of set-aside files, to the microsecond so that two never collide."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")

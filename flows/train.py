@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
-from typing import Annotated, Literal, Optional, get_args
+from typing import Annotated, Literal, get_args
 
 from prefect import flow, get_run_logger
 from prefect import tags as prefect_tags
@@ -43,13 +43,15 @@ from ppoflow.algorithms.user_code import import_module
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.configs.schema import PATH_NAME_PATTERN, PPOConfig
 from ppoflow.configs.stages import STAGE_NAMES
+from ppoflow.flows import (
+    async_modes,  # noqa: F401 - registers colocate_async and separate_async
+    cancellation,
+)
 from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.cache_report import report_caches
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
-from ppoflow.flows import cancellation
-from ppoflow.flows import async_modes  # noqa: F401 - registers colocate_async and separate_async
 from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
 from ppoflow.flows.ownership import own_run_directory
 from ppoflow.flows.run import RunContext, start_run
@@ -117,8 +119,9 @@ def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
         stages.call("update_critic", step, run.workers, shared, step.step)
     stages.call("update_actor", step, run.workers, shared, step.step)
     if not step.metrics["actor/optimizer_steps"]:  # trainer.nonfinite=skip skipped each (the actor warned which)
-        raise NonFiniteError(f"step {step.step} update_actor: every optimizer step was skipped on a non-finite loss or "
-                             "gradient norm")
+        raise NonFiniteError(
+            f"step {step.step} update_actor: every optimizer step was skipped on a non-finite loss or gradient norm"
+        )
     if cfg.old_log_probs_from_update:  # the update returned its old log-probs: how far was the rollout from them
         correct_for_the_rollout(step, correction)
         step.metrics["training/old_log_prob_skipped"] = 1.0
@@ -150,10 +153,15 @@ def correct_for_the_rollout(step: StepData, correction) -> None:
     the trainer's old log-probs (``algorithm.rollout_correction``); the math is in ``algorithms.correction``."""
     batch = step.batch
     batch["response_mask"], is_weights, metrics = correct_off_policy(
-        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-        rollout_rs=correction.rollout_rs, rollout_rs_threshold=correction.rollout_rs_threshold,
-        rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
-        rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
+        batch["old_log_probs"],
+        batch["rollout_log_probs"],
+        batch["response_mask"],
+        rollout_rs=correction.rollout_rs,
+        rollout_rs_threshold=correction.rollout_rs_threshold,
+        rollout_is=correction.rollout_is,
+        rollout_is_threshold=correction.rollout_is_threshold,
+        rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
+    )
     if is_weights is not None:
         batch["rollout_is_weights"] = is_weights
     step.metrics.update(metrics)
@@ -237,20 +245,27 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
             tracker.log(step.step, step.metrics)
             artifacts.step(step.step, step.metrics, step.batch)
             if save_freq > 0 and (step.step % save_freq == 0 or last):
-                directory = save_checkpoint(cfg, run.workers, step.step,
-                                            {"trainer": state.state_dict(), "mode": mode.state_dict()})
+                directory = save_checkpoint(
+                    cfg, run.workers, step.step, {"trainer": state.state_dict(), "mode": mode.state_dict()}
+                )
                 note(f"checkpoint written to {directory}")
         if steps and dropped == len(steps):
-            raise NonFiniteError(f"every update of the run was dropped on non-finite values ({dropped} of {dropped} "
-                                 f"steps, trainer.nonfinite=skip): the policy is the one it started from")
+            raise NonFiniteError(
+                f"every update of the run was dropped on non-finite values ({dropped} of {dropped} "
+                f"steps, trainer.nonfinite=skip): the policy is the one it started from"
+            )
         final_model = exported_model_url(cfg.trainer.default_local_dir, run.total_steps)
         run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
         note(f"trained policy written to {final_model}")
         cache_lines = report_caches(run.stages.caches, cfg)  # what each step cache replayed of its planned steps
         run_dir = cfg.trainer.default_local_dir
-        curve = artifacts.finish(read_metrics(run_dir), checkpoint=latest(run_dir), final_model=final_model,
-                                 caches=[cache.entries.root for cache in run.stages.caches.values()],
-                                 cache_lines=cache_lines)
+        curve = artifacts.finish(
+            read_metrics(run_dir),
+            checkpoint=latest(run_dir),
+            final_model=final_model,
+            caches=[cache.entries.root for cache in run.stages.caches.values()],
+            cache_lines=cache_lines,
+        )
         note(f"reward curve written to {curve}")
     finally:
         if tracker is not None:
@@ -274,12 +289,16 @@ def check_mode(cfg: PPOConfig) -> None:
     except ValueError as error:
         raise ConfigError([("trainer.v1.sampler.custom_sampler", str(error))]) from None
     if cfg.trainer.mode not in TRAINER_MODES:
-        raise ConfigError([("trainer.mode", f"{cfg.trainer.mode!r} is not a trainer mode; registered: "
-                                            f"{', '.join(TRAINER_MODES)}")])
+        raise ConfigError(
+            [("trainer.mode", f"{cfg.trainer.mode!r} is not a trainer mode; registered: {', '.join(TRAINER_MODES)}")]
+        )
 
 
-FORM_FIELDS = {"experiment_name": "trainer.experiment_name", "total_training_steps": "trainer.total_training_steps",
-               "mode": "trainer.mode"}
+FORM_FIELDS = {
+    "experiment_name": "trainer.experiment_name",
+    "total_training_steps": "trainer.total_training_steps",
+    "mode": "trainer.mode",
+}
 """The typed fields of :func:`ppo_train` and the config key each one sets."""
 
 
@@ -308,7 +327,7 @@ def flow_run_name() -> str:
             experiment = cfg.trainer.experiment_name
         except ConfigError:
             experiment = preset_tag(parameters.get("config"))
-    return f"{experiment}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    return f"{experiment}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
 
 
 def preset_tag(config: str | None) -> str:
@@ -321,9 +340,9 @@ def preset_tag(config: str | None) -> str:
 def ppo_train(
     config: str = "grpo_tiny",
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
-    experiment_name: Optional[Annotated[str, Field(pattern=PATH_NAME_PATTERN)]] = None,
-    total_training_steps: Annotated[Optional[int], Field(ge=1)] = None,
-    mode: Optional[BuiltInMode] = None,
+    experiment_name: Annotated[str, Field(pattern=PATH_NAME_PATTERN)] | None = None,
+    total_training_steps: Annotated[int | None, Field(ge=1)] = None,
+    mode: BuiltInMode | None = None,
 ) -> dict[str, float]:
     """Train a policy with PPO/GRPO.
 
@@ -342,9 +361,17 @@ def ppo_train(
     """
     typed = {"experiment_name": experiment_name, "total_training_steps": total_training_steps, "mode": mode}
     # a name is quoted so that it stays a string ("123" is a name, not a number)
-    cfg = load_config(config, [*overrides, *(f"{FORM_FIELDS[name]}='{value}'" if isinstance(value, str) else
-                                             f"{FORM_FIELDS[name]}={value}" for name, value in typed.items()
-                                             if value is not None)])
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            *(
+                f"{FORM_FIELDS[name]}='{value}'" if isinstance(value, str) else f"{FORM_FIELDS[name]}={value}"
+                for name, value in typed.items()
+                if value is not None
+            ),
+        ],
+    )
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
     cancellation.watch(prefect_flow_run.id)
     # the caller's tags are the flow run's: a tagged task run costs the server a request (trainer.task_run_tags)
@@ -357,6 +384,7 @@ def run_ppo_train(config: str, overrides: list[str], cfg: PPOConfig, *tags: str,
     tells what it is: the Parameters show the effective typed fields, and the run is created tagged
     ``experiment:``, ``preset:``, ``mode:`` and ``tags`` (``record``, ``replay``) - no request of its own."""
     trainer = cfg.trainer
-    with prefect_tags(f"experiment:{trainer.experiment_name}", f"preset:{preset_tag(config)}",
-                      f"mode:{trainer.mode}", *tags):
+    with prefect_tags(
+        f"experiment:{trainer.experiment_name}", f"preset:{preset_tag(config)}", f"mode:{trainer.mode}", *tags
+    ):
         return ppo_train(config=config, overrides=list(overrides), **typed_fields(cfg), return_state=return_state)

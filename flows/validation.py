@@ -26,21 +26,26 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
     per_source: dict[str, list[float]] = {}
     samples: list[str] = []
     for start in range(0, len(rows), size):
-        chunk = rows[start:start + size]
+        chunk = rows[start : start + size]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
         derived_from(val_set, prompts)
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
         batch = stages.run("generate", run.workers, prompts, step, sampling, label=label, kind="validation").fields
         if "token_level_scores" not in batch.keys():  # not scored while generating
-            batch.update(stages.run("reward", batch, run.tokenizer, run.custom_scorer, run.reward_chunks, label=label,
-                                    kind="validation").fields)
+            batch.update(
+                stages.run(
+                    "reward", batch, run.tokenizer, run.custom_scorer, run.reward_chunks, label=label, kind="validation"
+                ).fields
+            )
         sequence_scores = batch["token_level_scores"].sum(dim=1).tolist()
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)
         if not samples:
             samples = sample_texts(batch[:3], run.tokenizer, sequence_scores)
-    metrics = {f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
-               for source, scores in per_source.items()}
+    metrics = {
+        f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
+        for source, scores in per_source.items()
+    }
     return metrics, samples
 
 
@@ -52,8 +57,8 @@ def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
     if "turn_ids" in batch.keys():
         extents = response_extent(batch).tolist()
         for row, (tokens, turns) in enumerate(zip(batch["responses"].tolist(), batch["turn_ids"].tolist())):
-            if any(turn < 0 for turn in turns[:extents[row]]):  # a tool answered (negative turn ids)
-                responses[row] = turn_texts(tokens[:extents[row]], turns[:extents[row]], tokenizer)
+            if any(turn < 0 for turn in turns[: extents[row]]):  # a tool answered (negative turn ids)
+                responses[row] = turn_texts(tokens[: extents[row]], turns[: extents[row]], tokenizer)
     return [f"{prompt!r} -> {response} ({score:.2f})" for prompt, response, score in zip(prompts, responses, scores)]
 
 

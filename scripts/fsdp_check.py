@@ -51,28 +51,49 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=5, help="timed updates per precision")
     args = parser.parse_args()
     if args.smoke:
-        args.hidden, args.layers, args.batch, args.prompt, args.response, args.micro, args.updates = 64, 2, 8, 8, 24, 4, 2
+        args.hidden, args.layers, args.batch, args.prompt, args.response, args.micro, args.updates = (
+            64,
+            2,
+            8,
+            8,
+            24,
+            4,
+            2,
+        )
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as root:
         model_dir = os.path.join(root, "model")
-        build_tiny_model(model_dir, TinyModelConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                                    num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                                    max_position_embeddings=args.prompt + args.response, seed=0))
+        build_tiny_model(
+            model_dir,
+            TinyModelConfig(
+                hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.hidden // 64,
+                max_position_embeddings=args.prompt + args.response,
+                seed=0,
+            ),
+        )
         batch = _batch(args, vocab=32)
         full = _run(args, model_dir, batch, "float32", cuda, old_log_probs=None)
         mixed = _run(args, model_dir, batch, "bfloat16", cuda, old_log_probs=full["old_log_probs"])
     report = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "model": f"Llama hidden={args.hidden} layers={args.layers}", "batch": args.batch,
+        "model": f"Llama hidden={args.hidden} layers={args.layers}",
+        "batch": args.batch,
         "tokens_per_update": full["tokens"],
         "log_prob_mean_abs_diff": (mixed["log_probs"] - full["log_probs"]).abs()[batch["response_mask"]].mean().item(),
-        "pg_loss": [full["pg_loss"], mixed["pg_loss"]], "entropy": [full["entropy"], mixed["entropy"]],
+        "pg_loss": [full["pg_loss"], mixed["pg_loss"]],
+        "entropy": [full["entropy"], mixed["entropy"]],
         "update_tokens_per_s": {"float32": full["tokens_per_s"], "bfloat16": mixed["tokens_per_s"]},
-        "bf16_speedup": mixed["tokens_per_s"] / full["tokens_per_s"], "tolerance": TOLERANCE,
+        "bf16_speedup": mixed["tokens_per_s"] / full["tokens_per_s"],
+        "tolerance": TOLERANCE,
     }
-    within = (report["log_prob_mean_abs_diff"] <= TOLERANCE["log_prob_mean_abs"]
-              and _rel(mixed["pg_loss"], full["pg_loss"]) <= TOLERANCE["pg_loss_rel"]
-              and _rel(mixed["entropy"], full["entropy"]) <= TOLERANCE["entropy_rel"])
+    within = (
+        report["log_prob_mean_abs_diff"] <= TOLERANCE["log_prob_mean_abs"]
+        and _rel(mixed["pg_loss"], full["pg_loss"]) <= TOLERANCE["pg_loss_rel"]
+        and _rel(mixed["entropy"], full["entropy"]) <= TOLERANCE["entropy_rel"]
+    )
     report["result"] = "PASS" if within else "FAIL"
     print(json.dumps(report))
     return 0 if within else 1
@@ -93,8 +114,16 @@ def _batch(args, vocab: int) -> TensorDict:
     prompts = torch.randint(4, vocab, (rows, args.prompt), generator=generator) * prompt_mask
     responses = torch.randint(4, vocab, (rows, args.response), generator=generator) * response_mask
     advantages = torch.randn(rows, 1, generator=generator).expand(rows, args.response) * response_mask
-    return TensorDict({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                       "response_mask": response_mask, "advantages": advantages.contiguous()}, batch_size=[rows])
+    return TensorDict(
+        {
+            "prompts": prompts,
+            "prompt_mask": prompt_mask,
+            "responses": responses,
+            "response_mask": response_mask,
+            "advantages": advantages.contiguous(),
+        },
+        batch_size=[rows],
+    )
 
 
 def _run(args, model_dir: str, batch: TensorDict, precision: str, cuda: bool, old_log_probs) -> dict:
@@ -102,18 +131,29 @@ def _run(args, model_dir: str, batch: TensorDict, precision: str, cuda: bool, ol
     log-probs of the update are float32's (``old_log_probs``; None: this run's own, a little lowered, so the
     ratio sits inside the clip and the loss depends on the precision)."""
     param_dtype = "null" if precision == "float32" else precision
-    cfg = load_config("grpo_tiny", [
-        f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused.parquet", "data.val_files=null",
-        f"data.max_prompt_length={args.prompt}", f"data.max_response_length={args.response}",
-        f"data.train_batch_size={args.batch}", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus",
-        "trainer.test_freq=-1",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro}",
-        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0.001",
-        f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param_dtype}",
-        f"trainer.n_gpus_per_node={1 if cuda else 0}", f"actor_rollout_ref.actor.resources.num_gpus={1 if cuda else 0}",
-        "actor_rollout_ref.hybrid_engine=false"])
+    cfg = load_config(
+        "grpo_tiny",
+        [
+            f"actor_rollout_ref.model.path={model_dir}",
+            "data.train_files=unused.parquet",
+            "data.val_files=null",
+            f"data.max_prompt_length={args.prompt}",
+            f"data.max_response_length={args.response}",
+            f"data.train_batch_size={args.batch}",
+            "actor_rollout_ref.rollout.n=1",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "trainer.test_freq=-1",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro}",
+            "actor_rollout_ref.actor.use_kl_loss=false",
+            "actor_rollout_ref.actor.entropy_coeff=0.001",
+            f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param_dtype}",
+            f"trainer.n_gpus_per_node={1 if cuda else 0}",
+            f"actor_rollout_ref.actor.resources.num_gpus={1 if cuda else 0}",
+            "actor_rollout_ref.hybrid_engine=false",
+        ],
+    )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -133,8 +173,14 @@ def _run(args, model_dir: str, batch: TensorDict, precision: str, cuda: bool, ol
             _synchronize(cuda)
             timings.append(time.perf_counter() - started)
         tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
-        return {"log_probs": log_probs, "old_log_probs": old_log_probs, "pg_loss": first["actor/pg_loss"], "entropy": first["actor/entropy"],
-                "tokens": tokens, "tokens_per_s": tokens / sorted(timings)[len(timings) // 2]}
+        return {
+            "log_probs": log_probs,
+            "old_log_probs": old_log_probs,
+            "pg_loss": first["actor/pg_loss"],
+            "entropy": first["actor/entropy"],
+            "tokens": tokens,
+            "tokens_per_s": tokens / sorted(timings)[len(timings) // 2],
+        }
     finally:
         dist.destroy_process_group()
 

@@ -14,7 +14,8 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 text = PAGE.read_text()
 if START not in text or END not in text:
     sys.exit(f"{PAGE} lost its config reference markers {START} ... {END}")
-updated = re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda _: f"{START}\n{reference_table()}\n{END}", text,
-                 flags=re.S)
+updated = re.sub(
+    f"{re.escape(START)}.*?{re.escape(END)}", lambda _: f"{START}\n{reference_table()}\n{END}", text, flags=re.S
+)
 PAGE.write_text(updated)
 print("docs/configuration.md config reference", "updated" if updated != text else "already up to date")

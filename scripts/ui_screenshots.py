@@ -76,9 +76,20 @@ class Chromium:
         from websockets.sync.client import connect
 
         self.process = subprocess.Popen(
-            [executable, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--remote-debugging-port=0", f"--user-data-dir={profile}", f"--window-size={WIDTH},1000", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                executable,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},1000",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file, deadline = profile / "DevToolsActivePort", time.monotonic() + 60
         while not port_file.exists() or not port_file.read_text().strip():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -128,11 +139,13 @@ class Chromium:
     def select_tab(self, tab: str) -> None:
         """Click ``tab`` once the page shows its tabs: the flow run page drops a ``?tab=`` it was opened with
         while the run is loading (the tab is hidden until then) and shows Logs."""
-        self.wait_for(f"[...document.querySelectorAll('li.p-tab')].some(t => t.textContent.trim() === {tab!r})",
-                      f"the {tab} tab")
+        self.wait_for(
+            f"[...document.querySelectorAll('li.p-tab')].some(t => t.textContent.trim() === {tab!r})", f"the {tab} tab"
+        )
         if self.selected_tab() != tab:
-            self.evaluate(f"[...document.querySelectorAll('li.p-tab')].find(t => t.textContent.trim() === {tab!r})"
-                          ".click()")
+            self.evaluate(
+                f"[...document.querySelectorAll('li.p-tab')].find(t => t.textContent.trim() === {tab!r}).click()"
+            )
 
     def capture(self, shot: Shot, out: Path) -> None:
         """Open ``shot``, select its tab, check that the page shows the tab and what it must, save a PNG."""
@@ -166,11 +179,20 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
     until it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_API_URL": f"{url}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_UI_ENABLED": "true",
+        "PREFECT_API_URL": f"{url}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     log = open(home / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port",
-                               str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -187,9 +209,17 @@ def train(root: Path, name: str, extra: list[str]) -> str:
     process; returns its flow run id."""
     from ppoflow.flows.train import ppo_train
 
-    words = [f"trainer.default_local_dir={root}/{name}", "trainer.total_training_steps=4", "trainer.test_freq=2",
-             "trainer.save_freq=2", "trainer.logger=[]", "skip.rollout.enable=true",
-             f"skip.rollout.dump_dir={root}/cache", "skip.rollout.steps=[1,2,3,4]", *extra]
+    words = [
+        f"trainer.default_local_dir={root}/{name}",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "trainer.logger=[]",
+        "skip.rollout.enable=true",
+        f"skip.rollout.dump_dir={root}/cache",
+        "skip.rollout.steps=[1,2,3,4]",
+        *extra,
+    ]
     state = ppo_train(config="grpo_tiny", overrides=words, experiment_name="ui_demo", return_state=True)
     if not state.is_completed():
         raise SystemExit(f"the {name} run did not complete: {state}")
@@ -199,24 +229,39 @@ def train(root: Path, name: str, extra: list[str]) -> str:
 def shots(url: str, first_run: str, replay_run: str) -> dict[str, Shot]:
     """The UI pages to capture, found through the API, with what each must show."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, DeploymentFilter,
-                                                DeploymentFilterName, FlowRunFilter, FlowRunFilterId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
     time.sleep(3)  # task runs and artifacts reach the server as events
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[replay_run])), limit=200)
         cached = next(task for task in tasks if task.name == "generate[step=2]")
-        summary = next(artifact for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[first_run]))) if artifact.key.endswith("-summary"))
-        (deployment,) = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["ppo-train"])))
-    return {"run": Shot(f"{url}/runs/flow-run/{replay_run}", "Logs", ".flow-run-graph"),
-            "task_runs": Shot(f"{url}/runs/flow-run/{replay_run}?tab=Task+Runs", "Task Runs", TASK_RUN_ROW),
-            "cached": Shot(f"{url}/runs/task-run/{cached.id}", "Logs", ".log-row"),
-            "task_inputs": Shot(f"{url}/runs/task-run/{cached.id}?tab=Task+inputs", "Task inputs",
-                                "#task-inputs-content .p-code-highlight"),
-            "artifacts": Shot(f"{url}/artifacts/artifact/{summary.id}", None, ".artifact-data-markdown img", 1600),
-            "deployment": Shot(f"{url}/deployments/deployment/{deployment.id}/run", None, "form")}
+        summary = next(
+            artifact
+            for artifact in client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first_run]))
+            )
+            if artifact.key.endswith("-summary")
+        )
+        (deployment,) = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["ppo-train"]))
+        )
+    return {
+        "run": Shot(f"{url}/runs/flow-run/{replay_run}", "Logs", ".flow-run-graph"),
+        "task_runs": Shot(f"{url}/runs/flow-run/{replay_run}?tab=Task+Runs", "Task Runs", TASK_RUN_ROW),
+        "cached": Shot(f"{url}/runs/task-run/{cached.id}", "Logs", ".log-row"),
+        "task_inputs": Shot(
+            f"{url}/runs/task-run/{cached.id}?tab=Task+inputs", "Task inputs", "#task-inputs-content .p-code-highlight"
+        ),
+        "artifacts": Shot(f"{url}/artifacts/artifact/{summary.id}", None, ".artifact-data-markdown img", 1600),
+        "deployment": Shot(f"{url}/deployments/deployment/{deployment.id}/run", None, "form"),
+    }
 
 
 def find_chromium() -> str:
@@ -231,9 +276,11 @@ def report_time_to_rows(browser: Chromium, flow_run_page: str, repeat: int) -> N
     tries = [browser.time_to_rows(flow_run_page) for _ in range(repeat)]
     for loaded, clicked in tries:
         print(f"time to rows: {loaded:.2f} s from navigation, {clicked:.2f} s from the tab's click")
-    print(f"median of {repeat}: {statistics.median(t[0] for t in tries):.2f} s from navigation, "
-          f"{statistics.median(t[1] for t in tries):.2f} s from the click; "
-          f"load average {Path('/proc/loadavg').read_text().split()[0]} ({flow_run_page})")
+    print(
+        f"median of {repeat}: {statistics.median(t[0] for t in tries):.2f} s from navigation, "
+        f"{statistics.median(t[1] for t in tries):.2f} s from the click; "
+        f"load average {Path('/proc/loadavg').read_text().split()[0]} ({flow_run_page})"
+    )
 
 
 def photograph(browser: Chromium, out: Path, root: Path) -> None:
@@ -245,8 +292,11 @@ def photograph(browser: Chromium, out: Path, root: Path) -> None:
         os.chdir(root)  # the demo builds its model and data under ./outputs
         first = train(root, "first", [])
         replay = train(root, "replay", [])
-        serving = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "serve", "--replay-dir",
-                                    str(root / "first")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        serving = subprocess.Popen(
+            [sys.executable, "-m", "ppoflow.flows.cli", "serve", "--replay-dir", str(root / "first")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -270,8 +320,11 @@ def photograph(browser: Chromium, out: Path, root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default="docs/images/ui")
-    parser.add_argument("--time-to-rows", metavar="FLOW_RUN_PAGE",
-                        help="only measure the Task Runs tab of this flow run page (a server already running)")
+    parser.add_argument(
+        "--time-to-rows",
+        metavar="FLOW_RUN_PAGE",
+        help="only measure the Task Runs tab of this flow run page (a server already running)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="tries of --time-to-rows (default 3)")
     args = parser.parse_args()
     chromium = find_chromium()

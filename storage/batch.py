@@ -58,10 +58,22 @@ AGENT_FIELDS = ("agent_name", "tools_kwargs", "sample_id")
 """Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
 present when the dataset has them; a train prompt's place in the feed order, which keys the rollout
 service's sample cache); they do not stay in the step batch."""
-RESPONSE_FIELDS = ("responses", "response_mask", "rollout_log_probs", "turn_ids", "token_level_scores",
-                   "token_level_rewards", "old_log_probs", "ref_log_probs", "values", "advantages", "returns",
-                   "rollout_is_weights")
+RESPONSE_FIELDS = (
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "turn_ids",
+    "token_level_scores",
+    "token_level_rewards",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "rollout_is_weights",
+)
 """Fields aligned with the response tokens ([N, R]); :func:`trim_response_padding` slices them together."""
+
 
 @dataclass
 class StageResult:
@@ -74,9 +86,18 @@ class StageResult:
 
 _NON_TENSOR_KEY = "ppoflow.non_tensor"
 _BATCH_SIZE_KEY = "ppoflow.batch_size"
-_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-                      "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F32": torch.float32, "F64": torch.float64}
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
 
 
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
@@ -94,8 +115,9 @@ def with_non_tensor_columns(batch: TensorDict, columns: dict[str, list]) -> Tens
             raise ValueError(f"column {name!r} has {len(values)} values for a batch of {batch.batch_size[0]}")
         # Wrap list/dict/... values so that they stay opaque instead of being stacked; NonTensorStack
         # wraps scalars itself (on a fast path: a scalar wrapped here would take the general one).
-        batch.set(name, NonTensorStack(*[value if type(value) in _SCALARS else NonTensorData(data=value)
-                                         for value in values]))
+        batch.set(
+            name, NonTensorStack(*[value if type(value) in _SCALARS else NonTensorData(data=value) for value in values])
+        )
     return batch
 
 
@@ -136,7 +158,8 @@ def scores_on_last_tokens(scores: list[float], response_mask: torch.Tensor) -> t
     """verl's ``token_level_scores`` [N, R]: each trajectory's score on its last model token, zero elsewhere."""
     token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
     token_level_scores[torch.arange(response_mask.shape[0]), last_model_token(response_mask)] = torch.tensor(
-        scores, dtype=torch.float32)
+        scores, dtype=torch.float32
+    )
     return token_level_scores * response_mask
 
 
@@ -223,10 +246,13 @@ def plain_batch(batch: TensorDict) -> tuple | None:
     except TypeError:
         return None
     if batch.device not in (None, torch.device("cpu")) or any(
-            tensor.device.type != "cpu" or tensor.requires_grad for tensor in tensors.values()):
+        tensor.device.type != "cpu" or tensor.requires_grad for tensor in tensors.values()
+    ):
         return None
-    arrays = {name: (tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
-              for name, tensor in tensors.items()}
+    arrays = {
+        name: (tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+        for name, tensor in tensors.items()
+    }
     return tuple(batch.batch_size), list(batch.keys()), arrays, columns
 
 
@@ -277,8 +303,10 @@ def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str,
         count = math.prod(shape)
         offset = data_start + begin
         if begin < 0 or end - begin != count * dtype.itemsize or data_start + end > len(payload):
-            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold {dtype} {shape} "
-                             f"within the {len(payload) - data_start}-byte data section")
+            raise ValueError(
+                f"tensor {name!r}: bytes {begin}..{end} do not hold {dtype} {shape} "
+                f"within the {len(payload) - data_start}-byte data section"
+            )
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue

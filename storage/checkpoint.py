@@ -63,9 +63,9 @@ def _holds_only_the_exported_model(fs, path: str) -> bool:
     begun there: a run without a checkpoint at its last step), not a checkpoint whose save did not finish."""
     parent, leaf = EXPORTED_MODEL.split("/")
     try:
-        return ([entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)] == [parent]
-                and [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(f"{path}/{parent}", detail=False)]
-                == [leaf])
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)] == [parent] and [
+            entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(f"{path}/{parent}", detail=False)
+        ] == [leaf]
     except OSError:
         return False
 
@@ -89,12 +89,15 @@ def save_module(directory: str, weights: dict[str, torch.Tensor], optimizer_stat
     data = safetensors_save({name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()})
     buffer = io.BytesIO()
     torch.save(optimizer_state, buffer)
-    return {"model.safetensors": write_file(join(directory, "model.safetensors"), data),
-            "optimizer.pt": write_file(join(directory, "optimizer.pt"), buffer.getvalue())}
+    return {
+        "model.safetensors": write_file(join(directory, "model.safetensors"), data),
+        "optimizer.pt": write_file(join(directory, "optimizer.pt"), buffer.getvalue()),
+    }
 
 
-def load_module(directory: str, entries: dict[str, dict],
-                shapes: dict[str, torch.Size]) -> tuple[dict[str, torch.Tensor], dict]:
+def load_module(
+    directory: str, entries: dict[str, dict], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict]:
     """A role's weights and optimizer state from ``directory``, checked against the model's ``shapes``
     (name -> full shape, no tied aliases).
 
@@ -106,10 +109,13 @@ def load_module(directory: str, entries: dict[str, dict],
     unexpected = [name for name in weights if name not in shapes]
     misshapen = [name for name, tensor in weights.items() if name in shapes and tensor.shape != shapes[name]]
     if missing or unexpected or misshapen:
-        raise CheckpointError(directory, f"weights do not fit the model (missing {missing}, unexpected {unexpected}, "
-                                         f"other shape {misshapen})")
-    optimizer_state = read_decoded(directory, entries, "optimizer.pt",
-                                   lambda data: torch.load(io.BytesIO(data), weights_only=True))
+        raise CheckpointError(
+            directory,
+            f"weights do not fit the model (missing {missing}, unexpected {unexpected}, other shape {misshapen})",
+        )
+    optimizer_state = read_decoded(
+        directory, entries, "optimizer.pt", lambda data: torch.load(io.BytesIO(data), weights_only=True)
+    )
     return weights, optimizer_state
 
 
@@ -129,8 +135,12 @@ def read_decoded(directory: str, files: dict[str, dict], name: str, decode):
 def commit(run_dir: str, step: int, files: dict[str, dict], trainer_state: dict) -> str:
     """Write ``trainer_state.json`` and then the marker: the checkpoint of ``step`` is complete."""
     directory = step_url(run_dir, step)
-    files = {**files, "trainer_state.json": write_file(join(directory, "trainer_state.json"),
-                                                       json.dumps(trainer_state, sort_keys=True).encode())}
+    files = {
+        **files,
+        "trainer_state.json": write_file(
+            join(directory, "trainer_state.json"), json.dumps(trainer_state, sort_keys=True).encode()
+        ),
+    }
     write_file(join(directory, MARKER), CHECKPOINT_MARKER.encode(files, global_step=step))
     write_file(join(run_dir, "latest_checkpointed_iteration.txt"), str(step).encode())
     return directory
@@ -193,8 +203,9 @@ def read_trainer_state(directory: str) -> tuple[dict, dict]:
     marker = _complete_marker(directory)
     state = read_decoded(directory, marker["files"], "trainer_state.json", lambda data: json.loads(bytes(data)))
     if not (isinstance(state, dict) and type(state.get("global_step")) is int):
-        raise CheckpointError(join(directory, "trainer_state.json"),
-                              "not a trainer state (a JSON object with an integer global_step)")
+        raise CheckpointError(
+            join(directory, "trainer_state.json"), "not a trainer state (a JSON object with an integer global_step)"
+        )
     return marker, state
 
 
@@ -205,8 +216,15 @@ def _complete_newest_first(run_dir: str) -> Iterator[str]:
         entries = fs.ls(path, detail=True)
     except FileNotFoundError:
         return
-    steps = sorted((int(match.group(1)) for entry in entries if entry["type"] == "directory"
-                    and (match := _STEP_DIR.fullmatch(entry["name"].rstrip("/").rsplit("/", 1)[-1]))), reverse=True)
+    steps = sorted(
+        (
+            int(match.group(1))
+            for entry in entries
+            if entry["type"] == "directory"
+            and (match := _STEP_DIR.fullmatch(entry["name"].rstrip("/").rsplit("/", 1)[-1]))
+        ),
+        reverse=True,
+    )
     for step in steps:
         directory = step_url(run_dir, step)
         marker, problem = checked_manifest(directory)

@@ -16,8 +16,16 @@ from ppoflow.storage.fs import open_fs
 
 _SAMPLE_BYTES = 1 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def rollout_identity(sampling: dict, models: dict) -> dict:
@@ -38,7 +46,7 @@ def model_identity(url: str) -> str:
     for path in sorted(fs.find(root)):
         if path.endswith(_WEIGHT_SUFFIXES):
             size = fs.size(path)
-            digest.update(f"{path[len(root):]}:{size}".encode())
+            digest.update(f"{path[len(root) :]}:{size}".encode())
             for start in sorted({0, max(size // 2 - _SAMPLE_BYTES // 2, 0), max(size - _SAMPLE_BYTES, 0)}):
                 digest.update(fs.cat_file(path, start=start, end=min(start + _SAMPLE_BYTES, size)))
     return f"sha256:{digest.hexdigest()}"

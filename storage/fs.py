@@ -59,8 +59,12 @@ def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
-_SPECIAL_FILES = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-                  stat.S_IFBLK: "a block device"}
+_SPECIAL_FILES = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
 
 def path_problem(url: str, *, want: str = "file") -> str | None:
@@ -102,13 +106,18 @@ def _broken_link(path: str) -> str | None:
             return "is a symlink loop"
         if error.errno != errno.ENOENT:
             return None
-    dangling = next((link for link in (path, *map(str, Path(path).parents))
-                    if os.path.islink(link) and not os.path.exists(link)), None)
+    dangling = next(
+        (link for link in (path, *map(str, Path(path).parents)) if os.path.islink(link) and not os.path.exists(link)),
+        None,
+    )
     if dangling is None:
         return None
     target = os.readlink(dangling)
-    return f"is a dangling symlink to {target}" if dangling == path else \
-        f"lies under {dangling}, a dangling symlink to {target}"
+    return (
+        f"is a dangling symlink to {target}"
+        if dangling == path
+        else f"lies under {dangling}, a dangling symlink to {target}"
+    )
 
 
 def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
@@ -145,12 +154,12 @@ def read_with_sha256(fs: AbstractFileSystem, path: str) -> tuple[memoryview, str
     hashing: Future | None = None
     with fs.open(path, "rb") as file, ThreadPoolExecutor(max_workers=1) as hasher:
         while done < size:
-            count = file.readinto(view[done:done + _HASH_CHUNK])
+            count = file.readinto(view[done : done + _HASH_CHUNK])
             if not count:
                 break
             if hashing is not None:
                 hashing.result()  # updates must stay in order
-            hashing = hasher.submit(digest.update, view[done:done + count])
+            hashing = hasher.submit(digest.update, view[done : done + count])
             done += count
         if hashing is not None:
             hashing.result()
@@ -167,7 +176,7 @@ def files_by_directory(fs: AbstractFileSystem, root_path: str, depth: int) -> di
     prefix = root_path.rstrip("/") + "/"
     grouped: dict[tuple[str, ...], dict[str, int]] = {}
     for path, info in found.items():
-        parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+        parts = path[len(prefix) :].split("/") if path.startswith(prefix) else []
         if len(parts) == depth + 1:
             grouped.setdefault(tuple(parts[:-1]), {})[parts[-1]] = info["size"]
     return grouped
@@ -259,8 +268,9 @@ class StorageWriteError(StorageError):
     """A write that still failed after its retries; ``path`` is the file being written."""
 
 
-def write_with_retries(url: str, write, *, retries: int, backoff_s: float,
-                       error: type[StorageWriteError] = StorageWriteError) -> None:
+def write_with_retries(
+    url: str, write, *, retries: int, backoff_s: float, error: type[StorageWriteError] = StorageWriteError
+) -> None:
     """Run ``write()``; retry a failure ``retries`` times (sleeping ``backoff_s * 2**k``), then raise ``error``.
 
     fsspec backends raise their own error types (botocore's connection errors are not OSError),

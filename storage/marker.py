@@ -50,8 +50,9 @@ class MarkerFormat:
 
     def encode(self, files: Mapping[str, dict], **fields) -> bytes:
         """The marker's bytes (sorted-key JSON); what :meth:`decode` would reject raises ``ValueError`` now."""
-        data = json.dumps({"format_version": self.version, "files": dict(files), **fields}, sort_keys=True,
-                          ensure_ascii=False).encode("utf-8")
+        data = json.dumps(
+            {"format_version": self.version, "files": dict(files), **fields}, sort_keys=True, ensure_ascii=False
+        ).encode("utf-8")
         self.decode(data)
         return data
 
@@ -69,9 +70,14 @@ class MarkerFormat:
         for name, entry in marker["files"].items():
             if not _FILE_NAME.fullmatch(name) or ".." in name.split("/"):
                 raise ValueError(f"marker lists an unsafe file name {name!r}")
-            if not (isinstance(entry, dict) and set(entry) == {"bytes", "sha256"}
-                    and type(entry["bytes"]) is int and entry["bytes"] >= 0
-                    and isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"])):
+            if not (
+                isinstance(entry, dict)
+                and set(entry) == {"bytes", "sha256"}
+                and type(entry["bytes"]) is int
+                and entry["bytes"] >= 0
+                and isinstance(entry["sha256"], str)
+                and _SHA256.fullmatch(entry["sha256"])
+            ):
                 raise ValueError(f"marker entry of {name!r} is {entry!r}, expected {{bytes: int >= 0, sha256: hex}}")
         return marker
 
@@ -87,8 +93,14 @@ def size_problem(sizes: Mapping[str, int | None], files: Mapping[str, dict]) -> 
     return ""
 
 
-def read_verified(fs: AbstractFileSystem, path: str, entry: dict, *, error: type[StorageError] = MarkerError,
-                  max_bytes: int | None = None) -> memoryview:
+def read_verified(
+    fs: AbstractFileSystem,
+    path: str,
+    entry: dict,
+    *,
+    error: type[StorageError] = MarkerError,
+    max_bytes: int | None = None,
+) -> memoryview:
     """The file at ``path`` if it has the entry's size and sha256; ``error(path, reason)`` otherwise.
 
     The size is checked before reading, so a file that grew (or a sparse file of any size) is refused

@@ -72,15 +72,26 @@ class ReplayBuffer:
     constant. Without ``refill`` evicted groups are still removed, but nothing replaces them.
     """
 
-    def __init__(self, *, pad_token_id: int, max_off_policy_threshold: int = 8, max_off_policy_strategy: str = "drop",
-                 refill: Callable[[int], None] | None = None):
-        if (isinstance(max_off_policy_threshold, bool) or not isinstance(max_off_policy_threshold, int)
-                or max_off_policy_threshold <= 0):
-            raise ValueError(f"{SAMPLER_CONFIG}.max_off_policy_threshold must be an int > 0, "
-                             f"got {max_off_policy_threshold!r}")
+    def __init__(
+        self,
+        *,
+        pad_token_id: int,
+        max_off_policy_threshold: int = 8,
+        max_off_policy_strategy: str = "drop",
+        refill: Callable[[int], None] | None = None,
+    ):
+        if (
+            isinstance(max_off_policy_threshold, bool)
+            or not isinstance(max_off_policy_threshold, int)
+            or max_off_policy_threshold <= 0
+        ):
+            raise ValueError(
+                f"{SAMPLER_CONFIG}.max_off_policy_threshold must be an int > 0, got {max_off_policy_threshold!r}"
+            )
         if max_off_policy_strategy not in STRATEGIES:
-            raise ValueError(f"{SAMPLER_CONFIG}.max_off_policy_strategy must be one of {STRATEGIES}, "
-                             f"got {max_off_policy_strategy!r}")
+            raise ValueError(
+                f"{SAMPLER_CONFIG}.max_off_policy_strategy must be one of {STRATEGIES}, got {max_off_policy_strategy!r}"
+            )
         self.pad_token_id = pad_token_id
         self.max_off_policy_threshold = max_off_policy_threshold
         self.max_off_policy_strategy = max_off_policy_strategy
@@ -91,8 +102,10 @@ class ReplayBuffer:
         """One-row TensorDicts keyed ``{uid}_{session}_0``."""
 
     def __repr__(self) -> str:
-        return (f"ReplayBuffer({len(self._prompts)} prompts, strategy={self.max_off_policy_strategy!r}, "
-                f"threshold={self.max_off_policy_threshold})")
+        return (
+            f"ReplayBuffer({len(self._prompts)} prompts, strategy={self.max_off_policy_strategy!r}, "
+            f"threshold={self.max_off_policy_threshold})"
+        )
 
     # -- the rollout's side -----------------------------------------------------------------
 
@@ -121,10 +134,12 @@ class ReplayBuffer:
         tags = self._in_flight_tags(uid, "finish")
         missing = [name for name in GROUP_FIELDS if name not in group.keys()]
         if group.batch_dims != 1 or group.batch_size[0] == 0 or missing:
-            raise ValueError(f"the group of prompt {uid!r} must have batch_size [n >= 1] and the fields "
-                             f"{list(GROUP_FIELDS)}; got batch_size {list(group.batch_size)}, missing {missing}")
+            raise ValueError(
+                f"the group of prompt {uid!r} must have batch_size [n >= 1] and the fields "
+                f"{list(GROUP_FIELDS)}; got batch_size {list(group.batch_size)}, missing {missing}"
+            )
         for session in range(group.batch_size[0]):
-            self._trajectories[trajectory_key(uid, session)] = group[session:session + 1]
+            self._trajectories[trajectory_key(uid, session)] = group[session : session + 1]
         tags.update(status="finished", num_trajectories=group.batch_size[0])
 
     def reissue(self, uid: str, step: int) -> None:
@@ -147,8 +162,11 @@ class ReplayBuffer:
         """The pending and running prompts of ``partition``, with their dispatch steps: what the rollout
         still owes (and, after :meth:`load`, what the trainer must submit again)."""
         check_partition(partition)
-        return {uid: tags["dispatch_step"] for uid, tags in self._prompts.items()
-                if tags["partition"] == partition and tags["status"] in IN_FLIGHT}
+        return {
+            uid: tags["dispatch_step"]
+            for uid, tags in self._prompts.items()
+            if tags["partition"] == partition and tags["status"] in IN_FLIGHT
+        }
 
     def finished_count(self, partition: str = "train") -> int:
         """How many finished groups of ``partition`` wait to be sampled (stale ones not yet evicted included)."""
@@ -164,9 +182,17 @@ class ReplayBuffer:
 
     # -- the trainer's side -----------------------------------------------------------------
 
-    def sample(self, step: int, batch_size: int, *, partition: str = "train", poll: Callable[[float], None],
-               poll_interval_s: float = 0.05, timeout_s: float | None = None,
-               in_order: bool = False) -> tuple[TensorDict, dict[str, float]]:
+    def sample(
+        self,
+        step: int,
+        batch_size: int,
+        *,
+        partition: str = "train",
+        poll: Callable[[float], None],
+        poll_interval_s: float = 0.05,
+        timeout_s: float | None = None,
+        in_order: bool = False,
+    ) -> tuple[TensorDict, dict[str, float]]:
         """The ``batch_size`` oldest finished groups of ``partition`` for training step ``step``, and the metrics.
 
         Loops as verl's ``ReplayBufferAsync.sample``: evict (failed groups; under ``drop`` also train groups
@@ -203,30 +229,42 @@ class ReplayBuffer:
                 self.refill(evicted)
             ready = self._finished_uids(partition)
             if in_order:
-                queue = sorted((uid for uid, tags in self._prompts.items() if tags["partition"] == partition),
-                               key=lambda uid: self._prompts[uid]["dispatch_step"])[:batch_size]
+                queue = sorted(
+                    (uid for uid, tags in self._prompts.items() if tags["partition"] == partition),
+                    key=lambda uid: self._prompts[uid]["dispatch_step"],
+                )[:batch_size]
                 ready = queue if all(self._prompts[uid]["status"] == "finished" for uid in queue) else []
             blocking = self._blocking_uids(step) if partition == "train" else []
             if len(ready) >= batch_size and not blocking:
                 break
             if partition == "val" and not self.in_flight("val"):
                 if not ready:
-                    raise RuntimeError(f"no val group to sample at step {step}: every val prompt failed or none "
-                                       f"was submitted")
-                logger.warning("val sample at step %d: %d of %d groups, the others failed", step, len(ready),
-                               batch_size)
+                    raise RuntimeError(
+                        f"no val group to sample at step {step}: every val prompt failed or none was submitted"
+                    )
+                logger.warning(
+                    "val sample at step %d: %d of %d groups, the others failed", step, len(ready), batch_size
+                )
                 break
             if deadline is not None and time.monotonic() >= deadline:
-                waiting = (f"; {len(blocking)} in-flight prompt(s) with span >= {self.max_off_policy_threshold} "
-                           f"block it (max_off_policy_strategy=wait)" if blocking else "")
-                raise TimeoutError(f"{partition} sample at step {step} timed out after {timeout_s} s: found "
-                                   f"{len(ready)} finished group(s), wanted {batch_size}{waiting}")
+                waiting = (
+                    f"; {len(blocking)} in-flight prompt(s) with span >= {self.max_off_policy_threshold} "
+                    f"block it (max_off_policy_strategy=wait)"
+                    if blocking
+                    else ""
+                )
+                raise TimeoutError(
+                    f"{partition} sample at step {step} timed out after {timeout_s} s: found "
+                    f"{len(ready)} finished group(s), wanted {batch_size}{waiting}"
+                )
             poll(poll_interval_s)
         selected = sorted(ready, key=lambda uid: self._prompts[uid]["dispatch_step"])[:batch_size]
         batch = self._take(selected)
         prefix = METRIC_PREFIXES[partition]
-        metrics = {f"{prefix}off_policy/evicted_samples": float(len(stale_spans)),
-                   f"{prefix}rollout_failure/evicted_samples": float(failed)}
+        metrics = {
+            f"{prefix}off_policy/evicted_samples": float(len(stale_spans)),
+            f"{prefix}rollout_failure/evicted_samples": float(failed),
+        }
         if stale_spans:
             metrics.update(summary(f"{prefix}off_policy/evicted_samples_staleness", torch.tensor(stale_spans)))
         oldest, newest = batch["weight_version"], batch["max_weight_version"]
@@ -240,10 +278,16 @@ class ReplayBuffer:
     def state_dict(self) -> dict:
         """Everything a resumed run needs: ``prompts`` (each prompt's tags with its ``uid``, in insertion
         order; JSON) and ``groups`` ({uid: the finished group as one TensorDict})."""
-        return {"prompts": [{"uid": uid, **tags} for uid, tags in self._prompts.items()],
-                "groups": {uid: concatenate(*(self._trajectories[key] for key in self.trajectory_keys(uid)),
-                                            pad_token_id=self.pad_token_id)
-                           for uid in self._prompts if self._prompts[uid]["status"] == "finished"}}
+        return {
+            "prompts": [{"uid": uid, **tags} for uid, tags in self._prompts.items()],
+            "groups": {
+                uid: concatenate(
+                    *(self._trajectories[key] for key in self.trajectory_keys(uid)), pad_token_id=self.pad_token_id
+                )
+                for uid in self._prompts
+                if self._prompts[uid]["status"] == "finished"
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what :meth:`state_dict` gave (into an empty buffer): finished and failed prompts as they
@@ -325,15 +369,21 @@ class ReplayBuffer:
         return tags
 
     def _finished_uids(self, partition: str) -> list[str]:
-        return [uid for uid, tags in self._prompts.items()
-                if tags["partition"] == partition and tags["status"] == "finished"]
+        return [
+            uid
+            for uid, tags in self._prompts.items()
+            if tags["partition"] == partition and tags["status"] == "finished"
+        ]
 
     def _blocking_uids(self, step: int) -> list[str]:
         """Under ``wait``: the in-flight train prompts whose span at ``step`` reached the threshold."""
         if self.max_off_policy_strategy != "wait":
             return []
-        return [uid for uid, dispatch_step in self.in_flight("train").items()
-                if span(step, dispatch_step) >= self.max_off_policy_threshold]
+        return [
+            uid
+            for uid, dispatch_step in self.in_flight("train").items()
+            if span(step, dispatch_step) >= self.max_off_policy_threshold
+        ]
 
     def _evict(self, step: int, partition: str) -> tuple[list[int], int]:
         """Remove the failed groups of ``partition`` and, for train under ``drop``, the finished groups whose
@@ -346,13 +396,17 @@ class ReplayBuffer:
             if tags["status"] == "failure":
                 failed += 1
                 self._remove(uid)
-            elif (drops_stale and tags["status"] == "finished"
-                  and span(step, tags["dispatch_step"]) > self.max_off_policy_threshold):
+            elif (
+                drops_stale
+                and tags["status"] == "finished"
+                and span(step, tags["dispatch_step"]) > self.max_off_policy_threshold
+            ):
                 stale_spans.append(span(step, tags["dispatch_step"]))
                 self._remove(uid)
         if stale_spans or failed:
-            logger.info("step %d: evicted %d stale and %d failed %s group(s)", step, len(stale_spans), failed,
-                        partition)
+            logger.info(
+                "step %d: evicted %d stale and %d failed %s group(s)", step, len(stale_spans), failed, partition
+            )
         return stale_spans, failed
 
     def _remove(self, uid: str) -> None:
@@ -387,8 +441,10 @@ class ReplayBuffer:
             if status == "finished":
                 self.finish(uid, unclaimed.pop(uid))
                 if self._prompts[uid]["num_trajectories"] != entry["num_trajectories"]:
-                    raise ValueError(f"the group of {uid!r} has {self._prompts[uid]['num_trajectories']} "
-                                     f"trajectories, {entry['num_trajectories']} recorded")
+                    raise ValueError(
+                        f"the group of {uid!r} has {self._prompts[uid]['num_trajectories']} "
+                        f"trajectories, {entry['num_trajectories']} recorded"
+                    )
             elif status == "failure":
                 self.fail(uid, entry["reason"])
         if unclaimed:
@@ -414,8 +470,11 @@ def check_partition(partition: str) -> None:
 def summary(name: str, values: torch.Tensor) -> dict[str, float]:
     """``{name}/mean``, ``{name}/max`` and ``{name}/min`` of ``values``."""
     values = values.double()
-    return {f"{name}/mean": values.mean().item(), f"{name}/max": values.max().item(),
-            f"{name}/min": values.min().item()}
+    return {
+        f"{name}/mean": values.mean().item(),
+        f"{name}/max": values.max().item(),
+        f"{name}/min": values.min().item(),
+    }
 
 
 def load_sampler(path: str | None, name: str | None) -> type[ReplayBuffer]:

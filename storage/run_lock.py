@@ -28,8 +28,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Optional
+from datetime import UTC, datetime
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -56,28 +55,39 @@ class Owner:
 
     token: str
     host: str
-    pid_space: Optional[str]
+    pid_space: str | None
     """Where ``pid`` means that process: the kernel's boot id and pid namespace (None off Linux). Containers
     may share a host name, not a pid space; a lock from another pid space is judged by its heartbeat."""
     pid: int
-    process_start: Optional[str]
+    process_start: str | None
     """The owner process's start in clock ticks since boot (None off Linux): a reused pid starts later."""
     started: float
     heartbeat: float
-    flow_run_id: Optional[str]
-    flow_run_name: Optional[str]
+    flow_run_id: str | None
+    flow_run_name: str | None
 
     @classmethod
     def this_process(cls, flow_run_id: str | None = None, flow_run_name: str | None = None) -> Owner:
         now = time.time()
-        return cls(uuid.uuid4().hex, socket.gethostname(), pid_space(), os.getpid(), process_start(os.getpid()),
-                   now, now, flow_run_id, flow_run_name)
+        return cls(
+            uuid.uuid4().hex,
+            socket.gethostname(),
+            pid_space(),
+            os.getpid(),
+            process_start(os.getpid()),
+            now,
+            now,
+            flow_run_id,
+            flow_run_name,
+        )
 
     def describe(self) -> str:
         """One line for a person: who, where, since when, last seen when."""
         flow_run = f", flow run {self.flow_run_name!r} ({self.flow_run_id})" if self.flow_run_id else ""
-        return (f"pid {self.pid} on host {self.host!r}{flow_run}, started {_clock(self.started)}, "
-                f"last heartbeat {_clock(self.heartbeat)}")
+        return (
+            f"pid {self.pid} on host {self.host!r}{flow_run}, started {_clock(self.started)}, "
+            f"last heartbeat {_clock(self.heartbeat)}"
+        )
 
     def encode(self) -> bytes:
         return json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True).encode()
@@ -95,14 +105,17 @@ class Owner:
         if record.pop("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version is not {FORMAT_VERSION}")
         owner = cls(**record)
-        checks = {"token": isinstance(owner.token, str) and bool(_TOKEN.fullmatch(owner.token)),
-                  "host": isinstance(owner.host, str) and 0 < len(owner.host) <= 255,
-                  "pid_space": owner.pid_space is None or isinstance(owner.pid_space, str),
-                  "pid": type(owner.pid) is int and owner.pid > 0,
-                  "process_start": owner.process_start is None or isinstance(owner.process_start, str),
-                  "started": _is_time(owner.started), "heartbeat": _is_time(owner.heartbeat),
-                  "flow_run_id": owner.flow_run_id is None or isinstance(owner.flow_run_id, str),
-                  "flow_run_name": owner.flow_run_name is None or isinstance(owner.flow_run_name, str)}
+        checks = {
+            "token": isinstance(owner.token, str) and bool(_TOKEN.fullmatch(owner.token)),
+            "host": isinstance(owner.host, str) and 0 < len(owner.host) <= 255,
+            "pid_space": owner.pid_space is None or isinstance(owner.pid_space, str),
+            "pid": type(owner.pid) is int and owner.pid > 0,
+            "process_start": owner.process_start is None or isinstance(owner.process_start, str),
+            "started": _is_time(owner.started),
+            "heartbeat": _is_time(owner.heartbeat),
+            "flow_run_id": owner.flow_run_id is None or isinstance(owner.flow_run_id, str),
+            "flow_run_name": owner.flow_run_name is None or isinstance(owner.flow_run_name, str),
+        }
         if bad := [name for name, ok in checks.items() if not ok]:
             raise ValueError(f"invalid {', '.join(bad)}")
         return owner
@@ -143,8 +156,9 @@ class RunLock:
         self._store = store
         self._version = version
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
-                                           name=f"run-lock-heartbeat {run_dir}")
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeat_s,), daemon=True, name=f"run-lock-heartbeat {run_dir}"
+        )
         self._heartbeat.start()
 
     def release(self) -> None:
@@ -172,15 +186,22 @@ class RunLock:
                 logger.warning("could not refresh the heartbeat of %s: %r", self._store.url, error)
                 continue
             if version is None:
-                logger.error("%s was taken over by another run; this run no longer owns %s",
-                             self._store.url, self.run_dir)
+                logger.error(
+                    "%s was taken over by another run; this run no longer owns %s", self._store.url, self.run_dir
+                )
                 return
             self.owner, self._version = owner, version
 
 
-def claim(run_dir: str, *, flow_run_id: str | None = None, flow_run_name: str | None = None,
-          storage_options: dict | None = None, heartbeat_s: float = HEARTBEAT_S,
-          stale_after_s: float = STALE_AFTER_S) -> RunLock:
+def claim(
+    run_dir: str,
+    *,
+    flow_run_id: str | None = None,
+    flow_run_name: str | None = None,
+    storage_options: dict | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+    stale_after_s: float = STALE_AFTER_S,
+) -> RunLock:
     """Take the lock of ``run_dir`` for this process (taking over a stale one, with a warning) and start
     its heartbeat; :class:`RunDirectoryBusy` naming the owner when a live run holds it."""
     store = _LockStore.open(join(run_dir, LOCK_FILE), storage_options)
@@ -203,8 +224,12 @@ def claim(run_dir: str, *, flow_run_id: str | None = None, flow_run_name: str | 
                 raise RunDirectoryBusy(run_dir, held_by)
             version = store.replace(owner.encode(), version)
         if version is not None:
-            logger.warning("taking over the lock of run directory %s: %s (%s)", run_dir,
-                           held_by.describe() if held_by else "unreadable lock file", why)
+            logger.warning(
+                "taking over the lock of run directory %s: %s (%s)",
+                run_dir,
+                held_by.describe() if held_by else "unreadable lock file",
+                why,
+            )
             return RunLock(run_dir, store, owner, version, heartbeat_s)
 
 
@@ -359,7 +384,7 @@ def _is_time(value) -> bool:
 
 
 def _clock(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
 
 
 def _pid_runs(pid: int) -> bool:

@@ -18,8 +18,9 @@ logger = logging.getLogger("ppoflow.rollout")
 """The rollout's records: inside a run they reach the logs of the task run that logged them."""
 
 
-@recorded_task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
-               retry_condition_fn=unless_a_scorer_failed)
+@recorded_task(
+    name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
+)
 @cacheable
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
@@ -59,8 +60,10 @@ def sample_cache_metrics(outcomes: list[str]) -> dict[str, float]:
     """``skip/async_rollout/hit``: the share of the step's trajectories replayed from the sample cache; the
     ``read_failed`` and ``dump_failed`` shares say how often its storage failed (the samples were
     generated, and not recorded)."""
-    return {f"skip/{SAMPLE_CACHE_KEY}/{outcome}": outcomes.count(outcome) / len(outcomes)
-            for outcome in ("hit", "read_failed", "dump_failed")}
+    return {
+        f"skip/{SAMPLE_CACHE_KEY}/{outcome}": outcomes.count(outcome) / len(outcomes)
+        for outcome in ("hit", "read_failed", "dump_failed")
+    }
 
 
 def agent_metrics(rollout: TensorDict, tool_errors: list[list[str]]) -> dict[str, float]:
@@ -71,11 +74,13 @@ def agent_metrics(rollout: TensorDict, tool_errors: list[list[str]]) -> dict[str
         examples = sorted({message for errors in tool_errors for message in errors})[:3]
         logger.warning("%d tool call(s) failed in this batch, e.g. %s", failed, "; ".join(examples))
     calls = rollout["tool_calls"].float()
-    return {"agent/num_turns/mean": float(rollout["num_turns"].float().mean()),
-            "agent/num_turns/max": float(rollout["num_turns"].max()),
-            "agent/tool_calls/mean": float(calls.mean()),
-            "agent/tool_call_ratio": float((calls > 0).float().mean()),
-            "agent/tool_errors/count": float(failed)}
+    return {
+        "agent/num_turns/mean": float(rollout["num_turns"].float().mean()),
+        "agent/num_turns/max": float(rollout["num_turns"].max()),
+        "agent/tool_calls/mean": float(calls.mean()),
+        "agent/tool_call_ratio": float((calls > 0).float().mean()),
+        "agent/tool_errors/count": float(failed),
+    }
 
 
 def agent_summary(rollout: TensorDict, metrics: dict[str, float], *, scored: bool) -> str:
@@ -83,9 +88,11 @@ def agent_summary(rollout: TensorDict, metrics: dict[str, float], *, scored: boo
     trajectories, turns, tool calls and failures - and, when the rollout service scored them
     (``scored``), why the step has no reward task."""
     calls = rollout["tool_calls"]
-    line = (f"{len(calls)} trajectories: {metrics['agent/num_turns/mean']:.2f} turns on average (at most "
-            f"{metrics['agent/num_turns/max']:.0f}), {int(calls.sum())} tool call(s) in {int((calls > 0).sum())} "
-            f"of them, {metrics['agent/tool_errors/count']:.0f} failed")
+    line = (
+        f"{len(calls)} trajectories: {metrics['agent/num_turns/mean']:.2f} turns on average (at most "
+        f"{metrics['agent/num_turns/max']:.0f}), {int(calls.sum())} tool call(s) in {int((calls > 0).sum())} "
+        f"of them, {metrics['agent/tool_errors/count']:.0f} failed"
+    )
     if scored:
         line += "; rewards scored in the rollout service as each trajectory finished, so there is no reward task"
     return line

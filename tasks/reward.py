@@ -28,15 +28,18 @@ from ppoflow.tasks.task_inputs import recorded_task
 def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
     """Each response as its scorer sees it (:func:`solution_text`) - in a multi-turn trajectory the model's
     turns and the tools' answers, as the model saw them."""
-    return [solution_text(tokens[:length], tokenizer)
-            for tokens, length in zip(batch["responses"].tolist(), response_extent(batch).tolist())]
+    return [
+        solution_text(tokens[:length], tokenizer)
+        for tokens, length in zip(batch["responses"].tolist(), response_extent(batch).tolist())
+    ]
 
 
 def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
     """``reward/<name>/mean`` of each extra value the scorers reported, and ``reward/scorer_timeouts``: how
     many of the responses scored ``timeout_score`` (:data:`~ppoflow.algorithms.scoring.SCORER_TIMEOUTS`)."""
-    metrics = {f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items()
-               if name != SCORER_TIMEOUTS}
+    metrics = {
+        f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items() if name != SCORER_TIMEOUTS
+    }
     if SCORER_TIMEOUTS in extras:
         metrics[f"reward/{SCORER_TIMEOUTS}"] = sum(extras[SCORER_TIMEOUTS])
     return metrics
@@ -47,23 +50,45 @@ def unless_a_scorer_failed(task, task_run, state) -> bool:
     return not isinstance(state.result(raise_on_failure=False), ScorerFailed)
 
 
-@recorded_task(name="score_chunk", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
-               retry_condition_fn=unless_a_scorer_failed)
-def score_chunk(data_sources: list[str], solutions: list[str], ground_truths: list,
-                custom_scorer: Scorer | None, prompt_ids: list[str] | None = None
-                ) -> tuple[list[float], dict[str, list[float]]]:
+@recorded_task(
+    name="score_chunk",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=unless_a_scorer_failed,
+)
+def score_chunk(
+    data_sources: list[str],
+    solutions: list[str],
+    ground_truths: list,
+    custom_scorer: Scorer | None,
+    prompt_ids: list[str] | None = None,
+) -> tuple[list[float], dict[str, list[float]]]:
     """Score one chunk of responses (runs in a Ray worker)."""
     return score_responses(data_sources, solutions, ground_truths, custom_scorer, prompt_ids)
 
 
 @flow(name="reward-on-ray", task_runner=RayTaskRunner())  # joins the run's Ray (or RAY_ADDRESS)
-def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: list, custom_scorer: Scorer | None,
-                 chunks: int, prompt_ids: list[str] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+def score_on_ray(
+    data_sources: list[str],
+    solutions: list[str],
+    ground_truths: list,
+    custom_scorer: Scorer | None,
+    chunks: int,
+    prompt_ids: list[str] | None = None,
+) -> tuple[list[float], dict[str, list[float]]]:
     """Score the responses in ``chunks`` parallel Prefect tasks on Ray workers; same result as in the flow."""
     size = -(-len(solutions) // chunks)
-    futures = [score_chunk.submit(data_sources[i:i + size], solutions[i:i + size], ground_truths[i:i + size],
-                                  custom_scorer, prompt_ids[i:i + size] if prompt_ids else None)
-               for i in range(0, len(solutions), size)]
+    futures = [
+        score_chunk.submit(
+            data_sources[i : i + size],
+            solutions[i : i + size],
+            ground_truths[i : i + size],
+            custom_scorer,
+            prompt_ids[i : i + size] if prompt_ids else None,
+        )
+        for i in range(0, len(solutions), size)
+    ]
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for part_scores, part_extras in (future.result() for future in futures):
@@ -73,24 +98,33 @@ def score_on_ray(data_sources: list[str], solutions: list[str], ground_truths: l
     return scores, extras
 
 
-@recorded_task(name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
-               retry_condition_fn=unless_a_scorer_failed)
+@recorded_task(
+    name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
+)
 @cacheable
 def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
 
     ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`)."""
-    inputs = (non_tensor_column(batch, "data_source"), decode_responses(batch, tokenizer),
-              non_tensor_column(batch, "ground_truth"), custom_scorer)
+    inputs = (
+        non_tensor_column(batch, "data_source"),
+        decode_responses(batch, tokenizer),
+        non_tensor_column(batch, "ground_truth"),
+        custom_scorer,
+    )
     uids = non_tensor_column(batch, "uid")
     try:
-        scores, extras = (score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids) if ray_chunks
-                          else score_responses(*inputs, prompt_ids=uids))
+        scores, extras = (
+            score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids)
+            if ray_chunks
+            else score_responses(*inputs, prompt_ids=uids)
+        )
     except ScorerFailed as error:
         context = TaskRunContext.get()
         if context is None:
             raise
         raise type(error)(f"{error} in {context.task_run.name}") from None
     token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
-    return StageResult(TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size),
-                       extra_means(extras))
+    return StageResult(
+        TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size), extra_means(extras)
+    )

@@ -14,8 +14,9 @@ from ppoflow.tasks.task_inputs import recorded_task
 
 
 @recorded_task(name="sample", cache_policy=NO_CACHE)
-def sample(buffer: ReplayBuffer, step: int, batch_size: int, poll: Callable[[float], None],
-           in_order: bool = False) -> StageResult:
+def sample(
+    buffer: ReplayBuffer, step: int, batch_size: int, poll: Callable[[float], None], in_order: bool = False
+) -> StageResult:
     """The ``batch_size`` oldest finished prompt groups (``in_order``: the oldest prompts, once all are
     finished), waiting for the rollout (``poll`` takes in the groups that finished) while too few are; the
     buffer's staleness and eviction metrics, and the rollout's own (agent loops, streamed reward extras,

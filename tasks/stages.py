@@ -36,18 +36,21 @@ class Stage:
         return self.names.name
 
 
-STAGES = {stage.name: stage for stage in (
-    Stage(STAGE_NAMES["generate"], generate),
-    Stage(STAGE_NAMES["sample"], sample),
-    Stage(STAGE_NAMES["reward"], reward),
-    Stage(STAGE_NAMES["old_log_prob"], old_log_prob, weights="actor"),
-    Stage(STAGE_NAMES["ref_log_prob"], ref_log_prob, weights="ref"),
-    Stage(STAGE_NAMES["values"], values, weights="critic"),
-    Stage(STAGE_NAMES["advantage"], advantage),
-    Stage(STAGE_NAMES["update_critic"], update_critic),
-    Stage(STAGE_NAMES["update_actor"], update_actor),
-    Stage(STAGE_NAMES["weight_sync"], weight_sync),
-)}
+STAGES = {
+    stage.name: stage
+    for stage in (
+        Stage(STAGE_NAMES["generate"], generate),
+        Stage(STAGE_NAMES["sample"], sample),
+        Stage(STAGE_NAMES["reward"], reward),
+        Stage(STAGE_NAMES["old_log_prob"], old_log_prob, weights="actor"),
+        Stage(STAGE_NAMES["ref_log_prob"], ref_log_prob, weights="ref"),
+        Stage(STAGE_NAMES["values"], values, weights="critic"),
+        Stage(STAGE_NAMES["advantage"], advantage),
+        Stage(STAGE_NAMES["update_critic"], update_critic),
+        Stage(STAGE_NAMES["update_actor"], update_actor),
+        Stage(STAGE_NAMES["weight_sync"], weight_sync),
+    )
+}
 
 
 def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
@@ -56,9 +59,16 @@ def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
     for stage in STAGES.values():
         skip = cfg.skip.get(stage.names.skip) if stage.names.skip else None
         if skip is not None and skip.enable:
-            caches[stage.name] = StageCache(stage.names.skip, normalize_url(skip.dump_dir), run_cache_dir(skip, cfg),
-                                            steps=skip.steps, action=skip.action,
-                                            storage_options=storage_settings(skip), timeout_s=skip.timeout_s,
-                                            retries=skip.retries, allow_mismatch=skip.allow_mismatch,
-                                            max_entry_bytes=entry_size_bound(cfg))
+            caches[stage.name] = StageCache(
+                stage.names.skip,
+                normalize_url(skip.dump_dir),
+                run_cache_dir(skip, cfg),
+                steps=skip.steps,
+                action=skip.action,
+                storage_options=storage_settings(skip),
+                timeout_s=skip.timeout_s,
+                retries=skip.retries,
+                allow_mismatch=skip.allow_mismatch,
+                max_entry_bytes=entry_size_bound(cfg),
+            )
     return caches

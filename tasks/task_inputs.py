@@ -87,8 +87,13 @@ class RecordedTask(Task):
 
     def __call__(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
         parameters, constants = recorded_inputs(get_call_parameters(self.fn, args, kwargs))
-        returned = run_task(task=self, parameters=parameters, wait_for=wait_for,
-                            return_type="state" if return_state else "result", dependencies=constants)
+        returned = run_task(
+            task=self,
+            parameters=parameters,
+            wait_for=wait_for,
+            return_type="state" if return_state else "result",
+            dependencies=constants,
+        )
         if self.name in STARTUP_TASKS and (task_run_id := task_run_of(returned)) is not None:
             STARTUP_RUNS[task_run_id] = self.name
         return returned

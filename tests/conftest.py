@@ -14,8 +14,13 @@ import urllib.request
 
 import pytest
 
-TEST_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+TEST_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
 os.environ.update(TEST_ENV)
 
 
@@ -54,6 +59,7 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
 
 # --- s3_server: an in-process S3 (moto server mode) for fsspec/s3fs tests ----------------------
 # Self-contained: it needs nothing else from this file. Server mode (a real HTTP endpoint) rather
@@ -113,8 +119,12 @@ def prefect_server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_API_URL": url}
     log = open(home / "server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -169,8 +179,12 @@ def replay_baseline(prefect_server, ray_local, tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("replay")
     overrides = [word for word in small_run(tiny_model, root) if not word.startswith(("trainer.", "data.val_files"))]
-    overrides += ["data.val_files=null", f"trainer.total_training_steps={REPLAY_STEPS}", "trainer.logger=[]",
-                  REPLAY_EPOCHS]
+    overrides += [
+        "data.val_files=null",
+        f"trainer.total_training_steps={REPLAY_STEPS}",
+        "trainer.logger=[]",
+        REPLAY_EPOCHS,
+    ]
     with prefect_settings(prefect_server):
         assert cli(["replay", "record", "--dir", str(root / "baseline"), *overrides]) == 0
         drain_prefect_logs()
@@ -187,14 +201,28 @@ def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
     from tests.flow_runs import rollout_skip, small, train_run
 
     root = tmp_path_factory.mktemp("golden")
-    skip = {**rollout_skip(root / "dump", [1, 2, 3, 4]), "reward.enable": "true",
-            "reward.dump_dir": str(root / "dump"), "reward.steps": "[1,2,3,4]"}
+    skip = {
+        **rollout_skip(root / "dump", [1, 2, 3, 4]),
+        "reward.enable": "true",
+        "reward.dump_dir": str(root / "dump"),
+        "reward.steps": "[1,2,3,4]",
+    }
     words = [w for w in small(root, tiny_model) if not w.startswith("data.val_files")] + [
-        f"data.val_files={root}/data/val.parquet", "trainer.val_before_train=true", "trainer.task_run_tags=true"]
+        f"data.val_files={root}/data/val.parquet",
+        "trainer.val_before_train=true",
+        "trainer.task_run_tags=true",
+    ]
     with prefect_settings(prefect_server):
         rows, states, flow_run_id = train_run(words + ["trainer.test_freq=4"], root / "run", 4, skip, validations=2)
-    return SimpleNamespace(root=root, dump=root / "dump", rows=rows, states=states, skip=skip,
-                           overrides=small(root, tiny_model), flow_run_id=flow_run_id)
+    return SimpleNamespace(
+        root=root,
+        dump=root / "dump",
+        rows=rows,
+        states=states,
+        skip=skip,
+        overrides=small(root, tiny_model),
+        flow_run_id=flow_run_id,
+    )
 
 
 # --- ray_local: one local Ray for the whole session ---------------------------------------------
@@ -222,19 +250,36 @@ def tiny_model(tmp_path_factory) -> str:
     from ppoflow.workers.models import build_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny_llama"
-    build_tiny_model(str(path), TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4, max_position_embeddings=64, seed=0))
+    build_tiny_model(
+        str(path),
+        TinyModelConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            seed=0,
+        ),
+    )
     return str(path)
 
 
 def small_run(tiny_model: str, root) -> list[str]:
     """Overrides that make the grpo_tiny preset small and self-contained under ``root``."""
-    return [f"actor_rollout_ref.model.path={tiny_model}",
-            f"data.train_files={root}/data/train.parquet", f"data.val_files={root}/data/val.parquet",
-            "data.synthetic.train_rows=64", "data.synthetic.val_rows=8",
-            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2", "trainer.test_freq=2",
-            "trainer.logger=[]", f"trainer.default_local_dir={root}/run"]
+    return [
+        f"actor_rollout_ref.model.path={tiny_model}",
+        f"data.train_files={root}/data/train.parquet",
+        f"data.val_files={root}/data/val.parquet",
+        "data.synthetic.train_rows=64",
+        "data.synthetic.val_rows=8",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={root}/run",
+    ]
 
 
 @pytest.fixture

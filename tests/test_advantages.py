@@ -198,15 +198,22 @@ def test_registry_constants():
     [
         (
             "gae",
-            dict(token_level_rewards=GAE_REWARDS, response_mask=GAE_MASK, index=T([0, 1]), values=GAE_VALUES,
-                 gamma=0.5, lam=0.5),
+            dict(
+                token_level_rewards=GAE_REWARDS,
+                response_mask=GAE_MASK,
+                index=T([0, 1]),
+                values=GAE_VALUES,
+                gamma=0.5,
+                lam=0.5,
+            ),
             GAE_ADV,
             GAE_RETURNS,
         ),
         (
             "grpo",
-            dict(token_level_rewards=OUT_REWARDS, response_mask=OUT_MASK, index=OUT_INDEX,
-                 norm_adv_by_std_in_grpo=False),
+            dict(
+                token_level_rewards=OUT_REWARDS, response_mask=OUT_MASK, index=OUT_INDEX, norm_adv_by_std_in_grpo=False
+            ),
             T([[-1.0, -1.0], [5.0, 5.0], [0.0, 0.0], [1.0, 1.0]]),
             T([[-1.0, -1.0], [5.0, 5.0], [0.0, 0.0], [1.0, 1.0]]),
         ),

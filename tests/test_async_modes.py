@@ -27,20 +27,36 @@ def test_trainer_mode_and_verls_key_are_one_setting():
     assert load_config("grpo_tiny", ["trainer.mode=one_step_off"]).trainer.v1.trainer_mode == "one_step_off"
     assert load_config("grpo_tiny").trainer.mode == "sync"
     assert problems(["trainer.mode=sync", "trainer.v1.trainer_mode=one_step_off"]) == [
-        ("trainer.v1.trainer_mode", "'one_step_off' disagrees with trainer.mode='sync': they are one setting; "
-                                    "set one of them")]
+        (
+            "trainer.v1.trainer_mode",
+            "'one_step_off' disagrees with trainer.mode='sync': they are one setting; set one of them",
+        )
+    ]
 
 
-@pytest.mark.parametrize("words, key, needle", [
-    (["trainer.mode=colocate_async"], "trainer.mode", "set actor_rollout_ref.rollout.mode=async"),
-    (["trainer.mode=separate_async", "actor_rollout_ref.rollout.mode=async"],
-     "trainer.v1.separate_async.parameter_sync_step", "data.train_batch_size (16) must be 64: set "
-                                                      "parameter_sync_step=1 or ppo_mini_batch_size=4"),
-    (["trainer.mode=colocate_async", "actor_rollout_ref.rollout.mode=async", "skip.rollout.enable=true",
-      "skip.rollout.steps=[1]"], "skip.rollout.enable", "skip.async_rollout"),
-    (["trainer.v1.sampler.max_off_policy_strategy=newest"], "trainer.v1.sampler.max_off_policy_strategy", "drop"),
-    (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer.v1.sampler.max_off_policy_threshold", "1"),
-])
+@pytest.mark.parametrize(
+    "words, key, needle",
+    [
+        (["trainer.mode=colocate_async"], "trainer.mode", "set actor_rollout_ref.rollout.mode=async"),
+        (
+            ["trainer.mode=separate_async", "actor_rollout_ref.rollout.mode=async"],
+            "trainer.v1.separate_async.parameter_sync_step",
+            "data.train_batch_size (16) must be 64: set parameter_sync_step=1 or ppo_mini_batch_size=4",
+        ),
+        (
+            [
+                "trainer.mode=colocate_async",
+                "actor_rollout_ref.rollout.mode=async",
+                "skip.rollout.enable=true",
+                "skip.rollout.steps=[1]",
+            ],
+            "skip.rollout.enable",
+            "skip.async_rollout",
+        ),
+        (["trainer.v1.sampler.max_off_policy_strategy=newest"], "trainer.v1.sampler.max_off_policy_strategy", "drop"),
+        (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer.v1.sampler.max_off_policy_threshold", "1"),
+    ],
+)
 def test_async_mode_settings_are_checked_before_anything_starts(words, key, needle):
     found = problems(words)
     assert any(k == key and needle in message for k, message in found), found
@@ -55,12 +71,16 @@ def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model, 
     from ppoflow.workers.rollout_service import LoadBalancer, RolloutReplica
     from ppoflow.workers.weight_sync import WeightSender
 
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    cfg = load_config(
+        "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
+    )
     replica = ray_local.remote(RolloutReplica).options(num_cpus=0).remote(cfg)
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
-        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 3)
-    sampling = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=56, seed=5,
-                               ignore_eos=True)
+        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 3
+    )
+    sampling = RequestSampling(
+        temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=56, seed=5, ignore_eos=True
+    )
 
     async def interrupted() -> tuple:
         balancer = LoadBalancer([replica], partial_rollout=partial_rollout)
@@ -85,11 +105,20 @@ def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model, 
 
 
 def run_overrides(tiny_model, tmp_path, *words) -> list[str]:
-    return [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
-            "data.val_files=null", "data.synthetic.train_rows=64", "actor_rollout_ref.rollout.mode=async",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.num_replicas=2",
-            "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.logger=[]",
-            f"trainer.default_local_dir={tmp_path}/run", *words]
+    return [
+        f"actor_rollout_ref.model.path={tiny_model}",
+        f"data.train_files={tmp_path}/train.parquet",
+        "data.val_files=null",
+        "data.synthetic.train_rows=64",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.num_replicas=2",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=-1",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={tmp_path}/run",
+        *words,
+    ]
 
 
 def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model):
@@ -102,14 +131,16 @@ def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model)
     from ppoflow.workers.rollout import SamplingParams
     from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutReplica, RolloutService
 
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}",
-                                    "actor_rollout_ref.rollout.mode=async"])
+    cfg = load_config(
+        "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
+    )
     replica = ray_local.remote(RolloutReplica).options(num_cpus=0).remote(cfg)
     agent = ray_local.remote(AgentLoopWorker).options(num_cpus=0).remote(cfg, [replica])
     service = RolloutService([replica], [agent], pad_token_id=0)
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=8, seed=0)
-    prompt = TensorDict({"prompts": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.ones(1, 3, dtype=torch.bool)},
-                        batch_size=[1])
+    prompt = TensorDict(
+        {"prompts": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.ones(1, 3, dtype=torch.bool)}, batch_size=[1]
+    )
     try:
         ray_local.get(replica.sleep.remote())
         group = service.submit_group(prompt, position=0, step=1, sampling=sampling)
@@ -119,8 +150,9 @@ def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model)
         with pytest.raises(ray_local.exceptions.TaskCancelledError):
             ray_local.get(group)
         ray_local.get(replica.wake.remote())
-        fresh = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=8, seed=5,
-                                ignore_eos=True)
+        fresh = RequestSampling(
+            temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=8, seed=5, ignore_eos=True
+        )
         assert len(ray_local.get(replica.generate.remote("fresh", [4, 5, 6], fresh)).token_ids) == 8
         stats = ray_local.get(replica.stats.remote())  # a woken request would have generated beside it
         assert stats["tokens_generated"] == 8 and stats["running"] == stats["waiting"] == 0, stats
@@ -129,13 +161,26 @@ def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model)
         ray_local.kill(replica)
 
 
-@pytest.mark.parametrize("words", [
-    ["trainer.v1.trainer_mode=colocate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
-    pytest.param(["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
-                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
-                  "trainer.v1.sampler.max_off_policy_threshold=2"],
-                 marks=pytest.mark.slow),  # the default run trains separate_async in the replay test below
-])
+@pytest.mark.parametrize(
+    "words",
+    [
+        [
+            "trainer.v1.trainer_mode=colocate_async",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+        pytest.param(
+            [
+                "trainer.v1.trainer_mode=separate_async",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "trainer.v1.separate_async.parameter_sync_step=2",
+                "trainer.v1.sampler.max_off_policy_threshold=2",
+            ],
+            marks=pytest.mark.slow,
+        ),  # the default run trains separate_async in the replay test below
+    ],
+)
 def test_an_async_run_trains_on_the_replay_buffer(prefect_api, ray_local, tiny_model, tmp_path, words):
     """Three steps through Prefect: each step's batch is sampled from the buffer (the ``sample`` stage), its
     staleness is within the threshold, and the rollout keeps generating ahead of the trainer."""
@@ -194,21 +239,40 @@ def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_mo
 
     log = tmp_path / "hooks.jsonl"
     (tmp_path / "my_modes.py").write_text(MODE_FILE.format(log=str(log)))
-    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
-                 f"data.val_files={tmp_path}/val.parquet", "data.synthetic.train_rows=32", "data.synthetic.val_rows=4",
-                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                 "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=2", "trainer.test_freq=2",
-                 "trainer.val_before_train=false", "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}/run",
-                 f"trainer.v1.trainer_module={tmp_path}/my_modes.py", "trainer.v1.trainer_mode=recording_sync"]
+    overrides = [
+        f"actor_rollout_ref.model.path={tiny_model}",
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/val.parquet",
+        "data.synthetic.train_rows=32",
+        "data.synthetic.val_rows=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.val_before_train=false",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={tmp_path}/run",
+        f"trainer.v1.trainer_module={tmp_path}/my_modes.py",
+        "trainer.v1.trainer_mode=recording_sync",
+    ]
     # as `ppoflow train` calls it: the typed fields from the config, where a user's mode is not one
     state = run_ppo_train("grpo_tiny", overrides, load_config("grpo_tiny", overrides), return_state=True)
     assert state.is_completed(), state
     hooks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+
     def per_step(number: int) -> list[tuple]:
         return [(hook, number) for hook in ("on_step_begin", "on_sample_begin", "on_sample_end", "on_step_end")]
 
-    assert hooks == [("on_init_end", None), ("on_train_begin", None), *per_step(1), *per_step(2),
-                     ("on_validate_begin", 2), ("on_validate_end", 2), ("on_train_end", None)]
+    assert hooks == [
+        ("on_init_end", None),
+        ("on_train_begin", None),
+        *per_step(1),
+        *per_step(2),
+        ("on_validate_begin", 2),
+        ("on_validate_end", 2),
+        ("on_train_end", None),
+    ]
 
 
 def test_a_mode_or_sampler_file_that_does_not_import_is_a_config_error(tmp_path):
@@ -220,8 +284,13 @@ def test_a_mode_or_sampler_file_that_does_not_import_is_a_config_error(tmp_path)
         with pytest.raises(ConfigError) as raised:
             check_mode(cfg)
         assert raised.value.problems[0][0] == "trainer.v1.trainer_module" and needle in raised.value.problems[0][1]
-    cfg = load_config("grpo_tiny", [f"trainer.v1.sampler.custom_sampler.path={tmp_path}/missing.py",
-                                    "trainer.v1.sampler.custom_sampler.name=Sampler"])
+    cfg = load_config(
+        "grpo_tiny",
+        [
+            f"trainer.v1.sampler.custom_sampler.path={tmp_path}/missing.py",
+            "trainer.v1.sampler.custom_sampler.name=Sampler",
+        ],
+    )
     with pytest.raises(ConfigError) as raised:
         check_mode(cfg)
     assert raised.value.problems[0][0] == "trainer.v1.sampler.custom_sampler"
@@ -259,8 +328,13 @@ def test_a_resumed_async_run_trains_every_prompt_once(prefect_api, ray_local, ti
 
     log = tmp_path / "ledger.jsonl"
     (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log), name="ledger_async"))
-    words = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=2",
-             f"trainer.v1.trainer_module={tmp_path}/ledger.py", "trainer.v1.trainer_mode=ledger_async"]
+    words = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.save_freq=2",
+        f"trainer.v1.trainer_module={tmp_path}/ledger.py",
+        "trainer.v1.trainer_mode=ledger_async",
+    ]
     for steps in (2, 4):
         overrides = run_overrides(tiny_model, tmp_path, *words)
         overrides[overrides.index("trainer.total_training_steps=3")] = f"trainer.total_training_steps={steps}"
@@ -291,10 +365,15 @@ def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_lo
     never the first to finish."""
     from ppoflow.flows.train import ppo_train
 
-    words = ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
-             "skip.async_rollout.enable=true", f"skip.async_rollout.dump_dir={tmp_path}/samples",
-             "skip.async_rollout.steps=[1,2,3,4,5,6,7,8,9,10,11,12]"]
+    words = [
+        "trainer.v1.trainer_mode=separate_async",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "skip.async_rollout.enable=true",
+        f"skip.async_rollout.dump_dir={tmp_path}/samples",
+        "skip.async_rollout.steps=[1,2,3,4,5,6,7,8,9,10,11,12]",
+    ]
     runs = []
     for name in ("recorded", "replayed"):
         overrides = [*run_overrides(tiny_model, tmp_path, *words), f"trainer.default_local_dir={tmp_path}/{name}"]
@@ -318,13 +397,19 @@ def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp
     import subprocess
     import sys
 
-    words = ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
-             "trainer.v1.separate_async.num_warmup_batches=8", "trainer.v1.sampler.max_off_policy_threshold=20"]
+    words = [
+        "trainer.v1.trainer_mode=separate_async",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "trainer.v1.separate_async.num_warmup_batches=8",
+        "trainer.v1.sampler.max_off_policy_threshold=20",
+    ]
     overrides = run_overrides(tiny_model, tmp_path, *words)
     overrides[overrides.index("trainer.total_training_steps=3")] = "trainer.total_training_steps=2"
-    done = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *overrides], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *overrides], capture_output=True, text=True, timeout=300
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert [row["step"] for row in read_metrics(str(tmp_path / "run"))] == [1, 2]
@@ -355,16 +440,21 @@ def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server,
     failing = PASSES_THE_PREFLIGHT_ONLY.format(then='raise RuntimeError("the judge is down")')
     (tmp_path / "scorer.py").write_text(failing)
     words = ["trainer.v1.trainer_mode=colocate_async", f"custom_reward_function.path={tmp_path}/scorer.py"]
-    done = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train",
-                           *run_overrides(tiny_model, tmp_path, *words)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ppoflow: the run failed: "), done.stderr[-3000:]
     assert f"the custom scorer '{tmp_path}/scorer.py:compute_score' raised RuntimeError: the judge is down" in last
 
 
-def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(prefect_api, ray_local, tiny_model,
-                                                                               tmp_path):
+def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(
+    prefect_api, ray_local, tiny_model, tmp_path
+):
     """A sync run whose async rollout scores as it samples: a scorer past custom_reward_function.timeout_s
     fails the generate task run once (never retried: run_count 1) and the run with ScorerTimedOut."""
     from ppoflow.algorithms.scoring import ScorerTimedOut
@@ -372,8 +462,11 @@ def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(p
     from tests.flow_runs import task_runs_by_name
 
     (tmp_path / "scorer.py").write_text(PASSES_THE_PREFLIGHT_ONLY.format(then="time.sleep(10**9)"))
-    words = [f"custom_reward_function.path={tmp_path}/scorer.py", "custom_reward_function.timeout_s=1",
-             "trainer.total_training_steps=1"]
+    words = [
+        f"custom_reward_function.path={tmp_path}/scorer.py",
+        "custom_reward_function.timeout_s=1",
+        "trainer.total_training_steps=1",
+    ]
     overrides = run_overrides(tiny_model, tmp_path, *words)
     state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
     assert state.is_failed()

@@ -16,11 +16,21 @@ from ppoflow.storage.batch import batch_from_plain, non_tensor_column, plain_bat
 def step_batch() -> TensorDict:
     """Every dtype a batch carries, a response slice of a wider tensor (a view), JSON-like columns."""
     wide = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
-    batch = TensorDict({"prompts": torch.randint(0, 50, (4, 5)), "prompt_mask": torch.rand(4, 5) > 0.3,
-                        "rollout_log_probs": wide[:, :3], "advantages": torch.randn(4, 3, dtype=torch.bfloat16),
-                        "weight_version": torch.tensor([3, 3, 4, 4]), "empty": torch.zeros(4, 0)}, batch_size=[4])
-    return with_non_tensor_columns(batch, {"uid": ["a", "a", "b", "b"], "data_source": ["copy"] * 4,
-                                           "ground_truth": [[1, 2], {"x": (1,)}, None, 2.5]})
+    batch = TensorDict(
+        {
+            "prompts": torch.randint(0, 50, (4, 5)),
+            "prompt_mask": torch.rand(4, 5) > 0.3,
+            "rollout_log_probs": wide[:, :3],
+            "advantages": torch.randn(4, 3, dtype=torch.bfloat16),
+            "weight_version": torch.tensor([3, 3, 4, 4]),
+            "empty": torch.zeros(4, 0),
+        },
+        batch_size=[4],
+    )
+    return with_non_tensor_columns(
+        batch,
+        {"uid": ["a", "a", "b", "b"], "data_source": ["copy"] * 4, "ground_truth": [[1, 2], {"x": (1,)}, None, 2.5]},
+    )
 
 
 def assert_same_batch(got: TensorDict, want: TensorDict) -> None:

@@ -21,8 +21,18 @@ from ppoflow.flows.tracking import read_metrics
 from ppoflow.storage.step_cache import StepCache
 from ppoflow.tasks.stages import stage_caches
 from tests.conftest import drain_prefect_logs
-from tests.flow_runs import (CONFIG, PROJECT, UPDATE_METRICS, cached_steps, copy_dump, generate_states,
-                             rollout_skip, small, train, train_run)
+from tests.flow_runs import (
+    CONFIG,
+    PROJECT,
+    UPDATE_METRICS,
+    cached_steps,
+    copy_dump,
+    generate_states,
+    rollout_skip,
+    small,
+    train,
+    train_run,
+)
 
 
 @pytest.fixture
@@ -39,10 +49,15 @@ def task_runs_named(flow_run_id, name: str, expected: int) -> list:
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         while True:
-            runs = [run for run in client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
-                sort=TaskRunSort.EXPECTED_START_TIME_ASC) if run.state and run.state.is_final()]
+            runs = [
+                run
+                for run in client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
+                    sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+                )
+                if run.state and run.state.is_final()
+            ]
             if len(runs) >= expected:
                 return runs
             assert time.monotonic() < deadline, f"{len(runs)} of {expected} {name} task runs recorded"
@@ -58,8 +73,10 @@ def task_run_log(task_run_id, needle: str) -> str:
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         while True:
-            text = "\n".join(log.message for log in client.read_logs(
-                log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]))))
+            text = "\n".join(
+                log.message
+                for log in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+            )
             if needle in text or time.monotonic() > deadline:
                 return text
             time.sleep(0.5)
@@ -111,13 +128,13 @@ def test_cache_with_only_step_one_present(prefect_api, ray_local, golden, tmp_pa
 def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, golden, tmp_path, caplog):
     dump = copy_dump(golden, tmp_path)
     root = dump / PROJECT / CONFIG
-    payload = (root / "1" / "rollout.safetensors")
-    payload.write_bytes(payload.read_bytes()[:100])                      # 1: truncated payload
-    (root / "2" / "meta.json").unlink()                                  # 2: marker missing (a crash)
+    payload = root / "1" / "rollout.safetensors"
+    payload.write_bytes(payload.read_bytes()[:100])  # 1: truncated payload
+    (root / "2" / "meta.json").unlink()  # 2: marker missing (a crash)
     data = bytearray((root / "3" / "rollout.safetensors").read_bytes())
-    data[-5:] = b"XXXXX"                                                 # 3: same size, wrong checksum
+    data[-5:] = b"XXXXX"  # 3: same size, wrong checksum
     (root / "3" / "rollout.safetensors").write_bytes(bytes(data))
-    (root / "4" / "meta.json").write_text("{not json")                   # 4: garbage marker
+    (root / "4" / "meta.json").write_text("{not json")  # 4: garbage marker
 
     caplog.set_level("WARNING")
     rows, _, flow_run_id = train_run(golden.overrides, tmp_path / "run", 4, rollout_skip(dump, [1, 2, 3, 4]))
@@ -151,15 +168,19 @@ def test_a_rejected_entry_is_a_failed_task_run_saying_why(prefect_api, ray_local
     assert rows[1]["skip/reward/hit"] == 0 and rows[1]["skip/reward/rejected"] == 1
     (replayed,) = task_runs_named(flow_run_id, "generate[step=1]", 1)
     assert replayed.state.name == "Cached" and replayed.cache_key == f"{PROJECT}/{CONFIG}/1/meta.json"
-    for name, reason in (("generate[step=2]", "cached rollout of step 2 is damaged"),
-                         ("reward[step=2]", "cached reward of step 2 does not match this run (input_fingerprint:")):
+    for name, reason in (
+        ("generate[step=2]", "cached rollout of step 2 is damaged"),
+        ("reward[step=2]", "cached reward of step 2 does not match this run (input_fingerprint:"),
+    ):
         rejected, recomputed = task_runs_named(flow_run_id, name, 2)
         assert (rejected.state.type.value, recomputed.state.name) == ("FAILED", "Completed"), name
         assert "CacheEntryRejected" in rejected.state.message and reason in rejected.state.message
         assert reason in task_run_log(rejected.id, reason)
     assert StepCache(str(root)).status(2).valid and StepCache(str(root), stage="reward").status(2).valid
-    assert "step cache: replayed 1 of 2 planned steps of rollout: 1 rejected (step 2: cached rollout of step 2 " \
-           "is damaged" in caplog.text
+    assert (
+        "step cache: replayed 1 of 2 planned steps of rollout: 1 rejected (step 2: cached rollout of step 2 "
+        "is damaged" in caplog.text
+    )
     assert "step cache: replayed 0 of 1 planned steps of reward: 1 rejected (step 2: cached reward" in caplog.text
 
 
@@ -180,7 +201,8 @@ def test_missing_entries_kept_under_another_experiment_are_named(prefect_api, go
     assert found.needs_attention and found.line() == (
         "replayed 0 of 3 planned steps of rollout: 3 missing (no entry under this run's configuration; the cache "
         f"holds steps 1, 2 under {PROJECT}/{CONFIG}, where trainer.experiment_name is 'grpo_tiny' there, 'other' "
-        "here)")
+        "here)"
+    )
 
 
 @pytest.mark.slow
@@ -192,8 +214,12 @@ def test_a_cache_of_another_shape_is_fitted_onto_the_prompts(prefect_api, ray_lo
     dump = tmp_path / "dump"
     shutil.copytree(golden.dump / PROJECT / CONFIG / "1", dump / PROJECT / "GBS4_N2_in8_out3" / "1")
     caplog.set_level("WARNING")
-    rows, states = train(golden.overrides + ["actor_rollout_ref.rollout.n=2"], tmp_path / "run", 1,
-                         {**rollout_skip(dump, [1]), "rollout.allow_mismatch": "true"})
+    rows, states = train(
+        golden.overrides + ["actor_rollout_ref.rollout.n=2"],
+        tmp_path / "run",
+        1,
+        {**rollout_skip(dump, [1]), "rollout.allow_mismatch": "true"},
+    )
     assert rows[0]["skip/rollout/hit"] == 1 and states == ["Cached"]
     assert "sampling.n: 4 recorded, 2 here" in caplog.text and "replaying it anyway" in caplog.text
     assert "differ from n=2" in caplog.text
@@ -211,9 +237,12 @@ def test_a_rollout_sampled_otherwise_is_not_replayed(prefect_api, ray_local, gol
     data[-4:] = bytes(byte ^ 0xFF for byte in data[-4:])  # another checkpoint: same files, other weights
     weights.write_bytes(bytes(data))
     caplog.set_level("WARNING")
-    rows, _ = train(golden.overrides + ["actor_rollout_ref.rollout.temperature=0.7",
-                                        f"actor_rollout_ref.model.path={other_model}"], tmp_path / "run", 1,
-                    rollout_skip(dump, [1]))
+    rows, _ = train(
+        golden.overrides + ["actor_rollout_ref.rollout.temperature=0.7", f"actor_rollout_ref.model.path={other_model}"],
+        tmp_path / "run",
+        1,
+        rollout_skip(dump, [1]),
+    )
     assert rows[0]["skip/rollout/hit"] == 0
     assert "sampling.temperature: 1.0 recorded, 0.7 here" in caplog.text and "model: 'sha256:" in caplog.text
     assert "recomputing" in caplog.text
@@ -232,14 +261,22 @@ def test_reward_cache_is_reused_only_for_the_same_rollout(prefect_api, ray_local
 def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides, tmp_path, s3_server):
     endpoint, _ = s3_server
     skip = rollout_skip(f"s3://ppoflow-test/{uuid.uuid4().hex}", [1, 2])
-    skip["rollout.storage_options"] = "{client_kwargs: {endpoint_url: '%s'}}" % endpoint
+    skip["rollout.storage_options"] = f"{{client_kwargs: {{endpoint_url: '{endpoint}'}}}}"
     first, _ = train(overrides, tmp_path / "run1", 2, skip)
 
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    words = overrides + [f"trainer.default_local_dir={tmp_path}/run2", "trainer.total_training_steps=2",
-                         "trainer.test_freq=-1"] + [f"skip.{key}={value}" for key, value in skip.items()]
-    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *words], env=env, capture_output=True,
-                            text=True, timeout=300)
+    words = (
+        overrides
+        + [f"trainer.default_local_dir={tmp_path}/run2", "trainer.total_training_steps=2", "trainer.test_freq=-1"]
+        + [f"skip.{key}={value}" for key, value in skip.items()]
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     second = read_metrics(f"{tmp_path}/run2")
     assert [row["skip/rollout/hit"] for row in second] == [1, 1]

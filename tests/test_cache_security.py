@@ -25,6 +25,7 @@ from tensordict import TensorDict
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.step_cache import StepCache, scan
 from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
+from ppoflow.storage.step_cache.store import CacheCorrupt
 from tests.flow_runs import CONFIG, PROJECT, copy_dump, generate_states, rollout_skip, train, train_run
 
 pytestmark = pytest.mark.reliability
@@ -51,15 +52,19 @@ def prefect_pickle_metadata(storage_key: str) -> dict:
 
 def prefect_single_record(sentinel) -> bytes:
     """Prefect's default single-file record: metadata plus a base64 pickle of the result."""
-    return json.dumps({"metadata": prefect_pickle_metadata("x"),
-                       "result": base64.b64encode(evil_pickle(sentinel)).decode()}).encode()
+    return json.dumps(
+        {"metadata": prefect_pickle_metadata("x"), "result": base64.b64encode(evil_pickle(sentinel)).decode()}
+    ).encode()
 
 
 def step_batch(rows: int = 2) -> TensorDict:
-    batch = TensorDict({"responses": torch.ones(rows, 3, dtype=torch.int64),
-                        "response_mask": torch.ones(rows, 3, dtype=torch.bool)}, batch_size=[rows])
-    return with_non_tensor_columns(batch, {"uid": ["u"] * rows, "data_source": ["d"] * rows,
-                                           "ground_truth": ["1"] * rows})
+    batch = TensorDict(
+        {"responses": torch.ones(rows, 3, dtype=torch.int64), "response_mask": torch.ones(rows, 3, dtype=torch.bool)},
+        batch_size=[rows],
+    )
+    return with_non_tensor_columns(
+        batch, {"uid": ["u"] * rows, "data_source": ["d"] * rows, "ground_truth": ["1"] * rows}
+    )
 
 
 def vouch_for(step_dir, payload: bytes) -> None:
@@ -105,9 +110,12 @@ def test_prefect_reads_only_records_derived_from_valid_markers(tmp_path):
     """The result store a cached stage task uses: a valid entry reads back through the manifest
     serializer; every poisoned one is "no record" to Prefect, and no pickle is ever loaded."""
     sentinel, dump, root = poisoned_cache(tmp_path)
-    store = ResultStore(result_storage=StepCacheStorage(basepath=str(dump)),
-                        metadata_storage=DerivedRecords(basepath=str(dump)), serializer=ManifestSerializer(),
-                        cache_result_in_memory=False)
+    store = ResultStore(
+        result_storage=StepCacheStorage(basepath=str(dump)),
+        metadata_storage=DerivedRecords(basepath=str(dump)),
+        serializer=ManifestSerializer(),
+        cache_result_in_memory=False,
+    )
 
     def key(step: int) -> str:
         return f"{PROJECT}/{CONFIG}/{step}/meta.json"
@@ -116,14 +124,19 @@ def test_prefect_reads_only_records_derived_from_valid_markers(tmp_path):
     assert isinstance(record, StageRecord) and record.fields is None and record.manifest["global_steps"] == 1
     for step in (2, 3):
         assert not store.exists(key(step))
-        with pytest.raises(Exception):
+        with pytest.raises(CacheCorrupt, match="unreadable meta.json"):
             store.read(key(step))
     # 4 has a marker that decodes: Prefect may call it Cached, but the load that follows refuses the payload
     assert store.exists(key(4))
     with pytest.raises(Exception, match="undecodable payload"):
         StepCache(str(root)).load(4)
-    for bad_key in ("evil.pkl", ".prefect/x/y/1/meta.json", f"{PROJECT}/{CONFIG}/01/meta.json",
-                    f"{PROJECT}/{CONFIG}/1/gen_batch.dp", f"{PROJECT}/{CONFIG}/1/rollout.safetensors"):
+    for bad_key in (
+        "evil.pkl",
+        ".prefect/x/y/1/meta.json",
+        f"{PROJECT}/{CONFIG}/01/meta.json",
+        f"{PROJECT}/{CONFIG}/1/gen_batch.dp",
+        f"{PROJECT}/{CONFIG}/1/rollout.safetensors",
+    ):
         assert not store.exists(bad_key)
     assert not sentinel.exists()
 

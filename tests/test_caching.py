@@ -14,17 +14,26 @@ from tensordict import TensorDict
 from ppoflow.flows.cache_report import CacheReport, Elsewhere, config_differences
 from ppoflow.storage.batch import StageResult, with_non_tensor_columns
 from ppoflow.storage.step_cache import CacheWriteError, StepCache
+from ppoflow.storage.step_cache.prefect import (
+    CacheEntryRejected,
+    DerivedRecords,
+    EntryCheck,
+    ManifestSerializer,
+    StageRecord,
+    StepCacheStorage,
+)
 from ppoflow.storage.step_cache.stage_cache import OUTCOMES, ReplayOnly, StepDump, StepOutcome, cacheable, fingerprint
-from ppoflow.storage.step_cache.prefect import (CacheEntryRejected, DerivedRecords, EntryCheck, ManifestSerializer,
-                                                StageRecord, StepCacheStorage)
 from ppoflow.storage.step_cache.store import encode_manifest
 
 
 def sample_batch(uid: str = "u", rows: int = 2, fill: int = 1) -> TensorDict:
-    batch = TensorDict({"responses": torch.full((rows, 3), fill), "response_mask": torch.ones(rows, 3, dtype=torch.bool)},
-                       batch_size=[rows])
-    return with_non_tensor_columns(batch, {"uid": [uid] * rows, "data_source": ["d"] * rows,
-                                           "ground_truth": ["1"] * rows})
+    batch = TensorDict(
+        {"responses": torch.full((rows, 3), fill), "response_mask": torch.ones(rows, 3, dtype=torch.bool)},
+        batch_size=[rows],
+    )
+    return with_non_tensor_columns(
+        batch, {"uid": [uid] * rows, "data_source": ["d"] * rows, "ground_truth": ["1"] * rows}
+    )
 
 
 def test_manifest_serializer_writes_only_the_manifest_and_refuses_a_failed_dump(tmp_path):
@@ -41,8 +50,9 @@ def test_manifest_serializer_writes_only_the_manifest_and_refuses_a_failed_dump(
 
 def test_fingerprint_depends_on_values_not_on_layout():
     batch = sample_batch()
-    reordered = TensorDict({"response_mask": batch["response_mask"], "responses": batch["responses"].clone()},
-                           batch_size=[2])
+    reordered = TensorDict(
+        {"response_mask": batch["response_mask"], "responses": batch["responses"].clone()}, batch_size=[2]
+    )
     assert fingerprint(batch) == fingerprint(reordered)  # field order and the uid column do not matter
     changed = sample_batch(fill=2)
     assert fingerprint(batch) != fingerprint(changed)
@@ -51,7 +61,9 @@ def test_fingerprint_depends_on_values_not_on_layout():
 
 def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, monkeypatch, caplog):
     cache = StepCache(str(tmp_path / "root"), stage="reward", write_retries=1, retry_backoff_s=0)
-    record = StepDump(cache, 2, {"input_fingerprint": "x"}, timeout_s=30).write(StageResult(sample_batch(), {"reward/x/mean": 0.5}))
+    record = StepDump(cache, 2, {"input_fingerprint": "x"}, timeout_s=30).write(
+        StageResult(sample_batch(), {"reward/x/mean": 0.5})
+    )
     assert record.manifest["metrics"] == {"reward/x/mean": 0.5} and record.manifest["input_fingerprint"] == "x"
 
     def refuse(*args, **kwargs):
@@ -83,9 +95,12 @@ def test_cacheable_adds_the_dump_keyword_and_nothing_else(tmp_path):
 
 def replay_store(dump, check: EntryCheck) -> ResultStore:
     """The result store a replay's task run reads its record through."""
-    return ResultStore(result_storage=StepCacheStorage(basepath=str(dump)),
-                       metadata_storage=DerivedRecords(basepath=str(dump), check=check),
-                       serializer=ManifestSerializer(), cache_result_in_memory=False)
+    return ResultStore(
+        result_storage=StepCacheStorage(basepath=str(dump)),
+        metadata_storage=DerivedRecords(basepath=str(dump), check=check),
+        serializer=ManifestSerializer(),
+        cache_result_in_memory=False,
+    )
 
 
 def test_reading_a_replays_record_loads_and_checks_the_entry(tmp_path, caplog):
@@ -95,8 +110,9 @@ def test_reading_a_replays_record_loads_and_checks_the_entry(tmp_path, caplog):
     root = tmp_path / "exp_proj" / "GBS1_N2_in3_out3"
     StepCache(str(root)).write(1, sample_batch(fill=7), meta={"input_fingerprint": "x", "sampling": {"n": 2}})
     key = "exp_proj/GBS1_N2_in3_out3/1/meta.json"
-    check = EntryCheck(root=str(root), stage="rollout", step=1, requires={"input_fingerprint": "x"},
-                       identity={"sampling": {"n": 2}})
+    check = EntryCheck(
+        root=str(root), stage="rollout", step=1, requires={"input_fingerprint": "x"}, identity={"sampling": {"n": 2}}
+    )
     record = replay_store(tmp_path, check).read(key).result
     assert isinstance(record, StageRecord) and record.manifest["global_steps"] == 1
     assert record.fields["responses"].tolist() == [[7, 7, 7]] * 2
@@ -141,15 +157,22 @@ def test_a_replays_body_refuses_instead_of_computing(tmp_path):
 
 def test_config_differences_name_the_keys_of_the_directory_name():
     here = "grpo_tiny_ppoflow/GBS4_N4_in8_out3"
-    differences = {there: config_differences(here, there, experiment="grpo_tiny", project="ppoflow") for there in (
-        "other_ppoflow/GBS4_N4_in8_out3", "grpo_tiny_proj/GBS8_N4_in8_out5", "x_y/custom")}
+    differences = {
+        there: config_differences(here, there, experiment="grpo_tiny", project="ppoflow")
+        for there in ("other_ppoflow/GBS4_N4_in8_out3", "grpo_tiny_proj/GBS8_N4_in8_out5", "x_y/custom")
+    }
     assert differences == {
         "other_ppoflow/GBS4_N4_in8_out3": ["trainer.experiment_name is 'other' there, 'grpo_tiny' here"],
-        "grpo_tiny_proj/GBS8_N4_in8_out5": ["trainer.project_name is 'proj' there, 'ppoflow' here",
-                                            "data.gen_batch_size is 8 there, 4 here",
-                                            "data.max_response_length is 5 there, 3 here"],
-        "x_y/custom": ["trainer.experiment_name and project_name make 'x_y' there, 'grpo_tiny_ppoflow' here",
-                       "the shape is 'custom' there, 'GBS4_N4_in8_out3' here"]}
+        "grpo_tiny_proj/GBS8_N4_in8_out5": [
+            "trainer.project_name is 'proj' there, 'ppoflow' here",
+            "data.gen_batch_size is 8 there, 4 here",
+            "data.max_response_length is 5 there, 3 here",
+        ],
+        "x_y/custom": [
+            "trainer.experiment_name and project_name make 'x_y' there, 'grpo_tiny_ppoflow' here",
+            "the shape is 'custom' there, 'GBS4_N4_in8_out3' here",
+        ],
+    }
 
 
 def test_the_cache_report_lines():
@@ -159,18 +182,25 @@ def test_the_cache_report_lines():
     outcomes["missing"] = [StepOutcome(4, "missing"), StepOutcome(5, "missing")]
     found = CacheReport("rollout", outcomes, [])
     assert found.planned == 5 and found.needs_attention
-    assert found.line() == ("replayed 2 of 5 planned steps of rollout: 1 rejected (step 2: cached rollout of step 2 "
-                            "is damaged (x: checksum)), 2 missing (no entry to replay: computed and written)")
+    assert found.line() == (
+        "replayed 2 of 5 planned steps of rollout: 1 rejected (step 2: cached rollout of step 2 "
+        "is damaged (x: checksum)), 2 missing (no entry to replay: computed and written)"
+    )
     assert found.markdown() == [
         "- replayed 2 of 5 planned steps of rollout (`skip.rollout`), 1 rejected, 2 missing",
         "  - step 2 rejected: cached rollout of step 2 is damaged (x: checksum)",
-        "  - missing: no entry to replay: computed and written"]
+        "  - missing: no entry to replay: computed and written",
+    ]
 
     missing = [StepOutcome(1, "missing"), StepOutcome(2, "missing")]
     recording = CacheReport("reward", {**{o: [] for o in OUTCOMES}, "missing": missing}, [])
     assert not recording.needs_attention  # a first run writes what later runs replay: nothing to act on
-    elsewhere = CacheReport("rollout", recording.outcomes, [
-        Elsewhere("other_ppoflow/GBS4_N4_in8_out3", [1], ["trainer.experiment_name is 'other' there, 'x' here"])])
+    elsewhere = CacheReport(
+        "rollout",
+        recording.outcomes,
+        [Elsewhere("other_ppoflow/GBS4_N4_in8_out3", [1], ["trainer.experiment_name is 'other' there, 'x' here"])],
+    )
     assert elsewhere.needs_attention and elsewhere.line() == (
         "replayed 0 of 2 planned steps of rollout: 2 missing (no entry under this run's configuration; the cache "
-        "holds step 1 under other_ppoflow/GBS4_N4_in8_out3, where trainer.experiment_name is 'other' there, 'x' here)")
+        "holds step 1 under other_ppoflow/GBS4_N4_in8_out3, where trainer.experiment_name is 'other' there, 'x' here)"
+    )

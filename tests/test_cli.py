@@ -23,17 +23,19 @@ import pytest
 
 from ppoflow.flows.cli import main
 from ppoflow.storage.step_cache import StepCache, config_dir
-from tests.test_step_cache import make_batch
 from tests.test_preflight import assert_user_error, run_cli
+from tests.test_step_cache import make_batch
 
 HEAVY = ("torch", "prefect", "ray", "transformers")
 
 
 def imported_by(*argv: str) -> set[str]:
     """The heavy libraries that ``ppoflow argv...`` imports, run in a fresh interpreter."""
-    script = ("import sys\nfrom ppoflow.flows.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
-              "    pass\nprint(' '.join(sorted({name.split('.')[0] for name in sys.modules} & set(%r))), "
-              "file=sys.stderr)" % (HEAVY,))
+    script = (
+        "import sys\nfrom ppoflow.flows.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+        "    pass\nprint(' '.join(sorted({name.split('.')[0] for name in sys.modules} & set("
+        f"{HEAVY!r}))), file=sys.stderr)"
+    )
     result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
     return set(result.stderr.split("\n")[-2].split())
 
@@ -50,8 +52,15 @@ def test_help_and_config_import_no_heavy_library():
 @pytest.fixture
 def dump(tmp_path) -> tuple[str, StepCache]:
     """A dump_dir with three rollout entries, two of them then damaged (a torn payload, a lost marker)."""
-    root = config_dir(str(tmp_path / "dump"), experiment_name="e", project_name="p", gbs=2, n=1,
-                      max_prompt_length=3, max_response_length=3)
+    root = config_dir(
+        str(tmp_path / "dump"),
+        experiment_name="e",
+        project_name="p",
+        gbs=2,
+        n=1,
+        max_prompt_length=3,
+        max_response_length=3,
+    )
     cache = StepCache(root)
     for step in (1, 2, 3):
         cache.write(step, make_batch(["a", "a", "b", "b"], seed=step))
@@ -66,8 +75,12 @@ def test_cache_commands_refuse_what_is_not_a_cache_directory(capsys, tmp_path):
     os.symlink(tmp_path / "loop_b", tmp_path / "loop_a")
     os.symlink(tmp_path / "loop_a", tmp_path / "loop_b")
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
-    cases = {"missing": "no such directory", "plain": "is a file, not a directory", "loop_a": "is a symlink loop",
-             "dangling": f"is a dangling symlink to {tmp_path / 'nowhere'}"}
+    cases = {
+        "missing": "no such directory",
+        "plain": "is a file, not a directory",
+        "loop_a": "is a symlink loop",
+        "dangling": f"is a dangling symlink to {tmp_path / 'nowhere'}",
+    }
     for name, reason in cases.items():
         for command in (["ls"], ["show", "--step", "1"], ["rm", "--step", "1"]):
             code, stderr = run_cli(capsys, "cache", *command, str(tmp_path / name))
@@ -104,18 +117,33 @@ def test_path_keys_name_loops_fifos_and_dangling_links(capsys, tmp_path, tiny_ov
     os.symlink(tmp_path / "gone.parquet", tmp_path / "dangling.parquet")
     os.mkfifo(tmp_path / "fifo.parquet")  # a read of it would block for ever
     cases = [
-        (f"data.train_files={tmp_path}/fifo.parquet", "data.train_files",
-         f"{tmp_path}/fifo.parquet is a FIFO, not a file"),
+        (
+            f"data.train_files={tmp_path}/fifo.parquet",
+            "data.train_files",
+            f"{tmp_path}/fifo.parquet is a FIFO, not a file",
+        ),
         (f"data.val_files={tmp_path}/loop_a", "data.val_files", f"{tmp_path}/loop_a is a symlink loop"),
-        (f"data.train_files={tmp_path}/dangling.parquet", "data.train_files",
-         f"{tmp_path}/dangling.parquet is a dangling symlink to {tmp_path}/gone.parquet"),
-        (f"actor_rollout_ref.model.path={tmp_path}/loop_a", "actor_rollout_ref.model.path",
-         f"{tmp_path}/loop_a is a symlink loop"),
-        (f"actor_rollout_ref.model.tokenizer_path={tmp_path}/fifo.parquet", "actor_rollout_ref.model.tokenizer_path",
-         "is a FIFO, not a directory"),
+        (
+            f"data.train_files={tmp_path}/dangling.parquet",
+            "data.train_files",
+            f"{tmp_path}/dangling.parquet is a dangling symlink to {tmp_path}/gone.parquet",
+        ),
+        (
+            f"actor_rollout_ref.model.path={tmp_path}/loop_a",
+            "actor_rollout_ref.model.path",
+            f"{tmp_path}/loop_a is a symlink loop",
+        ),
+        (
+            f"actor_rollout_ref.model.tokenizer_path={tmp_path}/fifo.parquet",
+            "actor_rollout_ref.model.tokenizer_path",
+            "is a FIFO, not a directory",
+        ),
         (f"trainer.default_local_dir={tmp_path}/loop_a/run", "trainer.default_local_dir", "is a symlink loop"),
-        (f"trainer.default_local_dir={tmp_path}/fifo.parquet", "trainer.default_local_dir",
-         f"{tmp_path}/fifo.parquet is a FIFO, not a directory"),
+        (
+            f"trainer.default_local_dir={tmp_path}/fifo.parquet",
+            "trainer.default_local_dir",
+            f"{tmp_path}/fifo.parquet is a FIFO, not a directory",
+        ),
     ]
     for override, key, message in cases:
         code, stderr = run_cli(capsys, "train", *tiny_overrides, override)
@@ -131,13 +159,22 @@ def test_path_keys_name_loops_fifos_and_dangling_links(capsys, tmp_path, tiny_ov
 @pytest.mark.slow
 @pytest.mark.reliability
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signalled_train_stops_cleanly_and_its_rerun_resumes(prefect_server, ray_local, tiny_model, tmp_path,
-                                                               signum, code):
+def test_a_signalled_train_stops_cleanly_and_its_rerun_resumes(
+    prefect_server, ray_local, tiny_model, tmp_path, signum, code
+):
     from tests.conftest import small_run
 
     words = [word for word in small_run(tiny_model, tmp_path) if not word.startswith("trainer.total_training")]
-    command = [sys.executable, "-m", "ppoflow.flows.cli", "train", *words, "trainer.total_training_steps=3",
-               "trainer.save_freq=1", "trainer.test_freq=-1"]
+    command = [
+        sys.executable,
+        "-m",
+        "ppoflow.flows.cli",
+        "train",
+        *words,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoint = tmp_path / "run" / "global_step_1"

@@ -30,20 +30,40 @@ NODE_START_TIMEOUT_S = 90
 def _ray_start(*args: str, env: dict) -> subprocess.Popen:
     """``ray start ... --block``: the node lives as long as this process; terminating it stops the node. Every
     port a node listens on is a free one: the test session's own Ray runs on this machine too, on the defaults."""
-    ports = [f"--{name}={free_port()}" for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
-                                                    "runtime-env-agent-port", "dashboard-agent-listen-port",
-                                                    "dashboard-agent-grpc-port")]
-    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
-                             "--node-ip-address=127.0.0.1", "--disable-usage-stats", *ports, *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "node-manager-port",
+            "object-manager-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+        )
+    ]
+    return subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+            *ports,
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _alive_nodes(address: str, env: dict) -> list[dict]:
     """The cluster's live nodes as ``{"id", "resources"}``, asked from a process of its own (this test process
     may hold a connection to another Ray)."""
-    script = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
-              "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
-              % address)
+    script = (
+        f"import json, ray; ray.init(address={address!r}, log_to_driver=False); "
+        "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
+    )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     return json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else []
 
@@ -56,8 +76,17 @@ def two_nodes():
     env["RAY_AUTH_MODE"] = "disabled"
     port = free_port()
     address = f"127.0.0.1:{port}"
-    nodes = [_ray_start("--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--num-cpus=2",
-                        '--resources={"trainer_node": 2}', "--include-dashboard=false", env=env)]
+    nodes = [
+        _ray_start(
+            "--head",
+            f"--port={port}",
+            f"--ray-client-server-port={free_port()}",
+            "--num-cpus=2",
+            '--resources={"trainer_node": 2}',
+            "--include-dashboard=false",
+            env=env,
+        )
+    ]
     try:
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() < deadline:
@@ -67,8 +96,10 @@ def two_nodes():
         while len(alive) < 2 and time.monotonic() < deadline:
             alive = _alive_nodes(address, env)
         assert len(alive) == 2, "the two-node cluster did not come up"
-        node_of = {label: next(node["id"] for node in alive if label in node["resources"])
-                   for label in ("trainer_node", "rollout_node")}
+        node_of = {
+            label: next(node["id"] for node in alive if label in node["resources"])
+            for label in ("trainer_node", "rollout_node")
+        }
         yield address, node_of
     finally:
         for node in nodes:
@@ -77,24 +108,36 @@ def two_nodes():
             node.wait(timeout=60)
 
 
-def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(two_nodes, prefect_server, s3_server,
-                                                                             tiny_model, tmp_path):
+def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(
+    two_nodes, prefect_server, s3_server, tiny_model, tmp_path
+):
     address, node_of = two_nodes
     endpoint, _ = s3_server
     run_dir = f"s3://{S3_TEST_BUCKET}/{uuid.uuid4().hex}"
     words = [word for word in small_run(tiny_model, tmp_path) if not word.startswith("trainer.default_local_dir")] + [
-        f"ray.address={address}", f"trainer.default_local_dir={run_dir}/run", "trainer.save_freq=1",
-        "trainer.test_freq=-1", "actor_rollout_ref.actor.use_kl_loss=false",
+        f"ray.address={address}",
+        f"trainer.default_local_dir={run_dir}/run",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.resources.custom={trainer_node: 1}",
         "actor_rollout_ref.rollout.resources.custom={rollout_node: 1}",
-        "skip.rollout.enable=true", f"skip.rollout.dump_dir={run_dir}/dump", "skip.rollout.steps=[1,2]"]
+        "skip.rollout.enable=true",
+        f"skip.rollout.dump_dir={run_dir}/dump",
+        "skip.rollout.steps=[1,2]",
+    ]
     # RAY_AUTH_MODE as the nodes have it: the session's own Ray set this process's to "token"
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "AWS_ENDPOINT_URL": endpoint, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
 
     def train(*more: str) -> subprocess.CompletedProcess:
-        result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *words, *more], env=env,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-m", "ppoflow.flows.cli", "train", *words, *more],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         return result
 
@@ -104,11 +147,16 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(two
 
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     prefix = run_dir.removeprefix(f"s3://{S3_TEST_BUCKET}/")
-    keys = {item["Key"].removeprefix(prefix + "/")
-            for item in s3.list_objects_v2(Bucket=S3_TEST_BUCKET, Prefix=prefix)["Contents"]}
-    assert {"run/global_step_1/checkpoint.json", "run/global_step_2/checkpoint.json",  # each rank wrote its shards
-            "run/global_step_2/actor/shard-00001-model-00001-of-00001.safetensors",
-            "run/global_step_2/actor/shard-00002-model-00001-of-00001.safetensors"} <= keys
+    keys = {
+        item["Key"].removeprefix(prefix + "/")
+        for item in s3.list_objects_v2(Bucket=S3_TEST_BUCKET, Prefix=prefix)["Contents"]
+    }
+    assert {
+        "run/global_step_1/checkpoint.json",
+        "run/global_step_2/checkpoint.json",  # each rank wrote its shards
+        "run/global_step_2/actor/shard-00001-model-00001-of-00001.safetensors",
+        "run/global_step_2/actor/shard-00002-model-00001-of-00001.safetensors",
+    } <= keys
     assert sum(key.startswith("dump/") and key.endswith("/meta.json") for key in keys) == 2  # steps 1 and 2
     # the trained policy is exported whole, under the class FSDP2 wrapped (what loaders such as vLLM look up)
     export = f"{prefix}/run/global_step_2/actor/huggingface"

@@ -12,8 +12,14 @@ from ppoflow.flows.state import TrainerState
 from ppoflow.flows.train import train_steps
 from ppoflow.workers.group import role_resources
 
-STEP_METRICS = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
-                "training/rollout_probs_diff_max")
+STEP_METRICS = (
+    "critic/score/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "training/rollout_probs_diff_max",
+)
 
 
 def steps_in_process(cfg, steps: int, *, colocated: bool) -> list[dict[str, float]]:
@@ -25,26 +31,35 @@ def steps_in_process(cfg, steps: int, *, colocated: bool) -> list[dict[str, floa
     return [dict(step.metrics) for step in train_steps(run, state, make_trainer(run, state), range(1, steps + 1))]
 
 
-@pytest.mark.parametrize("words, colocated", [
-    ([], True),  # sync, hf, object_store: colocated unless asked otherwise
-    (["actor_rollout_ref.hybrid_engine=false"], False),
-    (["trainer.mode=one_step_off"], False),  # generation overlaps training: a rollout worker of its own
-    (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], False),
-])
+@pytest.mark.parametrize(
+    "words, colocated",
+    [
+        ([], True),  # sync, hf, object_store: colocated unless asked otherwise
+        (["actor_rollout_ref.hybrid_engine=false"], False),
+        (["trainer.mode=one_step_off"], False),  # generation overlaps training: a rollout worker of its own
+        (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], False),
+    ],
+)
 def test_the_layout_follows_the_mode_unless_set(words, colocated):
     cfg = load_config("grpo_tiny", words)
     assert cfg.colocated is colocated
     assert ("actor_rollout_ref.rollout" in role_resources(cfg)) is not colocated
 
 
-@pytest.mark.parametrize("words, needle", [
-    (["trainer.mode=one_step_off"], "trainer.mode=one_step_off generates while the actor trains"),
-    (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "weight_sync.backend=gloo sends weights between two workers"),
-])
+@pytest.mark.parametrize(
+    "words, needle",
+    [
+        (["trainer.mode=one_step_off"], "trainer.mode=one_step_off generates while the actor trains"),
+        (
+            ["actor_rollout_ref.rollout.weight_sync.backend=gloo"],
+            "weight_sync.backend=gloo sends weights between two workers",
+        ),
+    ],
+)
 def test_combinations_that_cannot_colocate_name_the_key(words, needle):
     with pytest.raises(ConfigError) as raised:
         load_config("grpo_tiny", ["actor_rollout_ref.hybrid_engine=true"] + words)
-    (key, message), = raised.value.problems
+    ((key, message),) = raised.value.problems
     assert key == "actor_rollout_ref.hybrid_engine" and needle in message
 
 
@@ -52,8 +67,9 @@ def test_a_colocated_run_equals_one_with_a_rollout_worker_of_its_own(tiny_overri
     """The rollout samples with the actor's own model instead of a synced copy: the same samples, the same
     updates, step after step; weight_sync moves nothing."""
     colocated = steps_in_process(load_config("grpo_tiny", tiny_overrides), 3, colocated=True)
-    separate = steps_in_process(load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.hybrid_engine=false"]), 3,
-                                colocated=False)
+    separate = steps_in_process(
+        load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.hybrid_engine=false"]), 3, colocated=False
+    )
     for together, apart in zip(colocated, separate):
         for name in STEP_METRICS:
             assert together[name] == apart[name], name

@@ -21,8 +21,11 @@ from ppoflow.configs.schema import SEED_MAX, PPOConfig, SkipStageConfig
 
 SEED_TOO_LARGE = "less than or equal to 4294967295 (got 4294967296)"
 RC = "algorithm.rollout_correction."
-ASYNC_GPUS = ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=2",
-              "actor_rollout_ref.rollout.resources.num_gpus=1")
+ASYNC_GPUS = (
+    "actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.num_replicas=2",
+    "actor_rollout_ref.rollout.resources.num_gpus=1",
+)
 
 
 class Rule(NamedTuple):
@@ -38,8 +41,12 @@ class Rule(NamedTuple):
 RANGES = [
     # data
     Rule("data.train_batch_size", [(0, ">= 1")], [1], ("actor_rollout_ref.actor.ppo_mini_batch_size=1",)),
-    Rule("data.gen_batch_size", [(0, ">= 1")], [1], ("data.train_batch_size=1",
-                                                     "actor_rollout_ref.actor.ppo_mini_batch_size=1")),
+    Rule(
+        "data.gen_batch_size",
+        [(0, ">= 1")],
+        [1],
+        ("data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1"),
+    ),
     Rule("data.val_batch_size", [(0, ">= 1")], [1]),
     Rule("data.max_prompt_length", [(0, ">= 1")], [1]),
     Rule("data.max_response_length", [(0, ">= 1")], [1]),
@@ -53,28 +60,45 @@ RANGES = [
     Rule("actor_rollout_ref.model.build.hidden_size", [(7, "greater than or equal to 8 (got 7)")], [8]),
     Rule("actor_rollout_ref.model.build.intermediate_size", [(7, "greater than or equal to 8 (got 7)")], [8]),
     Rule("actor_rollout_ref.model.build.num_hidden_layers", [(0, ">= 1")], [1]),
-    Rule("actor_rollout_ref.model.build.num_attention_heads",
-         [(0, ">= 1"), (3, "must divide hidden_size=128 (got 3)"),
-          (128, "gives an odd head size hidden_size / num_attention_heads = 1; rotary embeddings need an even one")],
-         [1, 64]),
+    Rule(
+        "actor_rollout_ref.model.build.num_attention_heads",
+        [
+            (0, ">= 1"),
+            (3, "must divide hidden_size=128 (got 3)"),
+            (128, "gives an odd head size hidden_size / num_attention_heads = 1; rotary embeddings need an even one"),
+        ],
+        [1, 64],
+    ),
     Rule("actor_rollout_ref.model.build.max_position_embeddings", [(7, "greater than or equal to 8 (got 7)")], [8]),
     Rule("actor_rollout_ref.model.build.seed", [(-1, ">= 0 (got -1)"), (SEED_MAX + 1, SEED_TOO_LARGE)], [0, SEED_MAX]),
     # what a role's Ray actor reserves (the actor's; ref, rollout and critic share the section)
-    Rule("actor_rollout_ref.actor.resources.num_cpus",
-         [(-1, ">= 0 (got -1)"), (0.00005, "must be 0 or at least 0.0001 (Ray's resource precision) (got 5e-05)")],
-         [0, 0.0001]),
-    Rule("actor_rollout_ref.actor.resources.num_gpus",
-         [(-1, ">= 0 (got -1)"), (0.00005, "must be 0 or at least 0.0001 (Ray's resource precision)")],
-         [0, 0.0001], ("trainer.n_gpus_per_node=1",)),
+    Rule(
+        "actor_rollout_ref.actor.resources.num_cpus",
+        [(-1, ">= 0 (got -1)"), (0.00005, "must be 0 or at least 0.0001 (Ray's resource precision) (got 5e-05)")],
+        [0, 0.0001],
+    ),
+    Rule(
+        "actor_rollout_ref.actor.resources.num_gpus",
+        [(-1, ">= 0 (got -1)"), (0.00005, "must be 0 or at least 0.0001 (Ray's resource precision)")],
+        [0, 0.0001],
+        ("trainer.n_gpus_per_node=1",),
+    ),
     Rule("actor_rollout_ref.actor.resources.num_threads", [(0, ">= 1")], [1]),
-    Rule("actor_rollout_ref.actor.resources.custom",
-         [("{node: -1}", "each amount must be >= 0 (got {'node': -1})"),
-          ("{node: 0.00005}", "each amount must be 0 or at least 0.0001 (Ray's resource precision)")],
-         ["{node: 0}", "{node: 0.0001}"]),
+    Rule(
+        "actor_rollout_ref.actor.resources.custom",
+        [
+            ("{node: -1}", "each amount must be >= 0 (got {'node': -1})"),
+            ("{node: 0.00005}", "each amount must be 0 or at least 0.0001 (Ray's resource precision)"),
+        ],
+        ["{node: 0}", "{node: 0.0001}"],
+    ),
     # the optimizer (the critic's; the actor's shares the section)
     Rule("critic.optim.lr", [(0.0, "greater than 0 (got 0.0)"), (-1e-3, "greater than 0")], [1e-12]),
-    Rule("critic.optim.betas", [("[1.0,0.9]", "less than 1 (got 1.0)"), ("[0.9,-0.1]", ">= 0 (got -0.1)"),
-                                ("[0.9]", "at least 2 items")], ["[0.0,0.999999]"]),
+    Rule(
+        "critic.optim.betas",
+        [("[1.0,0.9]", "less than 1 (got 1.0)"), ("[0.9,-0.1]", ">= 0 (got -0.1)"), ("[0.9]", "at least 2 items")],
+        ["[0.0,0.999999]"],
+    ),
     Rule("critic.optim.weight_decay", [(-0.01, ">= 0 (got -0.01)")], [0.0]),
     Rule("critic.optim.lr_warmup_steps", [(-1, ">= 0 (got -1)")], [0]),
     # the update, shared by the actor and the critic (whose mini-batch and epochs default to the actor's)
@@ -82,8 +106,11 @@ RANGES = [
     Rule("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", [(0, ">= 1")], [1]),
     Rule("critic.ppo_epochs", [(0, ">= 1")], [1], ("algorithm.adv_estimator=gae",)),
     Rule("actor_rollout_ref.actor.grad_clip", [(0.0, "greater than 0 (got 0.0)")], [1e-6]),
-    Rule("actor_rollout_ref.actor.clip_ratio_low", [(0.0, "greater than 0 (got 0.0)"), (1.0, "less than 1 (got 1.0)")],
-         [0.001, 0.999]),
+    Rule(
+        "actor_rollout_ref.actor.clip_ratio_low",
+        [(0.0, "greater than 0 (got 0.0)"), (1.0, "less than 1 (got 1.0)")],
+        [0.001, 0.999],
+    ),
     Rule("actor_rollout_ref.actor.clip_ratio_high", [(0.0, "greater than 0 (got 0.0)")], [0.001, 10.0]),
     Rule("actor_rollout_ref.actor.clip_ratio_c", [(1.0, "greater than 1 (got 1.0)")], [1.001]),
     Rule("actor_rollout_ref.actor.entropy_coeff", [(-0.01, ">= 0 (got -0.01)")], [0.0]),
@@ -94,21 +121,30 @@ RANGES = [
     # sampling; temperature 0 = greedy, top_k -1 or 0 = off
     Rule("actor_rollout_ref.rollout.n", [(0, ">= 1")], [1], ("algorithm.adv_estimator=reinforce_plus_plus",)),
     Rule("actor_rollout_ref.rollout.temperature", [(-0.1, ">= 0 (got -0.1)")], [0.0]),
-    Rule("actor_rollout_ref.rollout.top_p", [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1")],
-         [0.001, 1.0]),
+    Rule(
+        "actor_rollout_ref.rollout.top_p",
+        [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1")],
+        [0.001, 1.0],
+    ),
     Rule("actor_rollout_ref.rollout.top_k", [(-2, "greater than or equal to -1 (got -2)")], [-1, 0, 1]),
     Rule("actor_rollout_ref.rollout.seed", [(-1, ">= 0 (got -1)"), (SEED_MAX + 1, SEED_TOO_LARGE)], [0, SEED_MAX]),
     Rule("actor_rollout_ref.rollout.val_kwargs.n", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.val_kwargs.temperature", [(-0.1, ">= 0 (got -0.1)")], [0.0]),
-    Rule("actor_rollout_ref.rollout.val_kwargs.top_p", [(0.0, "greater than 0"), (1.01, "less than or equal to 1")],
-         [0.001, 1.0]),
+    Rule(
+        "actor_rollout_ref.rollout.val_kwargs.top_p",
+        [(0.0, "greater than 0"), (1.01, "less than or equal to 1")],
+        [0.001, 1.0],
+    ),
     Rule("actor_rollout_ref.rollout.val_kwargs.top_k", [(-2, "greater than or equal to -1 (got -2)")], [-1, 0, 1]),
     # the rollout's engines
     Rule("actor_rollout_ref.rollout.num_replicas", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.max_num_seqs", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", [(0, ">= 1")], [1]),
-    Rule("actor_rollout_ref.rollout.gpu_memory_utilization",
-         [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1 (got 1.01)")], [0.001, 1.0]),
+    Rule(
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1 (got 1.01)")],
+        [0.001, 1.0],
+    ),
     Rule("actor_rollout_ref.rollout.tensor_model_parallel_size", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.weight_sync.bucket_mb", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.agent.num_workers", [(0, ">= 1")], [1]),
@@ -125,12 +161,24 @@ RANGES = [
     Rule("algorithm.kl_ctrl.horizon", [(0, "greater than 0 (got 0)")], [1]),
     Rule("algorithm.kl_ctrl.target_kl", [(0.0, "greater than 0 (got 0.0)")], [1e-6]),
     # the correction thresholds are checked by the run's own parser when the correction they bound is on
-    Rule(f"{RC}rollout_is_threshold", [(0.0, "Invalid threshold 0.0: the upper bound must be > 0."),
-                                       ("'0_2'", "Invalid threshold '0_2': the lower bound must be > 0.")],
-         [1e-6, "'0.5_2.0'"], (f"{RC}rollout_is=token",)),
-    Rule(f"{RC}rollout_rs_threshold", [(-1.0, "Invalid threshold -1.0: the upper bound must be > 0."),
-                                       ("'2_1'", "Invalid threshold '2_1': the lower bound exceeds the upper bound.")],
-         [1.0, "'1_1'"], (f"{RC}rollout_rs=token_k1",)),
+    Rule(
+        f"{RC}rollout_is_threshold",
+        [
+            (0.0, "Invalid threshold 0.0: the upper bound must be > 0."),
+            ("'0_2'", "Invalid threshold '0_2': the lower bound must be > 0."),
+        ],
+        [1e-6, "'0.5_2.0'"],
+        (f"{RC}rollout_is=token",),
+    ),
+    Rule(
+        f"{RC}rollout_rs_threshold",
+        [
+            (-1.0, "Invalid threshold -1.0: the upper bound must be > 0."),
+            ("'2_1'", "Invalid threshold '2_1': the lower bound exceeds the upper bound."),
+        ],
+        [1.0, "'1_1'"],
+        (f"{RC}rollout_rs=token_k1",),
+    ),
     # trainer
     Rule("trainer.nnodes", [(0, ">= 1")], [1]),
     Rule("trainer.n_gpus_per_node", [(-1, ">= 0 (got -1)")], [0]),
@@ -146,9 +194,15 @@ RANGES = [
     Rule("trainer.v1.sampler.max_off_policy_threshold", [(0, ">= 1")], [1]),
     # pools, Ray, caches
     Rule("rollout.nnodes", [(0, ">= 1")], [1]),
-    Rule("rollout.n_gpus_per_node", [(-1, ">= 0 (got -1)"), (1, "num_replicas=2 x actor_rollout_ref.rollout.resources"
-                                                                ".num_gpus=1 = 2 GPUs exceeds the rollout pool")],
-         [2], ASYNC_GPUS),
+    Rule(
+        "rollout.n_gpus_per_node",
+        [
+            (-1, ">= 0 (got -1)"),
+            (1, "num_replicas=2 x actor_rollout_ref.rollout.resources.num_gpus=1 = 2 GPUs exceeds the rollout pool"),
+        ],
+        [2],
+        ASYNC_GPUS,
+    ),
     Rule("ray.num_cpus", [(0, ">= 1"), (1.5, "Input should be a valid integer (got 1.5)")], [1]),
     Rule("skip.rollout.steps", [("[1,0]", ">= 1 (got 0)")], ["[1]"], ("skip.rollout.enable=true",)),
     Rule("skip.rollout.timeout_s", [(0.0, "greater than 0 (got 0.0)")], [0.001]),
@@ -156,8 +210,8 @@ RANGES = [
 ]
 
 OPEN = {
-    "custom_reward_function.timeout_score":
-        "a score in the reward's own units: any finite number (a penalty may be negative)",
+    "custom_reward_function.timeout_score": "a score in the reward's own units: any finite number "
+    "(a penalty may be negative)",
 }
 """Numeric keys whose every finite value is valid, and why (a non-finite float is refused for every key)."""
 
@@ -177,8 +231,11 @@ def expand(message: str) -> str:
     return message.replace(">= ", "greater than or equal to ") if message.startswith(">= ") else message
 
 
-BAD = [pytest.param(rule.key, value, expand(fragment), rule.given, id=f"{rule.key}={value}")
-       for rule in RANGES for value, fragment in rule.bad]
+BAD = [
+    pytest.param(rule.key, value, expand(fragment), rule.given, id=f"{rule.key}={value}")
+    for rule in RANGES
+    for value, fragment in rule.bad
+]
 GOOD = [pytest.param(rule.key, value, rule.given, id=f"{rule.key}={value}") for rule in RANGES for value in rule.good]
 
 
@@ -215,8 +272,11 @@ def _numeric(annotation) -> bool:
 
 
 def _sections(annotation) -> list[type[BaseModel]]:
-    return [argument for argument in (annotation, *typing.get_args(annotation))
-            if isinstance(argument, type) and issubclass(argument, BaseModel)]
+    return [
+        argument
+        for argument in (annotation, *typing.get_args(annotation))
+        if isinstance(argument, type) and issubclass(argument, BaseModel)
+    ]
 
 
 def _owner(model: type[BaseModel], name: str) -> str:
@@ -279,8 +339,14 @@ def test_the_command_line_refuses_it_before_ray_starts(capsys, monkeypatch, tmp_
 def test_ppoflow_config_lists_every_out_of_range_key(capsys):
     from tests.test_preflight import assert_user_error, run_cli
 
-    code, stderr = run_cli(capsys, "config", "data.seed=-1", "actor_rollout_ref.actor.clip_ratio_low=1.0",
-                           "skip.rollout.steps=[0]")
-    assert_user_error(code, stderr, "(3 problems)", "  data.seed: Input should be greater than or equal to 0 (got -1)",
-                      "  actor_rollout_ref.actor.clip_ratio_low: Input should be less than 1 (got 1.0)",
-                      "  skip.rollout.steps.0: Input should be greater than or equal to 1 (got 0)")
+    code, stderr = run_cli(
+        capsys, "config", "data.seed=-1", "actor_rollout_ref.actor.clip_ratio_low=1.0", "skip.rollout.steps=[0]"
+    )
+    assert_user_error(
+        code,
+        stderr,
+        "(3 problems)",
+        "  data.seed: Input should be greater than or equal to 0 (got -1)",
+        "  actor_rollout_ref.actor.clip_ratio_low: Input should be less than 1 (got 1.0)",
+        "  skip.rollout.steps.0: Input should be greater than or equal to 1 (got 0)",
+    )

@@ -196,9 +196,7 @@ def test_rejection_errors():
     with pytest.raises(ValueError):
         compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options=" , ", thresholds=2.0)
     with pytest.raises(ValueError, match="2 thresholds for 3 options"):
-        compute_rejection_mask(
-            RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k1,token_k2,token_k3", thresholds="2.0,0.1"
-        )
+        compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k1,token_k2,token_k3", thresholds="2.0,0.1")
     with pytest.raises(ValueError, match="'token_k2'.*single upper bound"):
         compute_rejection_mask(RS_OLD, RS_ROLLOUT, RS_MASK, options="token_k2", thresholds="0.5_2.0")
     with pytest.raises(ValueError, match="'2.0_0.5'"):

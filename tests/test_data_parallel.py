@@ -35,9 +35,14 @@ def test_balanced_partition_gives_equal_rows_and_balances_tokens():
 def overrides(tiny_overrides):
     """GAE (so a critic trains too), micro-batches of 4 (ranks' micro-batches differ from W=1's), and
     half a CPU per rank so that two ranks of actor and critic plus the rollout fit the test's Ray."""
-    return tiny_overrides + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                             "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=5",
-                             "actor_rollout_ref.actor.resources.num_cpus=0.5", "critic.resources.num_cpus=0.5"]
+    return tiny_overrides + [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "critic.forward_micro_batch_size_per_gpu=5",
+        "actor_rollout_ref.actor.resources.num_cpus=0.5",
+        "critic.resources.num_cpus=0.5",
+    ]
 
 
 @pytest.fixture
@@ -46,7 +51,9 @@ def batch(overrides):
     ensure_datasets(cfg.data)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
-    prompts = dataset.batch([0, 1, 2, 3], list("abcd"), tokenizer.pad_token_id).exclude("uid", "data_source", "ground_truth")
+    prompts = dataset.batch([0, 1, 2, 3], list("abcd"), tokenizer.pad_token_id).exclude(
+        "uid", "data_source", "ground_truth"
+    )
     batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
     rows, width = batch["responses"].shape
     generator = torch.Generator().manual_seed(0)
@@ -73,18 +80,21 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
         assert isinstance(workers.actor, RayGroupRole) and len(workers.actor.handles) == 2
         assert [len(nodes) for nodes in (workers.placement["actor"], workers.placement["critic"])] == [2, 2]
         get = workers.get
-        torch.testing.assert_close(get(workers.actor.submit("compute_log_prob", batch))["log_probs"], log_probs,
-                                   **TOLERANCE)
-        torch.testing.assert_close(get(workers.critic.submit("compute_values", batch))["values"], batch["values"],
-                                   **TOLERANCE)
+        torch.testing.assert_close(
+            get(workers.actor.submit("compute_log_prob", batch))["log_probs"], log_probs, **TOLERANCE
+        )
+        torch.testing.assert_close(
+            get(workers.critic.submit("compute_values", batch))["values"], batch["values"], **TOLERANCE
+        )
         result = get(workers.actor.submit("update", batch, step=1))
         critic_metrics = get(workers.critic.submit("update", batch, step=1))
         pushed = get(workers.actor.submit("prepare_weights"))
         again = get(workers.actor.submit("prepare_weights", again=True))  # only rank 0 kept them
         assert pushed.version == 1 and (again.version, again.layouts) == (pushed.version, pushed.layouts)
         mask = batch["response_mask"]
-        torch.testing.assert_close(result.fields["old_log_probs"][mask], expected.fields["old_log_probs"][mask],
-                                   **TOLERANCE)
+        torch.testing.assert_close(
+            result.fields["old_log_probs"][mask], expected.fields["old_log_probs"][mask], **TOLERANCE
+        )
         for name, value in {**expected.metrics, **expected_critic}.items():
             got = result.metrics.get(name, critic_metrics.get(name))
             assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (name, got, value)
@@ -100,8 +110,11 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
         assert get(workers.actor.submit("weights_digest")) == uninterrupted
     finally:
         workers.shutdown()
-    assert sorted(entries) == ["optimizer.pt", "shard-00001-model-00001-of-00001.safetensors",
-                               "shard-00002-model-00001-of-00001.safetensors"]
+    assert sorted(entries) == [
+        "optimizer.pt",
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
     resumed = ActorWorker(cfg_one)
     resumed.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
     for name, tensor in actor.model.state_dict().items():

@@ -10,18 +10,39 @@ import torch
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
+from ppoflow.data.datasets import (
+    PromptDataset,
+    PromptLoader,
+    ensure_datasets,
+    files_to_generate,
+    load_prompt_dataset,
+    read_prompt_rows,
+    read_rows,
+    write_rows,
+    write_synthetic_dataset,
+)
 from ppoflow.storage.batch import non_tensor_column
-from ppoflow.data.datasets import (PromptDataset, PromptLoader, ensure_datasets, files_to_generate, load_prompt_dataset,
-                                   read_prompt_rows, read_rows, write_rows, write_synthetic_dataset)
 
 # The tiny character tokenizer (workers/models.py): <pad>=0 <s>=1 </s>=2 <unk>=3, then one id per
 # character of "0123456789+-=>:,|?abcdefghij" from 4: digit d -> 4 + d, '>' -> 17, ':' -> 18, '|' -> 20, 'a' -> 22.
 
 
 def data_config(**changes) -> DataConfig:
-    values = dict(train_files="unused.parquet", val_files=None, prompt_key="prompt", train_batch_size=4,
-                  gen_batch_size=None, val_batch_size=None, max_prompt_length=16, max_response_length=4,
-                  filter_overlong_prompts=False, truncation="error", seed=1, shuffle=True, synthetic=None)
+    values = dict(
+        train_files="unused.parquet",
+        val_files=None,
+        prompt_key="prompt",
+        train_batch_size=4,
+        gen_batch_size=None,
+        val_batch_size=None,
+        max_prompt_length=16,
+        max_response_length=4,
+        filter_overlong_prompts=False,
+        truncation="error",
+        seed=1,
+        shuffle=True,
+        synthetic=None,
+    )
     values.update(changes)
     return DataConfig(**values)
 
@@ -35,16 +56,20 @@ def only_problem(call, *args, **kwargs) -> tuple[str, str]:
 
 
 def chat_row(content: str, truth, source: str = "synthetic/copy") -> dict:
-    return {"data_source": source, "prompt": [{"role": "user", "content": content}],
-            "reward_model": {"style": "rule", "ground_truth": truth}}
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": content}],
+        "reward_model": {"style": "rule", "ground_truth": truth},
+    }
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    return load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
-                                      dtype="float32", build=None))
+    return load_tokenizer(
+        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+    )
 
 
 # ---------------------------------------------------------------------------------- synthetic
@@ -95,8 +120,11 @@ def test_vault_rows_fix_the_key_for_the_tool_and_mix_in_copy_rows(tmp_path):
 
 
 def test_prompt_batches_carry_the_agent_columns_only_when_the_dataset_has_them(tmp_path, tokenizer):
-    rows = [chat_row("60>", "60"), {**chat_row("=61>", "61"), "agent_name": "single_turn_agent"},
-            {**chat_row("62>", "19"), "extra_info": {"tools_kwargs": {"vault": {"key": "62"}}}}]
+    rows = [
+        chat_row("60>", "60"),
+        {**chat_row("=61>", "61"), "agent_name": "single_turn_agent"},
+        {**chat_row("62>", "19"), "extra_info": {"tools_kwargs": {"vault": {"key": "62"}}}},
+    ]
     write_rows(str(tmp_path / "agents.jsonl"), rows)
     dataset = load_prompt_dataset(str(tmp_path / "agents.jsonl"), data_config(), tokenizer, key="data.train_files")
     assert dataset.agent_names == [None, "single_turn_agent", None]
@@ -142,7 +170,8 @@ def test_ensure_datasets_only_writes_missing_files(tmp_path, capsys):
     assert files_to_generate(data) == {"data.train_files": train, "data.val_files": val}
     ensure_datasets(data)
     assert capsys.readouterr().out.splitlines() == [  # generating announces itself, file by file
-        f"writing the synthetic copy task to {url} (data.synthetic is set and {url} is missing)" for url in (train, val)]
+        f"writing the synthetic copy task to {url} (data.synthetic is set and {url} is missing)" for url in (train, val)
+    ]
     assert files_to_generate(data) == {}
     first_val = read_rows(val, key="k")
     assert len(read_rows(train, key="k")) == 12 and len(first_val) == 4
@@ -166,16 +195,26 @@ def test_ensure_datasets_only_writes_missing_files(tmp_path, capsys):
     ensure_datasets(data_config(train_files=str(tmp_path / "y/t.parquet"), synthetic=spec))
     assert [p.name for p in (tmp_path / "y").iterdir()] == ["t.parquet"]
     assert only_problem(ensure_datasets, data_config(train_files=[train, val], synthetic=spec)) == (
-        "data.train_files", "data.synthetic writes one file, got 2")
+        "data.train_files",
+        "data.synthetic writes one file, got 2",
+    )
 
 
 # ------------------------------------------------------------------------------- rows on disk
 
 ROWS = [
-    {"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": "12>"}],
-     "reward_model": {"style": "rule", "ground_truth": "12"}, "extra_info": {"split": "train", "index": 0}},
-    {"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
-     "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"split": "train", "index": 1}},
+    {
+        "data_source": "synthetic/copy",
+        "prompt": [{"role": "user", "content": "12>"}],
+        "reward_model": {"style": "rule", "ground_truth": "12"},
+        "extra_info": {"split": "train", "index": 0},
+    },
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+        "reward_model": {"style": "rule", "ground_truth": "42"},
+        "extra_info": {"split": "train", "index": 1},
+    },
 ]
 
 
@@ -201,27 +240,36 @@ def test_read_rows_errors(tmp_path):
     assert only_problem(read_rows, missing, key="data.val_files") == ("data.val_files", f"no such file {missing!r}")
     write_rows(str(tmp_path / "exists.jsonl"), ROWS)
     assert only_problem(read_rows, [str(tmp_path / "exists.jsonl"), missing], key="data.train_files") == (
-        "data.train_files", f"no such file {missing!r}")
+        "data.train_files",
+        f"no such file {missing!r}",
+    )
 
     csv = tmp_path / "rows.csv"
     csv.write_text("a,b\n1,2\n")
     assert only_problem(read_rows, str(csv), key="data.train_files") == (
-        "data.train_files", f"{str(csv)!r} is neither .parquet nor .jsonl")
+        "data.train_files",
+        f"{str(csv)!r} is neither .parquet nor .jsonl",
+    )
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert only_problem(read_rows, str(empty), key="data.train_files") == (
-        "data.train_files", f"{str(empty)!r} holds no rows")
+        "data.train_files",
+        f"{str(empty)!r} holds no rows",
+    )
     write_rows(str(tmp_path / "empty.parquet"), [])
     assert only_problem(read_rows, str(tmp_path / "empty.parquet"), key="data.train_files")[1].endswith("holds no rows")
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("zero.parquet", b"", "is not a readable parquet file"),
-    ("text.parquet", b"not parquet at all", "is not a readable parquet file"),
-    ("broken.jsonl", b'{"prompt": "1>"}\n{"prompt": ', "is not JSON lines (one JSON object per line)"),
-    ("binary.jsonl", b"\xff\xfe\x00", "is not JSON lines (one JSON object per line)"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("zero.parquet", b"", "is not a readable parquet file"),
+        ("text.parquet", b"not parquet at all", "is not a readable parquet file"),
+        ("broken.jsonl", b'{"prompt": "1>"}\n{"prompt": ', "is not JSON lines (one JSON object per line)"),
+        ("binary.jsonl", b"\xff\xfe\x00", "is not JSON lines (one JSON object per line)"),
+    ],
+)
 def test_malformed_files_name_the_key_and_the_file(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
     key, problem = only_problem(read_rows, str(tmp_path / name), key="data.train_files")
@@ -232,10 +280,15 @@ def test_malformed_files_name_the_key_and_the_file(tmp_path, name, content, mess
 
 
 def test_load_prompt_dataset_chat_and_plain_prompts(tmp_path, tokenizer):
-    rows = [chat_row("60>", "60"),
-            {"data_source": "plain", "prompt": "12>", "reward_model": {"ground_truth": ["a", 1]}},
-            {"data_source": "multi", "prompt": [{"role": "system", "content": "9"}, {"role": "user", "content": "8>"}],
-             "reward_model": {"style": "rule"}}]
+    rows = [
+        chat_row("60>", "60"),
+        {"data_source": "plain", "prompt": "12>", "reward_model": {"ground_truth": ["a", 1]}},
+        {
+            "data_source": "multi",
+            "prompt": [{"role": "system", "content": "9"}, {"role": "user", "content": "8>"}],
+            "reward_model": {"style": "rule"},
+        },
+    ]
     write_rows(str(tmp_path / "p.jsonl"), rows)
     dataset = load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
     assert dataset.prompt_ids == [[10, 4, 17], [5, 6, 17], [13, 12, 17]]
@@ -248,61 +301,70 @@ def test_load_prompt_dataset_chat_and_plain_prompts(tmp_path, tokenizer):
 def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    tokenizer = load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
-                                           dtype="float32", build=None))
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
-                               "{% if add_generation_prompt %}a:{% endif %}")
+    tokenizer = load_tokenizer(
+        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    )
     write_rows(str(tmp_path / "p.jsonl"), [chat_row("12", "12"), {**chat_row("", "3"), "prompt": "3>"}])
     dataset = load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
     # "12" -> "12|" + generation prompt "a:"; the plain string is not templated
     assert dataset.prompt_ids == [[5, 6, 20, 22, 18], [7, 17]]
 
     tokenizer.chat_template = None
-    assert only_problem(load_prompt_dataset, str(tmp_path / "p.jsonl"), data_config(), tokenizer,
-                        key="data.train_files") == (
-        "data.train_files", "row 0: the prompt is a list of chat messages but the tokenizer has no chat_template")
+    assert only_problem(
+        load_prompt_dataset, str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files"
+    ) == ("data.train_files", "row 0: the prompt is a list of chat messages but the tokenizer has no chat_template")
 
 
 def test_prompt_key_and_missing_columns(tmp_path, tokenizer):
-    write_rows(str(tmp_path / "q.jsonl"),
-               [{"data_source": "s", "question": "1>", "reward_model": {"ground_truth": "1"}}])
+    write_rows(
+        str(tmp_path / "q.jsonl"), [{"data_source": "s", "question": "1>", "reward_model": {"ground_truth": "1"}}]
+    )
     dataset = load_prompt_dataset(str(tmp_path / "q.jsonl"), data_config(prompt_key="question"), tokenizer, key="k")
     assert dataset.prompt_ids == [[5, 17]]
 
     assert only_problem(read_prompt_rows, str(tmp_path / "q.jsonl"), data_config(), key="data.val_files") == (
-        "data.val_files", "row 0 has no 'prompt' value (columns: ['data_source', 'question', 'reward_model'])")
+        "data.val_files",
+        "row 0 has no 'prompt' value (columns: ['data_source', 'question', 'reward_model'])",
+    )
 
     write_rows(str(tmp_path / "m.jsonl"), [chat_row("1>", "1"), {"prompt": "2>", "reward_model": {}}])
-    assert only_problem(load_prompt_dataset, str(tmp_path / "m.jsonl"), data_config(), tokenizer,
-                        key="data.train_files") == (
-        "data.train_files", "row 1 has no 'data_source' value (columns: ['prompt', 'reward_model'])")
+    assert only_problem(
+        load_prompt_dataset, str(tmp_path / "m.jsonl"), data_config(), tokenizer, key="data.train_files"
+    ) == ("data.train_files", "row 1 has no 'data_source' value (columns: ['prompt', 'reward_model'])")
 
     write_rows(str(tmp_path / "null.jsonl"), [{"data_source": "s", "prompt": "1>", "reward_model": "1"}])
     assert only_problem(read_prompt_rows, str(tmp_path / "null.jsonl"), data_config(), key="data.train_files") == (
-        "data.train_files", "row 0 reward_model must be a mapping with ground_truth, got '1'")
+        "data.train_files",
+        "row 0 reward_model must be a mapping with ground_truth, got '1'",
+    )
 
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     assert only_problem(read_prompt_rows, str(tmp_path / "list.jsonl"), data_config(), key="data.train_files") == (
-        "data.train_files", "row 0 is not a mapping of columns, got [1, 2]")
+        "data.train_files",
+        "row 0 is not a mapping of columns, got [1, 2]",
+    )
 
     write_rows(str(tmp_path / "bad.jsonl"), [{"data_source": "s", "prompt": 5, "reward_model": {}}])
-    assert only_problem(load_prompt_dataset, str(tmp_path / "bad.jsonl"), data_config(), tokenizer,
-                        key="data.train_files") == (
-        "data.train_files", "row 0: a prompt must be a string or a list of {role, content} messages, got 5")
+    assert only_problem(
+        load_prompt_dataset, str(tmp_path / "bad.jsonl"), data_config(), tokenizer, key="data.train_files"
+    ) == ("data.train_files", "row 0: a prompt must be a string or a list of {role, content} messages, got 5")
 
 
 @pytest.fixture
 def overlong_file(tmp_path):
     url = str(tmp_path / "long.jsonl")
     # token counts: 6, 2, 4, 3 against max_prompt_length=3
-    write_rows(url, [chat_row("12345>", "12345"), chat_row("1>", "1"), chat_row("123>", "123"),
-                     chat_row("99>", "99")])
+    write_rows(url, [chat_row("12345>", "12345"), chat_row("1>", "1"), chat_row("123>", "123"), chat_row("99>", "99")])
     return url
 
 
 def test_overlong_prompts_filtered(overlong_file, tokenizer):
-    dataset = load_prompt_dataset(overlong_file, data_config(max_prompt_length=3, filter_overlong_prompts=True),
-                                  tokenizer, key="data.train_files")
+    dataset = load_prompt_dataset(
+        overlong_file, data_config(max_prompt_length=3, filter_overlong_prompts=True), tokenizer, key="data.train_files"
+    )
     assert dataset.prompt_ids == [[5, 17], [13, 13, 17]]
     assert dataset.row_indices == [1, 3]
     assert dataset.ground_truths == ["1", "99"]
@@ -317,19 +379,31 @@ def test_overlong_prompts_truncated(overlong_file, tokenizer):
 
 
 def test_overlong_prompts_error(overlong_file, tokenizer):
-    assert only_problem(load_prompt_dataset, overlong_file, data_config(max_prompt_length=3), tokenizer,
-                        key="data.train_files") == (
-        "data.train_files", "row 0 prompt has 6 tokens > data.max_prompt_length=3 "
-                            "(set data.filter_overlong_prompts=true or data.truncation)")
-    assert only_problem(load_prompt_dataset, overlong_file, data_config(max_prompt_length=1, filter_overlong_prompts=True),
-                        tokenizer, key="data.val_files") == (
-        "data.val_files", "every prompt is longer than data.max_prompt_length=1")
+    assert only_problem(
+        load_prompt_dataset, overlong_file, data_config(max_prompt_length=3), tokenizer, key="data.train_files"
+    ) == (
+        "data.train_files",
+        "row 0 prompt has 6 tokens > data.max_prompt_length=3 "
+        "(set data.filter_overlong_prompts=true or data.truncation)",
+    )
+    assert only_problem(
+        load_prompt_dataset,
+        overlong_file,
+        data_config(max_prompt_length=1, filter_overlong_prompts=True),
+        tokenizer,
+        key="data.val_files",
+    ) == ("data.val_files", "every prompt is longer than data.max_prompt_length=1")
 
 
 def test_prompt_batch_is_left_padded():
-    dataset = PromptDataset(prompt_ids=[[5, 6, 17], [13, 17], [4]], data_sources=["a", "b", "c"],
-                            agent_names=[None] * 3, tools_kwargs=[None] * 3,
-                            ground_truths=["56", ["x", 2], None], row_indices=[0, 1, 5])
+    dataset = PromptDataset(
+        prompt_ids=[[5, 6, 17], [13, 17], [4]],
+        data_sources=["a", "b", "c"],
+        agent_names=[None] * 3,
+        tools_kwargs=[None] * 3,
+        ground_truths=["56", ["x", 2], None],
+        row_indices=[0, 1, 5],
+    )
     batch = dataset.batch([1, 0, 2], ["u1", "u0", "u2"], pad_token_id=0)
     assert batch.batch_size == torch.Size([3])
     assert batch["prompts"].dtype == torch.int64
@@ -358,8 +432,13 @@ def take(loader: PromptLoader, count: int) -> list[tuple[int, list[int]]]:
 def test_loader_without_shuffle_keeps_order_and_drops_the_partial_batch():
     loader = PromptLoader(10, 4, shuffle=False, seed=0)
     assert loader.batches_per_epoch == 2
-    assert take(loader, 5) == [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]),  # rows 8 and 9 never form a batch
-                               (1, [0, 1, 2, 3]), (1, [4, 5, 6, 7]), (2, [0, 1, 2, 3])]
+    assert take(loader, 5) == [
+        (0, [0, 1, 2, 3]),
+        (0, [4, 5, 6, 7]),  # rows 8 and 9 never form a batch
+        (1, [0, 1, 2, 3]),
+        (1, [4, 5, 6, 7]),
+        (2, [0, 1, 2, 3]),
+    ]
     assert loader.state_dict() == {"epoch": 2, "batch_in_epoch": 1}
 
 
@@ -367,7 +446,7 @@ def test_loader_shuffles_deterministically_and_reshuffles_each_epoch():
     batches = take(PromptLoader(12, 4, shuffle=True, seed=5), 9)
     assert batches == take(PromptLoader(12, 4, shuffle=True, seed=5), 9)
     assert [epoch for epoch, _ in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    orders = [sum((rows for _, rows in batches[start:start + 3]), []) for start in (0, 3, 6)]
+    orders = [sum((rows for _, rows in batches[start : start + 3]), []) for start in (0, 3, 6)]
     for order in orders:  # every row exactly once per epoch, across the epoch boundary without a gap
         assert sorted(order) == list(range(12))
     assert orders[0] != list(range(12))
@@ -406,5 +485,7 @@ def test_loader_resumes_at_an_epoch_end():
 
 def test_loader_needs_a_full_batch():
     assert only_problem(PromptLoader, 3, 4, shuffle=True, seed=0) == (
-        "data.train_batch_size", "4 is larger than the 3 train prompts")
+        "data.train_batch_size",
+        "4 is larger than the 3 train prompts",
+    )
     assert take(PromptLoader(4, 4, shuffle=False, seed=0), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]

@@ -40,7 +40,9 @@ def artifact_keys(flow_run_id) -> set[str]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with client() as api:
-        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = api.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {artifact.key for artifact in artifacts}
 
 
@@ -54,8 +56,12 @@ def test_the_training_form_starts_from_the_presets_values():
     assert deployments("regression/golden")[0].parameters == grpo_tiny  # what `ppoflow serve` registers
     declared = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
     assert declared["ppo-train"]["parameters"] == grpo_tiny  # and `prefect deploy`
-    assert form_defaults("vault_tool") == {"config": "vault_tool", "experiment_name": "vault_tool",
-                                           "total_training_steps": 500, "mode": "sync"}
+    assert form_defaults("vault_tool") == {
+        "config": "vault_tool",
+        "experiment_name": "vault_tool",
+        "total_training_steps": 500,
+        "mode": "sync",
+    }
 
 
 def test_serving_a_config_that_does_not_load_exits_2_naming_it(capsys):
@@ -68,7 +74,10 @@ def test_serving_a_config_that_does_not_load_exits_2_naming_it(capsys):
 @pytest.fixture
 def small(tiny_overrides):
     return [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1"]
+        "data.val_files=null",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+    ]
 
 
 @pytest.mark.slow
@@ -79,8 +88,13 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
 
     golden = replay_baseline
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    server = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "serve", "--replay-dir", str(golden), "--limit", "1"],
-                              env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "serve", "--replay-dir", str(golden), "--limit", "1"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deployments = wait_for_deployments(["ppo-train/ppo-train", "regression-replay/regression-replay"])
         replay = deployments["regression-replay/regression-replay"]
@@ -90,14 +104,25 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
         assert form["overrides"]["description"]
         assert deployments["ppo-train/ppo-train"].parameters == form_defaults()  # the form shows what a run uses
 
-        run = run_deployment("ppo-train/ppo-train", timeout=600, poll_interval=1, parameters={
-            "overrides": small + [f"trainer.default_local_dir={tmp_path}/ui-run"], "total_training_steps": 2,
-            "experiment_name": "from-the-ui", "mode": "one_step_off"})
+        run = run_deployment(
+            "ppo-train/ppo-train",
+            timeout=600,
+            poll_interval=1,
+            parameters={
+                "overrides": small + [f"trainer.default_local_dir={tmp_path}/ui-run"],
+                "total_training_steps": 2,
+                "experiment_name": "from-the-ui",
+                "mode": "one_step_off",
+            },
+        )
         assert run.state.is_completed(), run.state
         keys = artifact_keys(run.id)  # <project>-<experiment>-<flow run name>-<what>, and the experiment's -latest
         assert "ppoflow-from-the-ui-latest" in keys
         for what in ("progress", "metrics", "summary", "config"):
-            assert any(key.startswith("ppoflow-from-the-ui-") and key.endswith(f"-{what}") for key in keys), (what, keys)
+            assert any(key.startswith("ppoflow-from-the-ui-") and key.endswith(f"-{what}") for key in keys), (
+                what,
+                keys,
+            )
         assert (tmp_path / "ui-run" / "reward_curve.png").exists()
 
         with pytest.raises(Exception, match="total_training_steps"):  # the server validates the form's constraints
@@ -116,10 +141,21 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
 @pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_to_a_work_pool(prefect_api, tmp_path):
     env = {**os.environ, "PPOFLOW_REPO": str(REPO)}
-    subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "ppoflow-local", "--type", "process"],
-                   env=env, cwd=REPO, capture_output=True, timeout=120)
-    deployed = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "create", "ppoflow-local", "--type", "process"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
+    deployed = subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
     deployments = wait_for_deployments(["ppo-train/ppo-train", "regression-replay/regression-replay"], timeout=30)
     assert {d.work_pool_name for d in deployments.values()} == {"ppoflow-local"}
@@ -133,8 +169,7 @@ def test_a_bad_override_fails_the_run_at_once_naming_the_key(prefect_api):
     assert state.is_failed() and "did you mean 'actor_rollout_ref.rollout.temperature'" in state.message
 
 
-def test_serve_registers_the_nightly_replay_inactive_when_there_is_no_golden_baseline(prefect_api, tmp_path,
-                                                                                      capsys):
+def test_serve_registers_the_nightly_replay_inactive_when_there_is_no_golden_baseline(prefect_api, tmp_path, capsys):
     from ppoflow.flows.deploy import deployments
 
     missing = str(tmp_path / "no-golden")
@@ -169,5 +204,8 @@ def test_a_recorded_run_is_named_for_its_experiment_and_tagged(prefect_api, repl
     assert re.fullmatch(r"grpo_tiny-\d{8}-\d{6}", run.name), run.name
     assert set(run.tags) == {"experiment:grpo_tiny", "preset:grpo_tiny", "mode:sync", "record"}
     assert {name: run.parameters[name] for name in ("experiment_name", "mode", "total_training_steps")} == {
-        "experiment_name": "grpo_tiny", "mode": "sync", "total_training_steps": REPLAY_STEPS}
+        "experiment_name": "grpo_tiny",
+        "mode": "sync",
+        "total_training_steps": REPLAY_STEPS,
+    }
     assert task_runs and all(task.tags == [] for task in task_runs)  # the run's tags are not every task run's

@@ -38,12 +38,18 @@ def kill_a_generation_after_step_one(metrics: Path, stop: threading.Event, kille
 @pytest.mark.slow
 def test_a_killed_rollout_worker_is_restarted_and_the_step_completes(prefect_api, ray_local, tiny_overrides, tmp_path):
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",
-        "data.max_response_length=40", f"trainer.default_local_dir={tmp_path}/run",
-        "actor_rollout_ref.hybrid_engine=false"]  # a rollout worker of its own, which Ray restarts
+        "data.val_files=null",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=3",
+        "data.max_response_length=40",
+        f"trainer.default_local_dir={tmp_path}/run",
+        "actor_rollout_ref.hybrid_engine=false",
+    ]  # a rollout worker of its own, which Ray restarts
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=kill_a_generation_after_step_one,
-                              args=(tmp_path / "run" / "metrics.jsonl", stop, killed), daemon=True)
+    killer = threading.Thread(
+        target=kill_a_generation_after_step_one, args=(tmp_path / "run" / "metrics.jsonl", stop, killed), daemon=True
+    )
     killer.start()
     try:
         state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
@@ -97,24 +103,37 @@ UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "resp
 
 @pytest.mark.slow
 def test_one_step_off_regenerates_a_lost_batch_with_the_weights_it_was_started_with(
-        prefect_api, ray_local, tiny_overrides, tmp_path, monkeypatch):
+    prefect_api, ray_local, tiny_overrides, tmp_path, monkeypatch
+):
     """Step 3's batch is started (with the weights before step 2's update) while step 2 trains; the rollout
     worker dies meanwhile. The batch is generated again with those same weights, which the actor kept,
     so every step matches an uninterrupted run."""
     (tmp_path / "killing_scorer.py").write_text(KILLING_SCORER)
     monkeypatch.setenv("PPOFLOW_TEST_KILLED", str(tmp_path / "killed.txt"))
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", "trainer.total_training_steps=3",
-        "data.max_response_length=48", "trainer.mode=one_step_off"]
-    killed = ppo_train(config="grpo_tiny", return_state=True, overrides=words + [
-        f"custom_reward_function.path={tmp_path}/killing_scorer.py", f"trainer.default_local_dir={tmp_path}/killed"])
+        "data.val_files=null",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=3",
+        "data.max_response_length=48",
+        "trainer.mode=one_step_off",
+    ]
+    killed = ppo_train(
+        config="grpo_tiny",
+        return_state=True,
+        overrides=words
+        + [f"custom_reward_function.path={tmp_path}/killing_scorer.py", f"trainer.default_local_dir={tmp_path}/killed"],
+    )
     assert killed.is_completed(), killed
     assert "generate" in (tmp_path / "killed.txt").read_text()  # it died in the middle of a generation
     rows = read_metrics(f"{tmp_path}/killed")
     assert [row.get("training/rollout_regenerated", 0) for row in rows] == [0, 0, 1]
     assert [row["training/off_policy/trajectory_staleness/max"] for row in rows] == [0, 1, 1]  # still one step off
-    straight = ppo_train(config="grpo_tiny", return_state=True, overrides=words + [
-        "custom_reward_function.path=null", f"trainer.default_local_dir={tmp_path}/straight"])
+    straight = ppo_train(
+        config="grpo_tiny",
+        return_state=True,
+        overrides=words + ["custom_reward_function.path=null", f"trainer.default_local_dir={tmp_path}/straight"],
+    )
     assert straight.is_completed(), straight
     for before, after in zip(read_metrics(f"{tmp_path}/straight"), rows):
         for name in UPDATE_METRICS:

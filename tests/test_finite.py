@@ -12,11 +12,7 @@ NAN, INF = math.nan, math.inf
 
 
 def test_nonfinite_rows_gives_each_bad_row_and_its_first_bad_value():
-    values = torch.tensor([[0.0, 1.0, 2.0],
-                           [0.0, INF, NAN],
-                           [3.0, 4.0, 5.0],
-                           [-INF, 0.0, 0.0],
-                           [NAN, 0.0, 0.0]])
+    values = torch.tensor([[0.0, 1.0, 2.0], [0.0, INF, NAN], [3.0, 4.0, 5.0], [-INF, 0.0, 0.0], [NAN, 0.0, 0.0]])
     found = nonfinite_rows(values)
     assert [row for row, _ in found] == [1, 3, 4]
     assert found[0][1] == INF and found[1][1] == -INF and math.isnan(found[2][1])
@@ -32,7 +28,8 @@ def test_describe_rows_names_row_uid_source_and_value_and_counts_the_rest():
     columns = {"uid": ["a", "b", "c", "d", "e", "f", "g", "h"], "data_source": ["s"] * 8}
     assert describe_rows("reward", found, 8, columns, limit=2) == (
         "non-finite reward in 4 of 8 samples: row 1 (uid 'b', data_source 's') = nan; "
-        "row 3 (uid 'd', data_source 's') = inf; and 2 more")
+        "row 3 (uid 'd', data_source 's') = inf; and 2 more"
+    )
     assert describe_rows("advantages", [(0, -INF)], 2, {}) == "non-finite advantages in 1 of 2 samples: row 0 = -inf"
 
 

@@ -15,10 +15,25 @@ from safetensors.torch import load_file
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
 
-STEP_METRICS = ["training/global_step", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
-                "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-                "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/adv", "timing_s/update_actor",
-                "timing_s/update_weights", "timing_s/step", "training/rollout_probs_diff_mean"]
+STEP_METRICS = [
+    "training/global_step",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "response_length/mean",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "training/rollout_probs_diff_mean",
+]
 
 
 def _task_runs(flow_run_id, expected: int):
@@ -29,8 +44,9 @@ def _task_runs(flow_run_id, expected: int):
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                         limit=200)
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
+            )
             settled = all(run.state is not None and run.state.is_final() for run in runs)
             if (settled and len(runs) >= expected) or time.monotonic() > deadline:
                 return runs
@@ -44,11 +60,14 @@ def _changed_tensors(before_dir: str, after_dir: str) -> int:
 
 
 def test_grpo_flow_runs_every_stage_as_a_task(prefect_api, ray_local, tiny_overrides, tiny_model, tmp_path):
-    state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + ["trainer.total_training_steps=3"],
-                      return_state=True)
+    state = ppo_train(
+        config="grpo_tiny", overrides=tiny_overrides + ["trainer.total_training_steps=3"], return_state=True
+    )
     assert state.is_completed(), state
 
-    task_runs = _task_runs(state.state_details.flow_run_id, expected=2 + 3 * 4 + 3 * 2)  # start-up, 4 stages x 3 steps, 3 validations
+    task_runs = _task_runs(
+        state.state_details.flow_run_id, expected=2 + 3 * 4 + 3 * 2
+    )  # start-up, 4 stages x 3 steps, 3 validations
     names = [run.name.split("[")[0] for run in task_runs]
     assert {run.state.name for run in task_runs} == {"Completed"}
     for stage in ("reward", "advantage", "update_actor"):
@@ -67,26 +86,51 @@ def test_grpo_flow_runs_every_stage_as_a_task(prefect_api, ray_local, tiny_overr
 
 
 def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tmp_path):
-    overrides = tiny_overrides + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                  "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                                  "trainer.test_freq=-1"]
+    overrides = tiny_overrides + [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "trainer.test_freq=-1",
+    ]
     state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
     assert state.is_completed(), state
     names = {run.name.split("[")[0] for run in _task_runs(state.state_details.flow_run_id, expected=2 * 9)}
     assert {"old_log_prob", "values", "ref_log_prob", "update_critic"} <= names  # the KL penalty needs old log-probs
     rows = read_metrics(f"{tmp_path}/run")
-    for name in ("critic/vf_loss", "critic/values/mean", "actor/kl_loss", "actor/reward_kl_penalty",
-                 "timing_s/values", "timing_s/ref", "timing_s/update_critic"):
+    for name in (
+        "critic/vf_loss",
+        "critic/values/mean",
+        "actor/kl_loss",
+        "actor/reward_kl_penalty",
+        "timing_s/values",
+        "timing_s/ref",
+        "timing_s/update_critic",
+    ):
         assert name in rows[-1], name
     assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]  # adaptive
 
 
 @pytest.mark.slow
 def test_cli_rejects_bad_config_before_starting_anything():
-    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", "actor_rollout_ref.rollout.temprature=0.5",
-                             "data.train_batch_size=0"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "actor_rollout_ref.rollout.temprature=0.5",
+            "data.train_batch_size=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert "actor_rollout_ref.rollout.temprature: unknown key; did you mean 'actor_rollout_ref.rollout.temperature'" in result.stderr
+    assert (
+        "actor_rollout_ref.rollout.temprature: unknown key; did you mean 'actor_rollout_ref.rollout.temperature'"
+        in result.stderr
+    )
     assert "data.train_batch_size" in result.stderr and "(got 0)" in result.stderr
     assert "Ray" not in result.stderr and "prefect" not in result.stderr.lower()
 
@@ -99,8 +143,13 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
         db.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
     env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "8"}
-    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
-                            capture_output=True, text=True, timeout=180, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "The temporary Prefect server did not start. Run `prefect server start` to see why" in result.stderr
 
@@ -108,25 +157,45 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
 def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_server, tiny_overrides):
     """Found only once Ray runs, inside the flow run: still exit 2 and one message naming the key, no traceback."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *tiny_overrides,
-                             "trainer.n_cpu_ranks_per_node=4", "ray.num_cpus=2"],
-                            capture_output=True, text=True, timeout=300, env={**env, "PREFECT_API_URL": prefect_server})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            *tiny_overrides,
+            "trainer.n_cpu_ranks_per_node=4",
+            "ray.num_cpus=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PREFECT_API_URL": prefect_server},
+    )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "\nppoflow: invalid configuration (1 problem):\n  actor_rollout_ref.actor.resources.num_cpus: the roles " \
-           "need 5 CPU but the Ray cluster has 2" in result.stderr
+    assert (
+        "\nppoflow: invalid configuration (1 problem):\n  actor_rollout_ref.actor.resources.num_cpus: the roles "
+        "need 5 CPU but the Ray cluster has 2" in result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
-    # eight actor ranks of one CPU each, on a Ray of four: the error names the ranks and the cluster's total
-    ("trainer.n_cpu_ranks_per_node=8", r"actor_rollout_ref.actor.resources.num_cpus: the roles need 9 CPU but the Ray "
-                                       r"cluster has 4 \(actor_rollout_ref.actor \(8 ranks\): 8, "
-                                       r"actor_rollout_ref.rollout: 1\)"),
-    ("data.max_response_length=80", "max_position_embeddings"),
-    # a run started from the UI or a deployment fails with the preflight's message, naming the key
-    ("custom_reward_function.path=ppoflow_no_such_module", "custom_reward_function.path: cannot import"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
+        # eight actor ranks of one CPU each, on a Ray of four: the error names the ranks and the cluster's total
+        (
+            "trainer.n_cpu_ranks_per_node=8",
+            r"actor_rollout_ref.actor.resources.num_cpus: the roles need 9 CPU but the Ray "
+            r"cluster has 4 \(actor_rollout_ref.actor \(8 ranks\): 8, "
+            r"actor_rollout_ref.rollout: 1\)",
+        ),
+        ("data.max_response_length=80", "max_position_embeddings"),
+        # a run started from the UI or a deployment fails with the preflight's message, naming the key
+        ("custom_reward_function.path=ppoflow_no_such_module", "custom_reward_function.path: cannot import"),
+    ],
+)
 def test_impossible_runs_fail_before_training(prefect_api, ray_local, tiny_overrides, override, message):
     state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + [override], return_state=True)
     assert state.is_failed()

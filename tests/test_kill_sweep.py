@@ -42,7 +42,9 @@ def running(title: bytes) -> bool:
 
 
 def after_step(step: int) -> Callable[[Path], bool]:
-    return lambda run: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= step
+    return lambda run: (
+        (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= step
+    )
 
 
 def after_step_while(step: int, title: bytes) -> Callable[[Path], bool]:
@@ -51,9 +53,13 @@ def after_step_while(step: int, title: bytes) -> Callable[[Path], bool]:
 
 def mid_checkpoint(written: str) -> Callable[[Path], bool]:
     """Some checkpoint's ``written`` file (a glob) exists and its marker does not yet."""
+
     def moment(run: Path) -> bool:
-        return any(not (found.parent.parent if "/" in written else found.parent).joinpath("checkpoint.json").exists()
-                   for found in run.glob(f"global_step_*/{written}"))
+        return any(
+            not (found.parent.parent if "/" in written else found.parent).joinpath("checkpoint.json").exists()
+            for found in run.glob(f"global_step_*/{written}")
+        )
+
     return moment
 
 
@@ -65,8 +71,12 @@ MOMENTS = {
     "mid checkpoint state": mid_checkpoint("trainer_state.json"),
     "mid in-flight batch": mid_checkpoint("mode.in_flight.*.safetensors"),
 }
-CASES = [(mode, moment) for mode in ("sync", "one_step_off") for moment in MOMENTS
-         if mode == "one_step_off" or moment != "mid in-flight batch"]
+CASES = [
+    (mode, moment)
+    for mode in ("sync", "one_step_off")
+    for moment in MOMENTS
+    if mode == "one_step_off" or moment != "mid in-flight batch"
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,22 +87,32 @@ def straight(prefect_server, ray_local, tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     (root / "slow_scorer.py").write_text(SLOW_SCORER)
     words = [w for w in small_run(tiny_model, root) if not w.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", f"trainer.total_training_steps={STEPS}",
-        "trainer.save_freq=1", f"custom_reward_function.path={root}/slow_scorer.py"]
+        "data.val_files=null",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+        f"custom_reward_function.path={root}/slow_scorer.py",
+    ]
     rows = {}
     with prefect_settings(prefect_server):
         for mode in ("sync", "one_step_off"):
-            ppo_train(config="grpo_tiny", overrides=words + [f"trainer.mode={mode}",
-                                                              f"trainer.default_local_dir={root}/{mode}"])
+            ppo_train(
+                config="grpo_tiny",
+                overrides=words + [f"trainer.mode={mode}", f"trainer.default_local_dir={root}/{mode}"],
+            )
             rows[mode] = rows_by_step(root / mode)
     return words, rows
 
 
 def kill_at(moment: Callable[[Path], bool], words: list[str], run: Path, env: dict) -> bool:
     """Start ``ppoflow train`` and SIGKILL it at ``moment``; whether the moment came before the run ended."""
-    process = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "train", *words,
-                                f"trainer.default_local_dir={run}"], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words, f"trainer.default_local_dir={run}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while process.poll() is None and time.monotonic() < deadline:
@@ -138,9 +158,15 @@ def test_a_killed_async_run_trains_every_prompt_once(prefect_api, ray_local, tin
     name = f"ledger_async_{ASYNC_MOMENTS.index(moment)}"  # a mode name per file: one process runs every case
     (tmp_path / "ledger.py").write_text(LEDGER_MODE.format(log=str(log), name=name))
     words = [w for w in small_run(tiny_model, tmp_path) if not w.startswith(("trainer.", "data.val_files"))] + [
-        "data.val_files=null", "trainer.logger=[]", "trainer.test_freq=-1", f"trainer.total_training_steps={STEPS}",
-        "trainer.save_freq=1", "actor_rollout_ref.rollout.mode=async", f"trainer.v1.trainer_module={tmp_path}/ledger.py",
-        f"trainer.v1.trainer_mode={name}"]
+        "data.val_files=null",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+        "actor_rollout_ref.rollout.mode=async",
+        f"trainer.v1.trainer_module={tmp_path}/ledger.py",
+        f"trainer.v1.trainer_mode={name}",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     run = tmp_path / "run"
     assert kill_at(MOMENTS[moment], words, run, env), f"the run ended before the moment {moment!r}"

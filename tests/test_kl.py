@@ -87,8 +87,20 @@ def test_full_and_unknown_kinds():
 
 def test_kinds_listing():
     assert set(KL_PENALTY_KINDS) == {
-        "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-        "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+        "kl",
+        "k1",
+        "abs",
+        "mse",
+        "k2",
+        "low_var_kl",
+        "k3",
+        "kl+",
+        "k1+",
+        "abs+",
+        "mse+",
+        "k2+",
+        "low_var_kl+",
+        "k3+",
     }
 
 

@@ -41,7 +41,9 @@ def project_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.startswith("ppoflow."):
                 for alias in node.names:
                     candidate = f"{base}.{alias.name}"
@@ -62,28 +64,38 @@ def test_every_folder_is_a_known_layer_and_an_installed_package():
     packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(path) for path in MODULES.values() if path.name == "__init__.py"}
     # A folder of data only (configs/tools) is a package to setuptools too: listed, with no Python in it.
-    data_only = {package for package in packages - found - {"ppoflow"}
-                 if (folder := ROOT.joinpath(*package.split(".")[1:])).is_dir() and not any(folder.glob("*.py"))}
+    data_only = {
+        package
+        for package in packages - found - {"ppoflow"}
+        if (folder := ROOT.joinpath(*package.split(".")[1:])).is_dir() and not any(folder.glob("*.py"))
+    }
     assert found <= packages, f"folders missing from pyproject's packages: {sorted(found - packages)}"
-    assert packages - {"ppoflow"} - data_only <= found, \
+    assert packages - {"ppoflow"} - data_only <= found, (
         f"packages without a folder: {sorted(packages - found - data_only - {'ppoflow'})}"
-    data_folders = {module_name(folder / "x.py").rpartition(".")[0] for layer in LAYERS
-                    for folder in (ROOT / layer).rglob("*") if folder.is_dir() and folder.name != "__pycache__"
-                    and not (folder / "__init__.py").exists()}
+    )
+    data_folders = {
+        module_name(folder / "x.py").rpartition(".")[0]
+        for layer in LAYERS
+        for folder in (ROOT / layer).rglob("*")
+        if folder.is_dir() and folder.name != "__pycache__" and not (folder / "__init__.py").exists()
+    }
     assert data_folders <= packages, f"data folders not in pyproject's packages: {sorted(data_folders - packages)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module):
     rank = LAYERS.index(layer_of(module))
-    upward = sorted(imported for imported in project_imports(MODULES[module])
-                    if LAYERS.index(layer_of(imported)) > rank)
+    upward = sorted(
+        imported for imported in project_imports(MODULES[module]) if LAYERS.index(layer_of(imported)) > rank
+    )
     assert not upward, f"{module} ({LAYERS[rank]}) imports from a higher layer: {upward}"
 
 
 def test_no_import_cycles():
-    graph = {module: {imported for imported in project_imports(path) if imported in MODULES and imported != module}
-             for module, path in MODULES.items()}
+    graph = {
+        module: {imported for imported in project_imports(path) if imported in MODULES and imported != module}
+        for module, path in MODULES.items()
+    }
     # Packages import their own submodules only when they say so; a submodule importing its package's
     # __init__ is normal, so edges into a package's own __init__ from inside it are not cycles.
     cycles = strongly_connected(graph)

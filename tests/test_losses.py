@@ -163,7 +163,13 @@ def test_policy_loss_global_normalisers_and_scale_factor():
     loss, _ = compute_policy_loss(OLD, _log_prob(), ADV, PG_MASK, loss_agg_mode="token-mean", num_tokens=13, **CLIP)
     assert_close(loss, T(0.91 / 13))
     loss, _ = compute_policy_loss(
-        OLD, _log_prob(), ADV, PG_MASK, loss_agg_mode="seq-mean-token-sum-norm", num_seqs=4, loss_scale_factor=2.0,
+        OLD,
+        _log_prob(),
+        ADV,
+        PG_MASK,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        num_seqs=4,
+        loss_scale_factor=2.0,
         **CLIP,
     )
     # sequence sums 1.27 and -0.36 -> 0.91 / 4 sequences / 2
@@ -173,8 +179,14 @@ def test_policy_loss_global_normalisers_and_scale_factor():
 def test_policy_loss_rejects_clip_ratio_c_at_most_one():
     with pytest.raises(ValueError, match="clip_ratio_c"):
         compute_policy_loss(
-            OLD, _log_prob(), ADV, PG_MASK, loss_agg_mode="token-mean",
-            clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.0,
+            OLD,
+            _log_prob(),
+            ADV,
+            PG_MASK,
+            loss_agg_mode="token-mean",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            clip_ratio_c=1.0,
         )
 
 

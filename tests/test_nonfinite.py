@@ -32,7 +32,7 @@ from ppoflow.workers.training import Learner
 
 pytestmark = pytest.mark.reliability
 
-SCORERS = '''
+SCORERS = """
 import math
 
 def inf(data_source, solution_str, ground_truth, extra_info=None):  # the right answer only (preflight's) scores 1
@@ -46,7 +46,7 @@ def some_minus_inf(data_source, solution_str, ground_truth, extra_info=None):
 
 def huge(data_source, solution_str, ground_truth, extra_info=None):  # finite, but a group's sum overflows float32
     return 3.0e38
-'''
+"""
 
 SAMPLE = r"row \d+ \(uid '[^']+', data_source 'synthetic/copy'\) = "
 
@@ -59,8 +59,13 @@ def scorers(tmp_path) -> Path:
 
 
 def run_words(tiny_overrides, scorers: Path, name: str, *more: str) -> list[str]:
-    return [*tiny_overrides, f"custom_reward_function.path={scorers}", f"custom_reward_function.name={name}",
-            "trainer.test_freq=-1", *more]
+    return [
+        *tiny_overrides,
+        f"custom_reward_function.path={scorers}",
+        f"custom_reward_function.name={name}",
+        "trainer.test_freq=-1",
+        *more,
+    ]
 
 
 def run_dir(words: list[str]) -> str:
@@ -75,8 +80,11 @@ def test_a_nonfinite_reward_fails_the_run_naming_its_samples(tiny_overrides, sco
         train(load_config("grpo_tiny", words), orchestrated=False)
     message = str(raised.value)
     assert "\n" not in message
-    assert re.fullmatch(rf"step 2 reward: non-finite reward in 8 of 16 samples: {SAMPLE}-inf; ({SAMPLE}-inf; ){{2}}"
-                        r"and 5 more \(trainer.nonfinite=fail; =skip drops such a step's update\)", message), message
+    assert re.fullmatch(
+        rf"step 2 reward: non-finite reward in 8 of 16 samples: {SAMPLE}-inf; ({SAMPLE}-inf; ){{2}}"
+        r"and 5 more \(trainer.nonfinite=fail; =skip drops such a step's update\)",
+        message,
+    ), message
     rows = read_metrics(run_dir(words))
     assert [row["step"] for row in rows] == [1] and rows[0]["training/nonfinite_skipped"] == 0.0
     assert not list(Path(run_dir(words)).glob("global_step_*/actor/huggingface"))
@@ -90,8 +98,11 @@ def test_skipping_every_update_keeps_the_initial_policy_and_still_fails(tiny_ove
     with pytest.raises(NonFiniteError, match=r"every update of the run was dropped on non-finite values \(2 of 2 "):
         train(load_config("grpo_tiny", words), orchestrated=False)
     for step in (1, 2):
-        assert re.search(rf"step {step} reward: non-finite reward in 16 of 16 samples: {SAMPLE}inf; .*; step {step}'s "
-                         r"update is dropped \(trainer.nonfinite=skip\)", caplog.text)
+        assert re.search(
+            rf"step {step} reward: non-finite reward in 16 of 16 samples: {SAMPLE}inf; .*; step {step}'s "
+            r"update is dropped \(trainer.nonfinite=skip\)",
+            caplog.text,
+        )
     rows = read_metrics(run_dir(words))
     assert [row["training/nonfinite_skipped"] for row in rows] == [1.0, 1.0]
     assert not any(name.startswith("actor/") for row in rows for name in row)  # no update ran
@@ -106,8 +117,14 @@ def test_skipping_every_update_keeps_the_initial_policy_and_still_fails(tiny_ove
 def test_skipped_steps_are_counted_and_the_run_trains_on_and_resumes(tiny_overrides, scorers):
     """NaN rewards at steps 2 and 3 (of 4): those updates are dropped, steps 1 and 4 train, the run succeeds;
     resumed from its step-4 checkpoint it goes on to step 7 (5 and 6 dropped too, 7 trained)."""
-    words = run_words(tiny_overrides, scorers, "some_nan", "trainer.nonfinite=skip", "trainer.save_freq=2",
-                      "trainer.total_training_steps=4")
+    words = run_words(
+        tiny_overrides,
+        scorers,
+        "some_nan",
+        "trainer.nonfinite=skip",
+        "trainer.save_freq=2",
+        "trainer.total_training_steps=4",
+    )
     train(load_config("grpo_tiny", words), orchestrated=False)
     rows = read_metrics(run_dir(words))
     assert [row["training/nonfinite_skipped"] for row in rows] == [0.0, 1.0, 1.0, 0.0]
@@ -124,9 +141,16 @@ def test_skipped_steps_are_counted_and_the_run_trains_on_and_resumes(tiny_overri
 def test_a_nonfinite_advantage_is_dropped_and_leaves_the_kl_controller_alone(tiny_overrides, scorers, caplog):
     """Rewards of 3e38 are finite, but each group's sum overflows: the advantage stage is where it is caught,
     and the adaptive KL controller it had already moved is put back."""
-    words = run_words(tiny_overrides, scorers, "huge", "trainer.nonfinite=skip", "trainer.save_freq=1",
-                      "trainer.total_training_steps=1", "algorithm.use_kl_in_reward=true",
-                      "algorithm.kl_ctrl.type=adaptive")
+    words = run_words(
+        tiny_overrides,
+        scorers,
+        "huge",
+        "trainer.nonfinite=skip",
+        "trainer.save_freq=1",
+        "trainer.total_training_steps=1",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+    )
     caplog.set_level(logging.WARNING)
     with pytest.raises(NonFiniteError, match="every update of the run was dropped"):
         train(load_config("grpo_tiny", words), orchestrated=False)
@@ -141,12 +165,20 @@ def test_the_cli_exits_non_zero_with_the_one_line_reason(prefect_server, ray_loc
     traceback, and no 'trained policy written' line."""
     words = run_words(tiny_overrides, scorers, "inf")
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    result = subprocess.run([sys.executable, "-m", "ppoflow.flows.cli", "train", *words], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    reason = re.compile(rf"^ppoflow: the run failed: step 1 reward: non-finite reward in 16 of 16 samples: {SAMPLE}inf; .* \(trainer.nonfinite="
-                        r"fail; =skip drops such a step's update\)$", re.MULTILINE)
+    reason = re.compile(
+        rf"^ppoflow: the run failed: step 1 reward: non-finite reward in 16 of 16 samples: {SAMPLE}inf; .* "
+        r"\(trainer.nonfinite=fail; =skip drops such a step's update\)$",
+        re.MULTILINE,
+    )
     assert reason.search(result.stderr), result.stderr[-3000:]
     assert "trained policy written" not in result.stdout + result.stderr
 
@@ -157,28 +189,50 @@ def test_the_cli_exits_non_zero_with_the_one_line_reason(prefect_server, ray_loc
 def linear_learner(nonfinite: str) -> Learner:
     torch.manual_seed(0)
     optim = OptimConfig(lr=0.1, betas=[0.9, 0.99], weight_decay=0.0, lr_warmup_steps=0)
-    return Learner(torch.nn.Linear(3, 1), optim, grad_clip=1.0, device=torch.device("cpu"),
-                   parallel=DataParallel.join(None, torch.device("cpu")), nonfinite=nonfinite)
+    return Learner(
+        torch.nn.Linear(3, 1),
+        optim,
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+        parallel=DataParallel.join(None, torch.device("cpu")),
+        nonfinite=nonfinite,
+    )
 
 
 def advantage_loss(learner: Learner):
     """A policy-gradient-like loss: each row's prediction times its advantage."""
+
     def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
         loss = (learner.model(micro["x"]).squeeze(-1) * micro["advantages"]).sum() / num_seqs
         return loss, {"actor/pg_loss": loss}, {}
+
     return micro_loss
 
 
 def rows(advantages: list[float]) -> TensorDict:
     count = len(advantages)
-    return TensorDict({"x": torch.arange(count * 3, dtype=torch.float32).reshape(count, 3) / 10,
-                       "advantages": torch.tensor(advantages), "response_mask": torch.ones(count, 2, dtype=torch.bool)},
-                      batch_size=[count])
+    return TensorDict(
+        {
+            "x": torch.arange(count * 3, dtype=torch.float32).reshape(count, 3) / 10,
+            "advantages": torch.tensor(advantages),
+            "response_mask": torch.ones(count, 2, dtype=torch.bool),
+        },
+        batch_size=[count],
+    )
 
 
 def train_on(learner: Learner, batch: TensorDict, epochs: int = 1) -> dict[str, float]:
-    return learner.train(batch, advantage_loss(learner), epochs=epochs, mini_batch_size=4, micro_batch_size=2,
-                         shuffle=False, generator=torch.Generator().manual_seed(0), prefix="actor", step=7)
+    return learner.train(
+        batch,
+        advantage_loss(learner),
+        epochs=epochs,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        shuffle=False,
+        generator=torch.Generator().manual_seed(0),
+        prefix="actor",
+        step=7,
+    )
 
 
 FINITE = [1.0, -1.0, 0.5, 2.0]
@@ -188,8 +242,9 @@ def test_learner_fail_names_the_step_stage_epoch_and_mini_batch():
     learner = linear_learner("fail")
     with pytest.raises(NonFiniteError) as raised:
         train_on(learner, rows(FINITE + [1.0, float("nan"), 0.0, 1.0]))
-    assert str(raised.value) == ("step 7 update_actor, epoch 1 of 1, mini-batch 2 of 2: non-finite "
-                                 "actor/pg_loss = nan, actor/grad_norm = nan")
+    assert str(raised.value) == (
+        "step 7 update_actor, epoch 1 of 1, mini-batch 2 of 2: non-finite actor/pg_loss = nan, actor/grad_norm = nan"
+    )
     assert all(parameter.grad is None for parameter in learner.model.parameters())  # nothing left to step on
 
 

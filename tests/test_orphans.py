@@ -40,8 +40,11 @@ def processes_of(session: int, marker: str) -> dict[int, tuple[str, str]]:
     found = {}
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{name}/stat") as stat, open(f"/proc/{name}/environ", "rb") as environ, \
-                    open(f"/proc/{name}/cmdline", "rb") as cmdline:
+            with (
+                open(f"/proc/{name}/stat") as stat,
+                open(f"/proc/{name}/environ", "rb") as environ,
+                open(f"/proc/{name}/cmdline", "rb") as cmdline,
+            ):
                 fields, env, command = stat.read().rpartition(")")[2].split(), environ.read(), cmdline.read()
         except OSError:  # gone meanwhile, or another user's
             continue
@@ -60,9 +63,13 @@ def still_alive(processes: dict[int, tuple[str, str]], session: int, marker: str
 def running_train(words: list[str], env: dict) -> Iterator[tuple[subprocess.Popen, str]]:
     """``ppoflow train`` in a session of its own with a fresh marker; killed on the way out if it still runs."""
     marker = uuid.uuid4().hex
-    process = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
-                               env={**env, TREE_ENV: marker}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        env={**env, TREE_ENV: marker},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         yield process, marker
     finally:
@@ -82,8 +89,9 @@ def wait_for(process: subprocess.Popen, marker: str, *patterns: str) -> dict[int
         time.sleep(0.2)
 
 
-def left_behind(processes: dict[int, tuple[str, str]], session: int, marker: str,
-                staying: frozenset[int] = frozenset()) -> dict[int, tuple[str, str]]:
+def left_behind(
+    processes: dict[int, tuple[str, str]], session: int, marker: str, staying: frozenset[int] = frozenset()
+) -> dict[int, tuple[str, str]]:
     """What of the run is still alive once its processes had a generous while to stop (waiting no longer than
     until only those ``staying`` are left)."""
     deadline = time.monotonic() + 120
@@ -101,8 +109,9 @@ def own_run_env(tmp_path) -> dict:
 def run_words(tiny_model: str, root, steps: int) -> list[str]:
     from tests.conftest import small_run
 
-    return [w for w in small_run(tiny_model, root) if not w.startswith(("trainer.total", "trainer.test", "data.val"))
-            ] + ["data.val_files=null", "trainer.test_freq=-1", f"trainer.total_training_steps={steps}"]
+    return [
+        w for w in small_run(tiny_model, root) if not w.startswith(("trainer.total", "trainer.test", "data.val"))
+    ] + ["data.val_files=null", "trainer.test_freq=-1", f"trainer.total_training_steps={steps}"]
 
 
 WATCHDOG = r"-m ppoflow\.flows\.reaper "
@@ -113,8 +122,9 @@ TEMPORARY_SERVER = r"uvicorn .*prefect\.server\.api\.server:create_app"
 @pytest.mark.reliability
 def test_a_sigkilled_run_leaves_no_process_behind(tiny_model, tmp_path):
     with running_train(run_words(tiny_model, tmp_path, 50), own_run_env(tmp_path)) as (process, marker):
-        tree = wait_for(process, marker, TEMPORARY_SERVER, "/gcs_server ", "/raylet ", "^ray::DashboardAgent",
-                        ACTOR, WATCHDOG)
+        tree = wait_for(
+            process, marker, TEMPORARY_SERVER, "/gcs_server ", "/raylet ", "^ray::DashboardAgent", ACTOR, WATCHDOG
+        )
         process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=60) == -signal.SIGKILL
         assert left_behind(tree, process.pid, marker) == {}
@@ -132,8 +142,9 @@ def test_a_run_that_ends_leaves_no_process_behind(tiny_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.reliability
-def test_a_sigkilled_run_leaves_the_ray_cluster_and_prefect_server_it_joined(prefect_server, ray_local, tiny_model,
-                                                                              tmp_path):
+def test_a_sigkilled_run_leaves_the_ray_cluster_and_prefect_server_it_joined(
+    prefect_server, ray_local, tiny_model, tmp_path
+):
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     with running_train(run_words(tiny_model, tmp_path, 50), env) as (process, marker):
         tree = wait_for(process, marker, ACTOR, WATCHDOG)
@@ -192,8 +203,13 @@ marked[0].stdout.readline()  # SIGTERM is ignored from now on
 print(spared.pid, *(process.pid for process in marked), flush=True)
 os.kill(os.getpid(), 9)
 """
-    trainer = subprocess.run([sys.executable, "-c", script], env={**os.environ, TREE_ENV: marker},
-                             capture_output=True, text=True, timeout=120)
+    trainer = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, TREE_ENV: marker},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert trainer.returncode == -signal.SIGKILL, trainer.stderr
     spared, *marked = map(int, trainer.stdout.split())
     try:

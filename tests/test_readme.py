@@ -19,8 +19,9 @@ HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 
 
 def test_config_reference_matches_the_schema():
-    section = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->",
-                        CONFIGURATION.read_text(), re.S)
+    section = re.search(
+        r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", CONFIGURATION.read_text(), re.S
+    )
     assert section, "docs/configuration.md lost its config reference markers"
     assert section.group(1) == reference_table(), "run: python scripts/sync_config_reference.py"
 
@@ -56,6 +57,11 @@ def test_relative_links_resolve(page):
 
 def test_the_link_check_catches_what_it_should():
     assert relative_links("[a](docs/x.md#y) [b](https://e.org) `[c](d.md)` ![i](img.png)\n```\n[e](f.md)\n```") == [
-        "docs/x.md#y", "img.png"]
+        "docs/x.md#y",
+        "img.png",
+    ]
     assert anchors("# One step off: generating\n## Models, data, rewards\n### `ppoflow serve` — now") == {
-        "one-step-off-generating", "models-data-rewards", "ppoflow-serve--now"}
+        "one-step-off-generating",
+        "models-data-rewards",
+        "ppoflow-serve--now",
+    }

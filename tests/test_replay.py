@@ -18,9 +18,9 @@ from ppoflow.flows.replay.cli import check, parse_tolerances
 from ppoflow.flows.replay.compare import DEFAULT_IGNORED, MISSING, compare, tolerance_for
 from ppoflow.flows.replay.flow import artifact_key, record
 from ppoflow.flows.tracking import read_metrics
-
 from tests.conftest import REPLAY_EPOCHS as EPOCHS
 from tests.conftest import REPLAY_STEPS as STEPS
+
 TIGHT_CLIP = ["actor_rollout_ref.actor.clip_ratio_high=0.01", "actor_rollout_ref.actor.clip_ratio_low=0.01"]
 
 
@@ -34,32 +34,51 @@ def rows(*steps: dict) -> list[dict]:
 def test_compare_is_exact_by_default():
     baseline = rows({"actor/pg_loss": 0.5, "critic/score/mean": 1.0}, {"actor/pg_loss": 0.25, "critic/score/mean": 2})
     assert compare(baseline, [dict(row) for row in baseline], {}) == []
-    changed = rows({"actor/pg_loss": 0.5, "critic/score/mean": 1.0}, {"actor/pg_loss": 0.25 + 1e-12,
-                                                                      "critic/score/mean": 2.0})
-    assert compare(baseline, changed, {}) == [{"step": 2, "metric": "actor/pg_loss", "baseline": 0.25,
-                                               "value": 0.25 + 1e-12, "difference": pytest.approx(1e-12)}]
+    changed = rows(
+        {"actor/pg_loss": 0.5, "critic/score/mean": 1.0}, {"actor/pg_loss": 0.25 + 1e-12, "critic/score/mean": 2.0}
+    )
+    assert compare(baseline, changed, {}) == [
+        {
+            "step": 2,
+            "metric": "actor/pg_loss",
+            "baseline": 0.25,
+            "value": 0.25 + 1e-12,
+            "difference": pytest.approx(1e-12),
+        }
+    ]
 
 
 def test_compare_tolerance_by_name_and_by_prefix():
     baseline = rows({"actor/pg_loss": 1.0, "actor/grad_norm": 1.0, "critic/score/mean": 1.0})
     replay = rows({"actor/pg_loss": 1.05, "actor/grad_norm": 1.2, "critic/score/mean": 1.001})
-    assert [row["metric"] for row in compare(baseline, replay, {})] == ["actor/grad_norm", "actor/pg_loss",
-                                                                        "critic/score/mean"]
+    assert [row["metric"] for row in compare(baseline, replay, {})] == [
+        "actor/grad_norm",
+        "actor/pg_loss",
+        "critic/score/mean",
+    ]
     assert compare(baseline, replay, {"actor/": 0.3, "critic/score/mean": 0.01}) == []
     # the exact name wins over a prefix, and the longest prefix over a shorter one
     tolerances = {"actor/": 0.3, "actor/pg_loss": 0.01, "critic/": 0.0, "critic/score/": 0.01}
     assert tolerance_for("actor/pg_loss", tolerances) == 0.01 and tolerance_for("critic/score/mean", tolerances) == 0.01
     assert tolerance_for("response_length/mean", tolerances) == 0.0
     assert [(row["metric"], row["difference"]) for row in compare(baseline, replay, tolerances)] == [
-        ("actor/pg_loss", pytest.approx(0.05))]
+        ("actor/pg_loss", pytest.approx(0.05))
+    ]
     assert compare(baseline, replay, {"actor": 1.0, "critic/score/mean": 0.01})  # a prefix must end in "/"
     with pytest.raises(ValueError, match="must be a number >= 0"):
         compare(baseline, replay, {"actor/": -1})
 
 
 def test_compare_never_looks_at_ignored_prefixes():
-    baseline = rows({"actor/pg_loss": 1.0, "timing_s/step": 0.3, "perf/generate_overlap_ratio": 0.5,
-                     "skip/rollout/hit": 0, "training/off_policy/trajectory_staleness/mean": 0.0})
+    baseline = rows(
+        {
+            "actor/pg_loss": 1.0,
+            "timing_s/step": 0.3,
+            "perf/generate_overlap_ratio": 0.5,
+            "skip/rollout/hit": 0,
+            "training/off_policy/trajectory_staleness/mean": 0.0,
+        }
+    )
     replay = rows({"actor/pg_loss": 1.0, "timing_s/step": 0.1, "skip/rollout/hit": 1, "skip/rollout/load_step": 1})
     assert set(DEFAULT_IGNORED) == {"timing_s/", "perf/", "skip/", "training/off_policy/"}
     assert compare(baseline, replay, {}) == []
@@ -84,8 +103,9 @@ def test_tolerance_words_and_artifact_key(tmp_path):
         with pytest.raises(ReplayError, match="METRIC=VALUE"):
             parse_tolerances([bad])
     key = artifact_key(str(tmp_path / "My Baseline_v1"))
-    assert key.startswith("regression-replay-my-baseline-v1-") and all(c.islower() or c.isdigit() or c == "-"
-                                                                       for c in key)
+    assert key.startswith("regression-replay-my-baseline-v1-") and all(
+        c.islower() or c.isdigit() or c == "-" for c in key
+    )
     assert artifact_key(str(tmp_path / "a" / "x")) != artifact_key(str(tmp_path / "b" / "x"))
 
 
@@ -160,17 +180,23 @@ def flow_run_state(flow_run_id):
 def generate_states(parent_flow_run_id, expected: int) -> list[str]:
     """Final states of the ``generate`` task runs of the replay's training subflow (states arrive as events)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter,
-                                                TaskRunFilterName)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterName,
+    )
 
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         subflow = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_flow_run_id]))
         while True:
-            runs = client.read_task_runs(flow_run_filter=subflow,
-                                         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="generate")))
-            if (len(runs) >= expected and all(run.state and run.state.is_final() for run in runs)) \
-                    or time.monotonic() > deadline:
+            runs = client.read_task_runs(
+                flow_run_filter=subflow, task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="generate"))
+            )
+            if (
+                len(runs) >= expected and all(run.state and run.state.is_final() for run in runs)
+            ) or time.monotonic() > deadline:
                 return sorted(run.state.name for run in runs)
             time.sleep(0.5)
 
@@ -192,7 +218,9 @@ def test_unchanged_trainer_replays_every_step_from_the_cache_and_passes(prefect,
     assert f"all {STEPS} steps match the baseline" in capsys.readouterr().out
 
     artifact, table = latest_artifact(artifact_key(str(baseline_dir)))
-    assert table == [{"result": f"all {STEPS} steps match", "steps": STEPS, "metrics_compared": table[0]["metrics_compared"]}]
+    assert table == [
+        {"result": f"all {STEPS} steps match", "steps": STEPS, "metrics_compared": table[0]["metrics_compared"]}
+    ]
     assert table[0]["metrics_compared"] > 10 and "same as" in artifact.description
     assert flow_run_state(artifact.flow_run_id).is_completed()
     replays = sorted((baseline_dir / "replays").iterdir())  # named by UTC time
@@ -208,7 +236,9 @@ def test_a_changed_loss_fails_the_replay_with_a_table_of_differences(prefect, ba
 
     artifact, table = latest_artifact(artifact_key(str(baseline_dir)))
     assert flow_run_state(artifact.flow_run_id).is_failed()
-    assert table and all({"step", "metric", "baseline", "value", "difference", "tolerance"} <= set(row) for row in table)
+    assert table and all(
+        {"step", "metric", "baseline", "value", "difference", "tolerance"} <= set(row) for row in table
+    )
     clipped = [row for row in table if row["metric"] == "actor/pg_clipfrac"]
     assert clipped, table  # tighter clipping clips more tokens once the ratios move (second epoch)
     for row in clipped:

@@ -16,21 +16,26 @@ from ppoflow.storage.replay_buffer import BUFFER_MARKER, ReplayBuffer, load_samp
 PAD = 99
 
 
-def make_group(token: int, *, n: int = 2, width: int = 3, oldest: list[int] | None = None,
-               newest: list[int] | None = None) -> TensorDict:
+def make_group(
+    token: int, *, n: int = 2, width: int = 3, oldest: list[int] | None = None, newest: list[int] | None = None
+) -> TensorDict:
     """A finished group of ``n`` trajectories whose prompt ids are all ``token`` (``width`` of them) and whose
     responses are ``10 * token + session``; weight versions 0 unless given."""
-    group = TensorDict({
-        "prompts": torch.full((n, width), token, dtype=torch.int64),
-        "prompt_mask": torch.ones(n, width, dtype=torch.bool),
-        "responses": (10 * token + torch.arange(n)).unsqueeze(1).repeat(1, 4),
-        "response_mask": torch.ones(n, 4, dtype=torch.bool),
-        "rollout_log_probs": torch.full((n, 4), -0.5),
-        "weight_version": torch.tensor(oldest or [0] * n, dtype=torch.int64),
-        "max_weight_version": torch.tensor(newest or [0] * n, dtype=torch.int64),
-    }, batch_size=[n])
-    return with_non_tensor_columns(group, {"data_source": [f"source{token}"] * n,
-                                           "ground_truth": [{"answer": token}] * n})
+    group = TensorDict(
+        {
+            "prompts": torch.full((n, width), token, dtype=torch.int64),
+            "prompt_mask": torch.ones(n, width, dtype=torch.bool),
+            "responses": (10 * token + torch.arange(n)).unsqueeze(1).repeat(1, 4),
+            "response_mask": torch.ones(n, 4, dtype=torch.bool),
+            "rollout_log_probs": torch.full((n, 4), -0.5),
+            "weight_version": torch.tensor(oldest or [0] * n, dtype=torch.int64),
+            "max_weight_version": torch.tensor(newest or [0] * n, dtype=torch.int64),
+        },
+        batch_size=[n],
+    )
+    return with_non_tensor_columns(
+        group, {"data_source": [f"source{token}"] * n, "ground_truth": [{"answer": token}] * n}
+    )
 
 
 def buffer_with(finished: dict[str, int], *, token_of: dict[str, int] | None = None, **kwargs) -> ReplayBuffer:
@@ -88,8 +93,13 @@ def test_prompt_lifecycle_keys_and_errors():
     assert buffer.in_flight() == {"a": 3} and buffer.in_flight("val") == {"v": 3}
     assert buffer.finished_count() == 1 and buffer.finished_count("val") == 0
     assert buffer.trajectory_keys("c") == ["c_0_0", "c_1_0", "c_2_0"]
-    assert buffer.state_dict()["prompts"][1] == {"uid": "b", "status": "failure", "dispatch_step": 3,
-                                                 "partition": "train", "reason": "tool server down"}
+    assert buffer.state_dict()["prompts"][1] == {
+        "uid": "b",
+        "status": "failure",
+        "dispatch_step": 3,
+        "partition": "train",
+        "reason": "tool server down",
+    }
     with pytest.raises(ValueError, match="already finished"):
         buffer.finish("c", make_group(3))
     with pytest.raises(ValueError, match="missing \\['max_weight_version'\\]"):
@@ -151,8 +161,9 @@ def test_groups_of_different_sizes_and_prompt_widths_concatenate():
 
 def test_drop_evicts_past_the_threshold_keeps_the_boundary_and_refills_exactly_k():
     refills = []
-    buffer = buffer_with({"span6": 0, "span4": 2, "span2": 4, "span1": 5}, max_off_policy_threshold=2,
-                         refill=refills.append)
+    buffer = buffer_with(
+        {"span6": 0, "span4": 2, "span2": 4, "span1": 5}, max_off_policy_threshold=2, refill=refills.append
+    )
     batch, metrics = buffer.sample(5, 2, poll=no_poll)
     assert refills == [2]
     assert non_tensor_column(batch, "uid") == ["span2", "span2", "span1", "span1"]
@@ -317,10 +328,12 @@ def test_trajectory_span_and_staleness_metrics():
 def test_load_sampler_default_and_custom(tmp_path):
     assert load_sampler(None, None) is ReplayBuffer
     path = tmp_path / "my_sampler.py"
-    path.write_text("from dataclasses import dataclass\n"
-                    "from ppoflow.storage.replay_buffer import ReplayBuffer\n\n"
-                    "class NewestFirst(ReplayBuffer):\n    pass\n\n"
-                    "@dataclass\nclass NotASampler:\n    size: int = 0\n")
+    path.write_text(
+        "from dataclasses import dataclass\n"
+        "from ppoflow.storage.replay_buffer import ReplayBuffer\n\n"
+        "class NewestFirst(ReplayBuffer):\n    pass\n\n"
+        "@dataclass\nclass NotASampler:\n    size: int = 0\n"
+    )
     sampler = load_sampler(str(path), "NewestFirst")
     assert issubclass(sampler, ReplayBuffer) and sampler.__name__ == "NewestFirst"
     instance = sampler(pad_token_id=PAD, max_off_policy_threshold=3, max_off_policy_strategy="wait", refill=None)
@@ -364,8 +377,9 @@ def assert_restored(loaded: ReplayBuffer, saved: ReplayBuffer) -> None:
     """``loaded`` holds what ``saved`` held, with its running prompt back to pending."""
     expected = saved.state_dict()
     actual = loaded.state_dict()
-    assert actual["prompts"] == [{**tags, "status": "pending"} if tags["status"] == "running" else tags
-                                 for tags in expected["prompts"]]
+    assert actual["prompts"] == [
+        {**tags, "status": "pending"} if tags["status"] == "running" else tags for tags in expected["prompts"]
+    ]
     assert list(actual["groups"]) == list(expected["groups"]) == ["narrow", "wide", "later", "v"]
     for uid, group in expected["groups"].items():
         assert_same_batch(actual["groups"][uid], group)
@@ -382,7 +396,11 @@ def test_save_and_load_round_trip_on_local_disk(tmp_path):
     url = str(tmp_path / "buffer")
     buffer.save(url)
     assert sorted(path.name for path in (tmp_path / "buffer" / "groups").iterdir()) == [
-        "0.safetensors", "1.safetensors", "2.safetensors", "3.safetensors"]
+        "0.safetensors",
+        "1.safetensors",
+        "2.safetensors",
+        "3.safetensors",
+    ]
     assert_restored(ReplayBuffer.load(url, pad_token_id=PAD, max_off_policy_threshold=4), buffer)
     buffer.save(url)  # after the sample only the val group is left; the older payloads are gone
     assert [path.name for path in (tmp_path / "buffer" / "groups").iterdir()] == ["0.safetensors"]
@@ -398,8 +416,11 @@ def test_load_refuses_a_changed_payload_and_a_missing_or_damaged_marker(tmp_path
     payload.write_bytes(bytes(data))
     with pytest.raises(StorageError, match=r"groups/1\.safetensors: checksum"):
         ReplayBuffer.load(url, pad_token_id=PAD)
-    unfinished_group = BUFFER_MARKER.encode({}, groups={}, prompts=[
-        {"uid": "a", "status": "finished", "dispatch_step": 1, "partition": "train", "num_trajectories": 2}])
+    unfinished_group = BUFFER_MARKER.encode(
+        {},
+        groups={},
+        prompts=[{"uid": "a", "status": "finished", "dispatch_step": 1, "partition": "train", "num_trajectories": 2}],
+    )
     (tmp_path / "buffer" / "buffer.json").write_bytes(unfinished_group)
     with pytest.raises(StorageError, match=r"buffer\.json: inconsistent buffer\.json: KeyError\('a'\)"):
         ReplayBuffer.load(url, pad_token_id=PAD)

@@ -18,25 +18,38 @@ from ppoflow.storage import checkpoint
 
 pytestmark = pytest.mark.reliability
 
-COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean",
-            "response_length/mean", "training/epoch", "training/off_policy/trajectory_staleness/max")
+COMPARED = (
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "training/epoch",
+    "training/off_policy/trajectory_staleness/max",
+)
 
-SLOW_SCORER = '''
+SLOW_SCORER = """
 import time
 from ppoflow.algorithms.scoring import copy_score
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(0.01)  # widen each step so the test can kill the run in the middle of one
     return copy_score(data_source, solution_str, ground_truth, extra_info)
-'''
+"""
 
 
 @pytest.fixture
 def overrides(tiny_overrides, tmp_path):
     words = [w for w in tiny_overrides if not w.startswith(("trainer.", "data.val_files", "data.synthetic.train_rows"))]
     # 24 rows / 4 per step: step 4 starts a new epoch, so the dataloader position is resumed across it
-    return words + ["data.val_files=null", "data.synthetic.train_rows=12", "trainer.logger=[]", "trainer.test_freq=-1",
-                    "trainer.total_training_steps=4"]
+    return words + [
+        "data.val_files=null",
+        "data.synthetic.train_rows=12",
+        "trainer.logger=[]",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=4",
+    ]
 
 
 def rows_by_step(run_dir) -> dict[int, dict]:
@@ -49,9 +62,14 @@ def assert_same_steps(straight: dict, resumed: dict, steps) -> None:
             assert straight[step][name] == resumed[step][name], (step, name)
 
 
-TWO_RANKS = ["trainer.n_cpu_ranks_per_node=2", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-             "actor_rollout_ref.actor.resources.num_cpus=0.5", "actor_rollout_ref.ref.resources.num_cpus=0.5",
-             "critic.resources.num_cpus=0.5"]
+TWO_RANKS = [
+    "trainer.n_cpu_ranks_per_node=2",
+    "algorithm.adv_estimator=gae",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.resources.num_cpus=0.5",
+    "actor_rollout_ref.ref.resources.num_cpus=0.5",
+    "critic.resources.num_cpus=0.5",
+]
 """Actor, reference and critic as two data-parallel ranks each (half a CPU per rank: they fit the test's Ray);
 their checkpoints are shards written by both ranks."""
 
@@ -92,12 +110,22 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
     that was being generated for step 3) and reproduces the uninterrupted run."""
     (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
-    common = overrides + [f"custom_reward_function.path={tmp_path}/slow_scorer.py", "trainer.mode=one_step_off",
-                          "trainer.save_freq=1"]
+    common = overrides + [
+        f"custom_reward_function.path={tmp_path}/slow_scorer.py",
+        "trainer.mode=one_step_off",
+        "trainer.save_freq=1",
+    ]
     ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/straight"])
 
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    command = [sys.executable, "-m", "ppoflow.flows.cli", "train", *common, f"trainer.default_local_dir={tmp_path}/killed"]
+    command = [
+        sys.executable,
+        "-m",
+        "ppoflow.flows.cli",
+        "train",
+        *common,
+        f"trainer.default_local_dir={tmp_path}/killed",
+    ]
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = Path(tmp_path / "killed" / "global_step_2" / checkpoint.MARKER)
     deadline = time.monotonic() + 240
@@ -110,8 +138,9 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     assert max(rows_by_step(tmp_path / "killed")) <= 3
 
     capsys.readouterr()
-    second = ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/killed"],
-                       return_state=True)  # started again (here in-process; a UI retry does the same)
+    second = ppo_train(
+        config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/killed"], return_state=True
+    )  # started again (here in-process; a UI retry does the same)
     assert second.is_completed(), second
     assert "global_step_2: continuing at step 3" in capsys.readouterr().out  # resumed, not started over
     resumed = rows_by_step(tmp_path / "killed")
@@ -124,8 +153,9 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
 
 
 @pytest.mark.slow
-def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(prefect_api, ray_local, overrides,
-                                                                             tmp_path, caplog, capsys):
+def test_resume_survives_a_corrupt_newest_checkpoint_and_a_torn_metrics_line(
+    prefect_api, ray_local, overrides, tmp_path, caplog, capsys
+):
     """Damage a finished 3-step run the way a crash or a bad disk does, then resume it to 4 steps."""
     run_dir = tmp_path / "run"
     words = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1"]

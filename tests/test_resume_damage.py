@@ -83,8 +83,9 @@ MALFORMED_MARKERS = {
     "global_step is a string": json.dumps({"format_version": 1, "files": {}, "global_step": "6"}).encode(),
     "global_step is a bool": json.dumps({"format_version": 1, "files": {}, "global_step": True}).encode(),
     "entry is a number": json.dumps({"format_version": 1, "files": {"a": 3}, "global_step": 6}).encode(),
-    "unsafe file name": json.dumps({"format_version": 1, "global_step": 6,
-                                    "files": {"../a": {"bytes": 0, "sha256": "0" * 64}}}).encode(),
+    "unsafe file name": json.dumps(
+        {"format_version": 1, "global_step": 6, "files": {"../a": {"bytes": 0, "sha256": "0" * 64}}}
+    ).encode(),
     "another version": json.dumps({"format_version": 2, "files": {}, "global_step": 6}).encode(),
 }
 
@@ -164,7 +165,7 @@ def actor_run(tiny_overrides, tmp_path):
 def flip_bytes(path: Path) -> None:
     """Damage a file without changing its size (only the sha256 can tell)."""
     data = bytearray(path.read_bytes())
-    data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - byte for byte in data[len(data) // 2:len(data) // 2 + 8])
+    data[len(data) // 2 : len(data) // 2 + 8] = bytes(255 - byte for byte in data[len(data) // 2 : len(data) // 2 + 8])
     path.write_bytes(bytes(data))
 
 
@@ -194,8 +195,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("name, content, reason", list(DAMAGE.values()), ids=list(DAMAGE))
-def test_an_incomplete_newest_checkpoint_is_named_with_why_and_the_older_one_loads(actor_run, tmp_path, caplog,
-                                                                                   name, content, reason):
+def test_an_incomplete_newest_checkpoint_is_named_with_why_and_the_older_one_loads(
+    actor_run, tmp_path, caplog, name, content, reason
+):
     overrides, workers, step_1, _ = actor_run
     damaged = tmp_path / "run" / "global_step_2" / name
     if content is None:
@@ -211,8 +213,12 @@ def test_an_incomplete_newest_checkpoint_is_named_with_why_and_the_older_one_loa
 def test_a_checkpoint_of_another_model_falls_back_too(actor_run, tmp_path, caplog):
     overrides, workers, _, step_2 = actor_run
     other = checkpoint.save_module(f"{tmp_path}/run/global_step_3/actor", torch.nn.Linear(2, 2).state_dict(), {})
-    checkpoint.commit(f"{tmp_path}/run", 3, {f"actor/{name}": entry for name, entry in other.items()},
-                      {"global_step": 3, "trainer": {"weight_version": 3}, "mode": {}})
+    checkpoint.commit(
+        f"{tmp_path}/run",
+        3,
+        {f"actor/{name}": entry for name, entry in other.items()},
+        {"global_step": 3, "trainer": {"weight_version": 3}, "mode": {}},
+    )
     assert restore_newest(load_config("grpo_tiny", overrides), workers).step == 2
     assert_holds(workers, step_2)
     assert "global_step_3/actor: weights do not fit the model" in caplog.text
@@ -222,8 +228,10 @@ def test_a_damaged_resume_path_is_a_config_error_and_loads_nothing(actor_run, tm
     overrides, workers, _, _ = actor_run
     before = {name: tensor.clone() for name, tensor in workers.actor.worker.model.state_dict().items()}
     flip_bytes(tmp_path / "run" / "global_step_2" / "actor" / "optimizer.pt")  # read after the weights
-    cfg = load_config("grpo_tiny", [*overrides, "trainer.resume_mode=resume_path",
-                                    f"trainer.resume_from_path={tmp_path}/run/global_step_2"])
+    cfg = load_config(
+        "grpo_tiny",
+        [*overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/run/global_step_2"],
+    )
     with pytest.raises(ConfigError, match="trainer.resume_from_path: cannot resume from .*optimizer.pt: checksum"):
         restore_newest(cfg, workers)
     assert_holds(workers, before)  # verified before loading: the weights were not touched
@@ -233,8 +241,9 @@ def test_when_no_checkpoint_loads_the_run_does_not_start_over(actor_run, tmp_pat
     overrides, workers, _, _ = actor_run
     for step in (1, 2):
         flip_bytes(tmp_path / "run" / f"global_step_{step}" / "trainer_state.json")
-    with pytest.raises(ConfigError, match="trainer.default_local_dir: no checkpoint in .* can be loaded .*"
-                                          "trainer.resume_mode=disable"):
+    with pytest.raises(
+        ConfigError, match="trainer.default_local_dir: no checkpoint in .* can be loaded .*trainer.resume_mode=disable"
+    ):
         restore_newest(load_config("grpo_tiny", overrides), workers)
     assert restore_newest(load_config("grpo_tiny", [*overrides, "trainer.resume_mode=disable"]), workers) is None
 

@@ -60,8 +60,10 @@ def test_a_failing_scorer_on_ray_is_not_retried(prefect_api, ray_local, tmp_path
     (tmp_path / "scorers.py").write_text(SCORERS)
     scorer = ScorerProcess(str(tmp_path / "scorers.py"), "counted_failure", timeout_s=60)
     state = score_on_ray(["my/task"], ["12"], ["12"], scorer, chunks=1, prompt_ids=["4-0"], return_state=True)
-    assert failure_of(state, ScorerFailed) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_failure' raised RuntimeError: "
-                                 "the judge is down while scoring a response to prompt '4-0' (data source 'my/task')")
+    assert failure_of(state, ScorerFailed) == (
+        f"the custom scorer '{tmp_path / 'scorers.py'}:counted_failure' raised RuntimeError: "
+        "the judge is down while scoring a response to prompt '4-0' (data source 'my/task')"
+    )
     assert (tmp_path / "scorers.py.calls").read_text() == "."  # once: a scorer's failure is not retried
 
 
@@ -72,12 +74,15 @@ def test_a_hanging_scorer_on_ray_has_its_deadline_and_policy(prefect_api, ray_lo
     (tmp_path / "scorers.py").write_text(SCORERS)
     failing = ScorerProcess(str(tmp_path / "scorers.py"), "counted_hang", timeout_s=1)
     state = score_on_ray(["my/task"], ["hang"], ["12"], failing, chunks=1, prompt_ids=["6-0"], return_state=True)
-    assert failure_of(state, ScorerTimedOut) == (f"the custom scorer '{tmp_path / 'scorers.py'}:counted_hang' did not return within "
-                                 "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
-                                 "response to prompt '6-0' (data source 'my/task')")
+    assert failure_of(state, ScorerTimedOut) == (
+        f"the custom scorer '{tmp_path / 'scorers.py'}:counted_hang' did not return within "
+        "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
+        "response to prompt '6-0' (data source 'my/task')"
+    )
     assert (tmp_path / "scorers.py.calls").read_text() == "."
-    scoring = ScorerProcess(str(tmp_path / "scorers.py"), "counted_hang", timeout_s=1, on_timeout="score",
-                            timeout_score=-1.0)
+    scoring = ScorerProcess(
+        str(tmp_path / "scorers.py"), "counted_hang", timeout_s=1, on_timeout="score", timeout_score=-1.0
+    )
     state = score_on_ray(["my/task"] * 2, ["hang", "12"], ["12"] * 2, scoring, chunks=1, return_state=True)
     assert state.result() == ([-1.0, 1.0], {"scorer_timeouts": [1.0, 0.0]})
 
@@ -91,10 +96,20 @@ def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):
 def test_scoring_on_ray_needs_a_cpu_beyond_the_actors(tiny_overrides, ray_local):
     from ppoflow.workers.group import start_workers
 
-    cfg = load_config("grpo_tiny", tiny_overrides + ["reward_model.reward_manager=ray", "actor_rollout_ref.hybrid_engine=false",
-                                                     "actor_rollout_ref.rollout.resources.num_cpus=2",
-                                                     "actor_rollout_ref.actor.resources.num_cpus=2"])
+    cfg = load_config(
+        "grpo_tiny",
+        tiny_overrides
+        + [
+            "reward_model.reward_manager=ray",
+            "actor_rollout_ref.hybrid_engine=false",
+            "actor_rollout_ref.rollout.resources.num_cpus=2",
+            "actor_rollout_ref.actor.resources.num_cpus=2",
+        ],
+    )
     assert not cfg.use_reference and not cfg.use_critic  # the two roles above take all 4 CPUs of ray_local
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.resources.num_cpus: the roles need 5 CPU .*has 4 "
-                                          r".*1 for reward_model.reward_manager=ray"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref.actor.resources.num_cpus: the roles need 5 CPU .*has 4 "
+        r".*1 for reward_model.reward_manager=ray",
+    ):
         start_workers(cfg)

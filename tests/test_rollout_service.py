@@ -14,8 +14,9 @@ from ppoflow.flows.preflight import preflight
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.workers.serving import RequestSampling
 
-SAMPLING = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=6, seed=0,
-                           ignore_eos=True)
+SAMPLING = RequestSampling(
+    temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=6, seed=0, ignore_eos=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +24,13 @@ def replicas(ray_local, tiny_model, tmp_path_factory):
     """Two replicas of the tiny model (restartable, as the run starts them)."""
     from ppoflow.workers.rollout_service import RolloutReplica
 
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
-    handles = [ray_local.remote(RolloutReplica).options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(cfg)
-               for _ in range(2)]
+    cfg = load_config(
+        "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
+    )
+    handles = [
+        ray_local.remote(RolloutReplica).options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(cfg)
+        for _ in range(2)
+    ]
     ray_local.get([handle.__ray_ready__.remote() for handle in handles])
     yield handles
     for handle in handles:
@@ -72,8 +77,9 @@ def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas)
     from ppoflow.workers.rollout_service import LoadBalancer
 
     balancer = LoadBalancer(replicas)
-    long = RequestSampling(temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=40, seed=1,
-                           ignore_eos=True)
+    long = RequestSampling(
+        temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=40, seed=1, ignore_eos=True
+    )
 
     async def run():
         requests = [asyncio.ensure_future(balancer.generate(f"k{i}", [5, 6], long)) for i in range(6)]
@@ -91,10 +97,13 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     from ppoflow.workers.rollout_service import RolloutService
     from ppoflow.workers.weight_sync import WeightSender
 
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    cfg = load_config(
+        "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
+    )
     service = RolloutService(replicas, agents=[], pad_token_id=0)
     update, _ = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync).prepare(
-        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 7)
+        load_causal_lm(cfg.actor_rollout_ref.model).state_dict(), 7
+    )
     for replica in replicas:  # an earlier test killed one: Ray may still be bringing it back
         serving_version(ray_local, replica)
     assert ray_local.get(service.submit("apply_weights", update)) == [7, 7]
@@ -112,12 +121,18 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
     from ppoflow.workers.rollout import SamplingParams
     from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutService
 
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"])
+    cfg = load_config(
+        "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
+    )
     agents = [ray_local.remote(AgentLoopWorker).options(num_cpus=0).remote(cfg, replicas) for _ in range(2)]
     service = RolloutService(replicas, agents, pad_token_id=0)
-    prompts = TensorDict({"prompts": torch.tensor([[0, 5, 6], [7, 8, 9], [0, 0, 4]]),
-                          "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool)},
-                         batch_size=[3])
+    prompts = TensorDict(
+        {
+            "prompts": torch.tensor([[0, 5, 6], [7, 8, 9], [0, 0, 4]]),
+            "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool),
+        },
+        batch_size=[3],
+    )
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=3, seed=4)
     batch = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
     again = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
@@ -132,34 +147,57 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
     from ppoflow.storage.batch import with_non_tensor_columns
     from ppoflow.workers.models import load_tokenizer
 
-    with_truths = with_non_tensor_columns(prompts.clone(), {"data_source": ["synthetic/copy"] * 3,
-                                                            "ground_truth": ["12", "34", "5"]})
+    with_truths = with_non_tensor_columns(
+        prompts.clone(), {"data_source": ["synthetic/copy"] * 3, "ground_truth": ["12", "34", "5"]}
+    )
     scored = ray_local.get(service.submit("generate", with_truths, step=7, sampling=sampling))
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-    expected = [copy_score("synthetic/copy", solution_text(ids[:int(mask.sum())], tokenizer), truth)
-                for ids, mask, truth in zip(scored["responses"].tolist(), scored["response_mask"],
-                                            ["12", "12", "34", "34", "5", "5"])]
+    expected = [
+        copy_score("synthetic/copy", solution_text(ids[: int(mask.sum())], tokenizer), truth)
+        for ids, mask, truth in zip(
+            scored["responses"].tolist(), scored["response_mask"], ["12", "12", "34", "34", "5", "5"]
+        )
+    ]
     assert scored["token_level_scores"].sum(dim=1).tolist() == pytest.approx([e["score"] for e in expected])
     assert [extras["exact"] for extras in scored["reward_extras"].tolist()] == [e["exact"] for e in expected]
     for agent in agents:
         ray_local.kill(agent)
 
 
-@pytest.mark.parametrize("preset, words", [
-    pytest.param("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=2",
-                               "actor_rollout_ref.rollout.agent.num_workers=2"], marks=pytest.mark.slow),
-    ("vault_tool", ["data.synthetic.copy_share=0"]),  # vault rows only: every trajectory may call the tool
-])
+@pytest.mark.parametrize(
+    "preset, words",
+    [
+        pytest.param(
+            "grpo_tiny",
+            [
+                "actor_rollout_ref.rollout.mode=async",
+                "actor_rollout_ref.rollout.num_replicas=2",
+                "actor_rollout_ref.rollout.agent.num_workers=2",
+            ],
+            marks=pytest.mark.slow,
+        ),
+        ("vault_tool", ["data.synthetic.copy_share=0"]),  # vault rows only: every trajectory may call the tool
+    ],
+)
 def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_path, preset, words):
     """Two steps through Prefect: the stage batch and the agent metrics; in the vault run, the random model
     calls the tool now and then, and the answers come back masked."""
     from ppoflow.flows.train import ppo_train
 
-    overrides = [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={tmp_path}/train.parquet",
-                 "data.val_files=null", "data.synthetic.train_rows=64", "data.train_batch_size=4",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-                 "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.logger=[]",
-                 f"trainer.default_local_dir={tmp_path}/run", *words]
+    overrides = [
+        f"actor_rollout_ref.model.path={tiny_model}",
+        f"data.train_files={tmp_path}/train.parquet",
+        "data.val_files=null",
+        "data.synthetic.train_rows=64",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={tmp_path}/run",
+        *words,
+    ]
     state = ppo_train(config=preset, overrides=overrides, return_state=True)
     assert state.is_completed(), state
     rows = read_metrics(str(tmp_path / "run"))
@@ -174,16 +212,33 @@ def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_
         assert max(row["agent/num_turns/max"] for row in rows) >= 3  # call, answer, another turn
 
 
-@pytest.mark.parametrize("words, key, needle", [
-    (["actor_rollout_ref.rollout.agent.default_agent_loop=no_such_loop"],
-     "actor_rollout_ref.rollout.agent.default_agent_loop", "unknown agent loop 'no_such_loop'"),
-    (["actor_rollout_ref.rollout.multi_turn.tool_config_path=/nonexistent/tools.yaml"],
-     "actor_rollout_ref.rollout.multi_turn.tool_config_path", "/nonexistent/tools.yaml"),
-])
+@pytest.mark.parametrize(
+    "words, key, needle",
+    [
+        (
+            ["actor_rollout_ref.rollout.agent.default_agent_loop=no_such_loop"],
+            "actor_rollout_ref.rollout.agent.default_agent_loop",
+            "unknown agent loop 'no_such_loop'",
+        ),
+        (
+            ["actor_rollout_ref.rollout.multi_turn.tool_config_path=/nonexistent/tools.yaml"],
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+            "/nonexistent/tools.yaml",
+        ),
+    ],
+)
 def test_agent_settings_are_checked_before_anything_starts(tiny_model, tmp_path, words, key, needle):
-    cfg = load_config("vault_tool", [f"actor_rollout_ref.model.path={tiny_model}",
-                                     f"data.train_files={tmp_path}/train.parquet", "data.val_files=null",
-                                     "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}/run", *words])
+    cfg = load_config(
+        "vault_tool",
+        [
+            f"actor_rollout_ref.model.path={tiny_model}",
+            f"data.train_files={tmp_path}/train.parquet",
+            "data.val_files=null",
+            "trainer.test_freq=-1",
+            f"trainer.default_local_dir={tmp_path}/run",
+            *words,
+        ],
+    )
     with pytest.raises(ConfigError) as raised:
         preflight(cfg)
     assert any(k == key and needle in message for k, message in raised.value.problems), raised.value.problems
@@ -191,24 +246,41 @@ def test_agent_settings_are_checked_before_anything_starts(tiny_model, tmp_path,
 
 def test_a_tool_whose_function_does_not_import_is_a_config_error(tiny_model, tmp_path):
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - function: 'no_such_module_here:f'\n    tool_schema:\n      type: function\n"
-                     "      function: {name: f, description: x, parameters: {type: object, properties: {}}}\n")
-    cfg = load_config("vault_tool", [f"actor_rollout_ref.model.path={tiny_model}",
-                                     f"data.train_files={tmp_path}/train.parquet", "data.val_files=null",
-                                     "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}/run",
-                                     f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"])
+    tools.write_text(
+        "tools:\n  - function: 'no_such_module_here:f'\n    tool_schema:\n      type: function\n"
+        "      function: {name: f, description: x, parameters: {type: object, properties: {}}}\n"
+    )
+    cfg = load_config(
+        "vault_tool",
+        [
+            f"actor_rollout_ref.model.path={tiny_model}",
+            f"data.train_files={tmp_path}/train.parquet",
+            "data.val_files=null",
+            "trainer.test_freq=-1",
+            f"trainer.default_local_dir={tmp_path}/run",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        ],
+    )
     with pytest.raises(ConfigError) as raised:
         preflight(cfg)
-    assert any(key == "actor_rollout_ref.rollout.multi_turn.tool_config_path" and "no_such_module_here" in message
-               for key, message in raised.value.problems), raised.value.problems
+    assert any(
+        key == "actor_rollout_ref.rollout.multi_turn.tool_config_path" and "no_such_module_here" in message
+        for key, message in raised.value.problems
+    ), raised.value.problems
 
 
-@pytest.mark.parametrize("words, key", [
-    (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "actor_rollout_ref.rollout.weight_sync.backend"),
-    (["actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine"),
-    (["actor_rollout_ref.rollout.multi_turn.format=question_mark"], "actor_rollout_ref.rollout.multi_turn.tool_config_path"),
-    (["skip.reward.enable=true", "skip.reward.steps=[1]"], "skip.reward.enable"),
-])
+@pytest.mark.parametrize(
+    "words, key",
+    [
+        (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "actor_rollout_ref.rollout.weight_sync.backend"),
+        (["actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine"),
+        (
+            ["actor_rollout_ref.rollout.multi_turn.format=question_mark"],
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+        ),
+        (["skip.reward.enable=true", "skip.reward.steps=[1]"], "skip.reward.enable"),
+    ],
+)
 def test_combinations_the_service_does_not_run_name_the_key(words, key):
     with pytest.raises(ConfigError) as raised:
         load_config("grpo_tiny", ["actor_rollout_ref.rollout.mode=async", *words])

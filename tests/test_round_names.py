@@ -16,9 +16,13 @@ def test_a_rounds_label():
 def test_every_round_of_a_step_has_task_runs_of_its_own(prefect_api, ray_local, tiny_model, tmp_path):
     from ppoflow.flows.train import ppo_train
 
-    words = ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.v1.separate_async.parameter_sync_step=2",
-             "trainer.total_training_steps=1"]
+    words = [
+        "trainer.v1.trainer_mode=separate_async",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "trainer.total_training_steps=1",
+    ]
     state = ppo_train(config="grpo_tiny", overrides=run_overrides(tiny_model, tmp_path, *words), return_state=True)
     assert state.is_completed(), state
     stages = ("sample", "old_log_prob", "advantage", "update_actor")  # scored as it sampled: no reward task

@@ -147,10 +147,11 @@ def test_a_waiting_run_gives_up_after_run_dir_wait_s(tmp_path):
     run_dir = str(tmp_path / "run")
     with claim(run_dir):
         with pytest.raises(ConfigError) as raised:
-            with own_run_directory(config(run_dir, "trainer.run_dir_busy=wait", "trainer.run_dir_wait_s=0.2"),
-                                   poll_s=0.05):
+            with own_run_directory(
+                config(run_dir, "trainer.run_dir_busy=wait", "trainer.run_dir_wait_s=0.2"), poll_s=0.05
+            ):
                 pytest.fail("the directory is owned")
-    (key, message), = raised.value.problems
+    ((key, message),) = raised.value.problems
     assert key == "trainer.default_local_dir"
     assert run_dir in message and "still after waiting trainer.run_dir_wait_s=0.2 s" in message
 
@@ -160,7 +161,7 @@ def test_a_busy_directory_fails_by_default_naming_the_key_and_the_way_out(tmp_pa
     with claim(run_dir), pytest.raises(ConfigError) as raised:
         with own_run_directory(config(run_dir)):
             pytest.fail("the directory is owned")
-    (key, message), = raised.value.problems
+    ((key, message),) = raised.value.problems
     assert key == "trainer.default_local_dir" and f"pid {os.getpid()}" in message
     assert "trainer.run_dir_busy=wait" in message
 
@@ -194,8 +195,17 @@ def test_a_lock_whose_pid_now_runs_another_process_is_stale(tmp_path, caplog):
 def foreign_lock(run_dir: Path, heartbeat_age_s: float) -> Owner:
     run_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    owner = Owner(uuid.uuid4().hex, "another-host.example", "boot pid:[1]", 4242, "100", now - 3600,
-                  now - heartbeat_age_s, None, None)
+    owner = Owner(
+        uuid.uuid4().hex,
+        "another-host.example",
+        "boot pid:[1]",
+        4242,
+        "100",
+        now - 3600,
+        now - heartbeat_age_s,
+        None,
+        None,
+    )
     (run_dir / LOCK_FILE).write_bytes(owner.encode())
     return owner
 
@@ -291,15 +301,15 @@ def test_the_lock_is_released_when_the_run_fails_or_is_interrupted(tmp_path, end
     assert not Path(run_dir, LOCK_FILE).exists()
 
 
-def test_a_run_on_a_directory_owned_by_a_live_process_is_refused_before_any_worker_starts(holder, tiny_overrides,
-                                                                                           tmp_path):
+def test_a_run_on_a_directory_owned_by_a_live_process_is_refused_before_any_worker_starts(
+    holder, tiny_overrides, tmp_path
+):
     process, run_dir = holder
     cfg = load_config("grpo_tiny", tiny_overrides)
     assert cfg.trainer.default_local_dir == run_dir
     with pytest.raises(ConfigError) as raised:
         train(cfg, orchestrated=False)
-    (key, message), = raised.value.problems
+    ((key, message),) = raised.value.problems
     assert key == "trainer.default_local_dir" and f"pid {process.pid}" in message
     assert not (tmp_path / "data").exists()  # start_run builds the synthetic data first: it never ran
     assert sorted(os.listdir(run_dir)) == [LOCK_FILE]
-

@@ -11,28 +11,38 @@ from pathlib import Path
 
 import pytest
 
-from ppoflow.algorithms.scoring import (ScorerFailed, ScorerTimedOut, copy_score, gsm8k_score, load_custom_scorer,
-                                      score_responses, scorer_for, vault_score)
+from ppoflow.algorithms.scoring import (
+    ScorerFailed,
+    ScorerTimedOut,
+    copy_score,
+    gsm8k_score,
+    load_custom_scorer,
+    score_responses,
+    scorer_for,
+    vault_score,
+)
 from ppoflow.storage import bounded
 from ppoflow.workers.scorer_process import ScorerProcess
-
 
 # ------------------------------------------------------------------------------------- copy
 
 
-@pytest.mark.parametrize("solution, truth, score, exact", [
-    ("60", "60", 1.0, 1.0),        # (2 digits + stop) / 3
-    ("6", "60", 1 / 3, 0.0),       # first digit only, stopped too early
-    ("61", "60", 2 / 3, 0.0),      # right length, one digit wrong
-    ("06", "60", 1 / 3, 0.0),      # right length, both digits wrong
-    ("601", "60", 2 / 3, 0.0),     # both digits, no stop
-    ("6000", "60", 2 / 3, 0.0),
-    ("", "60", 0.0, 0.0),          # nothing
-    ("x0", "60", 2 / 3, 0.0),
-    ("1234", "1234", 1.0, 1.0),
-    ("1243", "1234", 3 / 5, 0.0),  # 2 leading matches + stop over 5
-    ("", "", 1.0, 1.0),            # empty truth: only the stop counts
-])
+@pytest.mark.parametrize(
+    "solution, truth, score, exact",
+    [
+        ("60", "60", 1.0, 1.0),  # (2 digits + stop) / 3
+        ("6", "60", 1 / 3, 0.0),  # first digit only, stopped too early
+        ("61", "60", 2 / 3, 0.0),  # right length, one digit wrong
+        ("06", "60", 1 / 3, 0.0),  # right length, both digits wrong
+        ("601", "60", 2 / 3, 0.0),  # both digits, no stop
+        ("6000", "60", 2 / 3, 0.0),
+        ("", "60", 0.0, 0.0),  # nothing
+        ("x0", "60", 2 / 3, 0.0),
+        ("1234", "1234", 1.0, 1.0),
+        ("1243", "1234", 3 / 5, 0.0),  # 2 leading matches + stop over 5
+        ("", "", 1.0, 1.0),  # empty truth: only the stop counts
+    ],
+)
 def test_copy_score(solution, truth, score, exact):
     result = copy_score("synthetic/copy", solution, truth)
     assert set(result) == {"score", "exact"}
@@ -40,14 +50,17 @@ def test_copy_score(solution, truth, score, exact):
     assert result["exact"] == exact
 
 
-@pytest.mark.parametrize("solution, score", [
-    ("?=58>58", 1.0),       # called the tool, copied its answer
-    ("58", 1.0),            # knew it
-    ("?=58>5", 0.0),        # no partial credit
-    ("?=58>58?=58>", 0.0),  # asked again, never answered
-    ("37", 0.0),
-    ("?=error: raised>58", 1.0),  # the answer after the last tool answer counts, whatever the tool said
-])
+@pytest.mark.parametrize(
+    "solution, score",
+    [
+        ("?=58>58", 1.0),  # called the tool, copied its answer
+        ("58", 1.0),  # knew it
+        ("?=58>5", 0.0),  # no partial credit
+        ("?=58>58?=58>", 0.0),  # asked again, never answered
+        ("37", 0.0),
+        ("?=error: raised>58", 1.0),  # the answer after the last tool answer counts, whatever the tool said
+    ],
+)
 def test_vault_score_is_the_final_answer_exactly(solution, score):
     assert vault_score("synthetic/vault", solution, "58") == {"score": score, "exact": score}
 
@@ -55,21 +68,24 @@ def test_vault_score_is_the_final_answer_exactly(solution, score):
 # ------------------------------------------------------------------------------------ gsm8k
 
 
-@pytest.mark.parametrize("solution, truth, score", [
-    ("so the answer is\n#### 42", "42", 1.0),
-    ("#### 42", "41", 0.0),
-    ("#### 1,234", "1234", 1.0),     # commas in the answer are ignored
-    ("#### 1234", "1,234", 1.0),     # and in the ground truth
-    ("#### 42.", "42", 1.0),         # a sentence-ending period is not part of the number
-    ("#### -7", "-7", 1.0),
-    ("#### 3.5", "3.5", 1.0),
-    ("#### 7 then #### 8", "8", 1.0),  # the last answer counts
-    ("#### 7 then #### 8", "7", 0.0),
-    ("the answer is 42", "42", 0.0),   # no #### marker
-    ("####42", "42", 0.0),             # strict: a space after ####
-    ("", "42", 0.0),
-    ("#### 42", 42, 1.0),              # a numeric ground truth is compared as text
-])
+@pytest.mark.parametrize(
+    "solution, truth, score",
+    [
+        ("so the answer is\n#### 42", "42", 1.0),
+        ("#### 42", "41", 0.0),
+        ("#### 1,234", "1234", 1.0),  # commas in the answer are ignored
+        ("#### 1234", "1,234", 1.0),  # and in the ground truth
+        ("#### 42.", "42", 1.0),  # a sentence-ending period is not part of the number
+        ("#### -7", "-7", 1.0),
+        ("#### 3.5", "3.5", 1.0),
+        ("#### 7 then #### 8", "8", 1.0),  # the last answer counts
+        ("#### 7 then #### 8", "7", 0.0),
+        ("the answer is 42", "42", 0.0),  # no #### marker
+        ("####42", "42", 0.0),  # strict: a space after ####
+        ("", "42", 0.0),
+        ("#### 42", 42, 1.0),  # a numeric ground truth is compared as text
+    ],
+)
 def test_gsm8k_score(solution, truth, score):
     result = gsm8k_score("openai/gsm8k", solution, truth)
     assert isinstance(result, float)
@@ -80,8 +96,11 @@ def test_gsm8k_score(solution, truth, score):
 
 
 def test_score_responses_with_builtin_scorers_collects_extras():
-    scores, extras = score_responses(["synthetic/copy", "synthetic/copy", "openai/gsm8k", "synthetic/copy"],
-                                     ["60", "6", "#### 5", "123"], ["60", "60", "5", "12"])
+    scores, extras = score_responses(
+        ["synthetic/copy", "synthetic/copy", "openai/gsm8k", "synthetic/copy"],
+        ["60", "6", "#### 5", "123"],
+        ["60", "60", "5", "12"],
+    )
     assert scores == pytest.approx([1.0, 1 / 3, 1.0, 2 / 3])
     assert extras == {"exact": [1.0, 0.0, 0.0]}  # only the dict scorer reports `exact`
 
@@ -112,8 +131,10 @@ def test_score_responses_with_a_dict_custom_scorer():
 def test_unknown_data_source():
     with pytest.raises(ValueError) as caught:
         score_responses(["synthetic/copy", "my/task"], ["1", "2"], ["1", "2"])
-    assert str(caught.value) == ("no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, "
-                                 "synthetic/vault, openai/gsm8k; or set custom_reward_function.path")
+    assert str(caught.value) == (
+        "no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, "
+        "synthetic/vault, openai/gsm8k; or set custom_reward_function.path"
+    )
     assert scorer_for("synthetic/copy", None) is copy_score
     assert scorer_for("openai/gsm8k", None) is gsm8k_score
     custom = lambda *args, **kwargs: 0.0  # noqa: E731
@@ -183,7 +204,9 @@ def test_missing_file(tmp_path):
 
 
 def test_a_module_that_raises_while_imported_is_a_value_error(tmp_path, monkeypatch):
-    (tmp_path / "ppoflow_broken_scorer.py").write_text("import os\nraise RuntimeError('no API key in the environment')\n")
+    (tmp_path / "ppoflow_broken_scorer.py").write_text(
+        "import os\nraise RuntimeError('no API key in the environment')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError) as caught:
         load_custom_scorer("ppoflow_broken_scorer:compute_score", "compute_score")
@@ -191,8 +214,9 @@ def test_a_module_that_raises_while_imported_is_a_value_error(tmp_path, monkeypa
     sys.modules.pop("ppoflow_broken_scorer", None)
     with pytest.raises(ValueError) as caught:
         load_custom_scorer(str(tmp_path / "ppoflow_broken_scorer.py"), "compute_score")
-    assert str(caught.value) == (f"cannot import {str(tmp_path / 'ppoflow_broken_scorer.py')!r}: RuntimeError: "
-                                 "no API key in the environment")
+    assert str(caught.value) == (
+        f"cannot import {str(tmp_path / 'ppoflow_broken_scorer.py')!r}: RuntimeError: no API key in the environment"
+    )
 
 
 def test_missing_or_uncallable_function(scorer_module, tmp_path):
@@ -210,7 +234,7 @@ def test_missing_or_uncallable_function(scorer_module, tmp_path):
 
 # ------------------------------------------------------------------------ scorers that fail
 
-BAD_SCORERS = '''
+BAD_SCORERS = """
 import os
 
 def raises(data_source, solution_str, ground_truth, extra_info=None):
@@ -226,31 +250,39 @@ def exits_on_the_second(data_source, solution_str, ground_truth, extra_info=None
     if solution_str == "second":
         os._exit(3)
     return 0.5
-'''
+"""
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("result, message", [
-    ("1.0", "returned a str ('1.0'), not a number or a dict with a number under 'score'"),
-    (None, "returned None, not a number"),
-    ({"accuracy": 1.0}, "returned a dict without 'score' (keys: 'accuracy')"),
-    ({"score": 1.0, "note": "ok"}, "returned a dict whose 'note' is a str ('ok')"),
-])
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        ("1.0", "returned a str ('1.0'), not a number or a dict with a number under 'score'"),
+        (None, "returned None, not a number"),
+        ({"accuracy": 1.0}, "returned a dict without 'score' (keys: 'accuracy')"),
+        ({"score": 1.0, "note": "ok"}, "returned a dict whose 'note' is a str ('ok')"),
+    ],
+)
 def test_a_return_that_is_not_a_score_names_the_scorer_and_the_response(result, message):
     def judge(data_source, solution_str, ground_truth, extra_info=None):
         return result
 
     with pytest.raises(ScorerFailed) as caught:
         score_responses(["my/task"], ["x"], ["y"], custom=judge, prompt_ids=["3-1"])
-    assert str(caught.value).startswith(f"the custom scorer 'test_a_return_that_is_not_a_score_names_the_scorer_and_"
-                                        f"the_response.<locals>.judge' {message}")
+    assert str(caught.value).startswith(
+        f"the custom scorer 'test_a_return_that_is_not_a_score_names_the_scorer_and_"
+        f"the_response.<locals>.judge' {message}"
+    )
     assert str(caught.value).endswith("while scoring a response to prompt '3-1' (data source 'my/task')")
 
 
 @pytest.mark.reliability
 def test_a_builtin_scorer_that_raises_is_a_scorer_failure():
-    with pytest.raises(ScorerFailed, match=r"^the built-in scorer copy_score raised TypeError: .* while scoring "
-                                           r"response 1 \(data source 'synthetic/copy'\)$"):
+    with pytest.raises(
+        ScorerFailed,
+        match=r"^the built-in scorer copy_score raised TypeError: .* while scoring "
+        r"response 1 \(data source 'synthetic/copy'\)$",
+    ):
         score_responses(["synthetic/copy", "synthetic/copy"], ["1", "2"], ["1", 2])
 
 
@@ -259,8 +291,9 @@ def test_a_scorer_process_scores_as_the_scorer_does_in_process(tmp_path):
     path.write_text(MODULE_TEXT)
     sources, solutions, truths = ["ab", "abc", "ab"], ["x", "", "x"], ["x", "y", ["x", 1]]
     with ScorerProcess(str(path), "other", timeout_s=60) as scorer:
-        assert score_responses(sources, solutions, truths, scorer) == \
-            score_responses(sources, solutions, truths, load_custom_scorer(str(path), "other"))
+        assert score_responses(sources, solutions, truths, scorer) == score_responses(
+            sources, solutions, truths, load_custom_scorer(str(path), "other")
+        )
         with ScorerProcess(str(path), "compute_score", timeout_s=60) as other:
             assert score_responses(["d"], ["a"], ["a"], other) == ([1.0], {})
         child = scorer._sandbox.process.pid
@@ -272,21 +305,27 @@ def test_a_scorer_process_scores_as_the_scorer_does_in_process(tmp_path):
 def test_a_scorer_process_reports_what_its_scorer_did(tmp_path):
     path = tmp_path / "bad_reward.py"
     path.write_text(BAD_SCORERS)
-    expected = {"raises": "raised KeyError: 'judge_url'",
-                "returns_text": "returned a str ('1.0'), not a number or a dict with a number under 'score'",
-                "no_score": "returned a dict without 'score' (keys: 'accuracy'), not a number or a dict with a number "
-                            "under 'score'",
-                "absent": f"cannot be loaded: {str(path)!r} has no callable 'absent'"}
+    expected = {
+        "raises": "raised KeyError: 'judge_url'",
+        "returns_text": "returned a str ('1.0'), not a number or a dict with a number under 'score'",
+        "no_score": "returned a dict without 'score' (keys: 'accuracy'), not a number or a dict with a number "
+        "under 'score'",
+        "absent": f"cannot be loaded: {str(path)!r} has no callable 'absent'",
+    }
     for name, message in expected.items():
         with ScorerProcess(str(path), name, timeout_s=60) as scorer, pytest.raises(ScorerFailed) as caught:
             score_responses(["my/task"], ["x"], ["y"], scorer, prompt_ids=["2-0"])
-        assert str(caught.value) == (f"the custom scorer '{path}:{name}' {message} while scoring a response to "
-                                     "prompt '2-0' (data source 'my/task')")
+        assert str(caught.value) == (
+            f"the custom scorer '{path}:{name}' {message} while scoring a response to "
+            "prompt '2-0' (data source 'my/task')"
+        )
     with ScorerProcess(str(path), "exits_on_the_second", timeout_s=60) as scorer:
         with pytest.raises(ScorerFailed) as caught:
             score_responses(["my/task"] * 2, ["first", "second"], ["t", "t"], scorer, prompt_ids=["5-0", "5-1"])
-        assert str(caught.value) == (f"the custom scorer '{path}:exits_on_the_second' crashed: its process exited "
-                                     "with code 3 while scoring a response to prompt '5-1' (data source 'my/task')")
+        assert str(caught.value) == (
+            f"the custom scorer '{path}:exits_on_the_second' crashed: its process exited "
+            "with code 3 while scoring a response to prompt '5-1' (data source 'my/task')"
+        )
         assert scorer("my/task", "first", "t") == {"score": 0.5}  # a fresh process took the dead one's place
 
 
@@ -305,13 +344,19 @@ def test_a_run_whose_scorer_exits_the_process_fails_naming_it(tmp_path, tiny_ove
         "        calls.write('.')\n"
         f"    if os.path.getsize({str(calls)!r}) > 1 + 16:  # the preflight's row, then step 1's 4 x 4 responses\n"
         "        os._exit(3)\n"
-        "    return float(solution_str == ground_truth)\n")
-    cfg = load_config("grpo_tiny", tiny_overrides + [f"custom_reward_function.path={tmp_path}/my_reward.py",
-                                                     "trainer.test_freq=0", "trainer.save_freq=0"])
+        "    return float(solution_str == ground_truth)\n"
+    )
+    cfg = load_config(
+        "grpo_tiny",
+        tiny_overrides
+        + [f"custom_reward_function.path={tmp_path}/my_reward.py", "trainer.test_freq=0", "trainer.save_freq=0"],
+    )
     with pytest.raises(ScorerFailed) as caught:
         train(cfg, orchestrated=False)
-    assert str(caught.value).startswith(f"the custom scorer '{tmp_path}/my_reward.py:compute_score' crashed: its "
-                                        "process exited with code 3 while scoring a response to prompt '2-")
+    assert str(caught.value).startswith(
+        f"the custom scorer '{tmp_path}/my_reward.py:compute_score' crashed: its "
+        "process exited with code 3 while scoring a response to prompt '2-"
+    )
     assert str(caught.value).endswith("(data source 'synthetic/copy')")
 
 
@@ -350,32 +395,45 @@ def test_a_scorer_call_past_its_deadline_kills_the_process_and_fails_naming_the_
     with ScorerProcess(str(hanging_scorer), "compute_score", timeout_s=1) as scorer:
         with pytest.raises(ScorerTimedOut) as caught:
             score_responses(["my/task"] * 2, ["ok", "hang"], ["t", "t"], scorer, prompt_ids=["4-0", "4-1"])
-        assert str(caught.value) == (f"the custom scorer '{hanging_scorer}:compute_score' did not return within "
-                                     "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
-                                     "response to prompt '4-1' (data source 'my/task')")
+        assert str(caught.value) == (
+            f"the custom scorer '{hanging_scorer}:compute_score' did not return within "
+            "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
+            "response to prompt '4-1' (data source 'my/task')"
+        )
         assert hung_process_is_gone(hanging_scorer)
         assert scorer("my/task", "ok", "t") == {"score": 1.0, "length": 2.0}  # a fresh process scores the next one
 
 
 @pytest.mark.reliability
-def test_on_timeout_score_gives_the_timeout_score_counts_it_and_reports_the_stall(hanging_scorer, caplog,
-                                                                                  monkeypatch):
+def test_on_timeout_score_gives_the_timeout_score_counts_it_and_reports_the_stall(hanging_scorer, caplog, monkeypatch):
     monkeypatch.setattr(bounded, "REPORT_EVERY_S", 0.2)  # report the stall within the 1 s deadline
-    with ScorerProcess(str(hanging_scorer), "compute_score", timeout_s=1, on_timeout="score",
-                       timeout_score=-0.5) as scorer, caplog.at_level(logging.WARNING):
-        scores, extras = score_responses(["my/task"] * 3, ["ok", "hang", "fine"], ["t"] * 3, scorer,
-                                         prompt_ids=["3-0", "3-1", "3-2"])
+    with (
+        ScorerProcess(
+            str(hanging_scorer), "compute_score", timeout_s=1, on_timeout="score", timeout_score=-0.5
+        ) as scorer,
+        caplog.at_level(logging.WARNING),
+    ):
+        scores, extras = score_responses(
+            ["my/task"] * 3, ["ok", "hang", "fine"], ["t"] * 3, scorer, prompt_ids=["3-0", "3-1", "3-2"]
+        )
         assert scores == [1.0, -0.5, 1.0]
         assert extras == {"length": [2.0, 4.0], "scorer_timeouts": [0.0, 1.0, 0.0]}
         assert hung_process_is_gone(hanging_scorer)
     sample = "a response to prompt '3-1' (data source 'my/task')"
     stalls = [record.getMessage() for record in caplog.records if "has been scoring" in record.getMessage()]
-    assert stalls and all(re.fullmatch(rf"the custom scorer '{re.escape(str(hanging_scorer))}:compute_score' has been "
-                                       rf"scoring {re.escape(sample)} for \d+ s \(custom_reward_function.timeout_s=1\)",
-                                       message) for message in stalls)
-    assert (f"the custom scorer '{hanging_scorer}:compute_score' did not return within custom_reward_function."
-            f"timeout_s=1 s (its process was killed) while scoring {sample}: it scores custom_reward_function."
-            "timeout_score=-0.5 (on_timeout=score)") in caplog.messages
+    assert stalls and all(
+        re.fullmatch(
+            rf"the custom scorer '{re.escape(str(hanging_scorer))}:compute_score' has been "
+            rf"scoring {re.escape(sample)} for \d+ s \(custom_reward_function.timeout_s=1\)",
+            message,
+        )
+        for message in stalls
+    )
+    assert (
+        f"the custom scorer '{hanging_scorer}:compute_score' did not return within custom_reward_function."
+        f"timeout_s=1 s (its process was killed) while scoring {sample}: it scores custom_reward_function."
+        "timeout_score=-0.5 (on_timeout=score)"
+    ) in caplog.messages
 
 
 @pytest.mark.reliability
@@ -398,17 +456,27 @@ def test_a_run_whose_scorer_hangs_fails_naming_it_or_scores_on(tmp_path, tiny_ov
         f"    if os.path.getsize({str(calls)!r}) == 2:  # the preflight's row, then the first response of step 1\n"
         "        open(__file__ + '.hang.pid', 'w').write(str(os.getpid()))\n"
         "        time.sleep(10**9)\n"
-        "    return float(solution_str == ground_truth)\n")
-    cfg = load_config("grpo_tiny", tiny_overrides + [f"custom_reward_function.path={tmp_path}/my_reward.py",
-                                                     "custom_reward_function.timeout_s=1",
-                                                     f"custom_reward_function.on_timeout={on_timeout}",
-                                                     "trainer.test_freq=0", "trainer.save_freq=0"])
+        "    return float(solution_str == ground_truth)\n"
+    )
+    cfg = load_config(
+        "grpo_tiny",
+        tiny_overrides
+        + [
+            f"custom_reward_function.path={tmp_path}/my_reward.py",
+            "custom_reward_function.timeout_s=1",
+            f"custom_reward_function.on_timeout={on_timeout}",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+        ],
+    )
     if on_timeout == "fail":
         with pytest.raises(ScorerTimedOut) as caught:
             train(cfg, orchestrated=False)
-        assert str(caught.value) == (f"the custom scorer '{tmp_path}/my_reward.py:compute_score' did not return "
-                                     "within custom_reward_function.timeout_s=1 s (its process was killed) while "
-                                     "scoring a response to prompt '1-0' (data source 'synthetic/copy')")
+        assert str(caught.value) == (
+            f"the custom scorer '{tmp_path}/my_reward.py:compute_score' did not return "
+            "within custom_reward_function.timeout_s=1 s (its process was killed) while "
+            "scoring a response to prompt '1-0' (data source 'synthetic/copy')"
+        )
     else:
         train(cfg, orchestrated=False)
         rows = read_metrics(cfg.trainer.default_local_dir)

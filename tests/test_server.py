@@ -27,10 +27,19 @@ def server(tmp_path_factory):
     port, as after an earlier session); yields the port and what its ``/ui-settings`` and settings say."""
     port, stale = free_port(), free_port()
     env = {name: value for name, value in os.environ.items() if name not in SERVER_ENV}
-    env.update({"PREFECT_HOME": str(tmp_path_factory.mktemp("server-home")), "PREFECT_UI_ENABLED": "false",
-                "PREFECT_API_URL": f"http://127.0.0.1:{stale}/api"})
-    process = subprocess.Popen([sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1",
-                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env.update(
+        {
+            "PREFECT_HOME": str(tmp_path_factory.mktemp("server-home")),
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_API_URL": f"http://127.0.0.1:{stale}/api",
+        }
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:

@@ -25,8 +25,9 @@ def model(tiny_model):
     position would reproduce too; these weights make every continuation depend on the whole context."""
     from ppoflow.workers.models import load_causal_lm
 
-    model = load_causal_lm(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
-                                       dtype="float32", build=None)).eval()
+    model = load_causal_lm(
+        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+    ).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -39,8 +40,9 @@ def model(tiny_model):
 def tokenizer(tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    return load_tokenizer(ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False,
-                                      dtype="float32", build=None))
+    return load_tokenizer(
+        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +56,15 @@ def greedy_references(model, tokenizer, prompts) -> list[list[int]]:
     references = []
     for prompt in prompts:
         with torch.no_grad():
-            sequences = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        references.append(sequences[0, len(prompt):].tolist())
+            sequences = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        references.append(sequences[0, len(prompt) :].tolist())
     return references
 
 
@@ -66,13 +73,23 @@ def engine_for(model, tokenizer, **options) -> ContinuousBatchingEngine:
 
 
 def greedy(max_new_tokens: int = MAX_NEW_TOKENS, **options) -> RequestSampling:
-    return RequestSampling(temperature=1.0, top_p=1.0, top_k=0, greedy=True, max_new_tokens=max_new_tokens, seed=0,
-                           **options)
+    return RequestSampling(
+        temperature=1.0, top_p=1.0, top_k=0, greedy=True, max_new_tokens=max_new_tokens, seed=0, **options
+    )
 
 
 def sampled(seed: int, max_new_tokens: int = MAX_NEW_TOKENS, **options) -> RequestSampling:
-    return RequestSampling(**{"temperature": 0.7, "top_p": 0.9, "top_k": 8, "greedy": False,
-                              "max_new_tokens": max_new_tokens, "seed": seed, **options})
+    return RequestSampling(
+        **{
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 8,
+            "greedy": False,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            **options,
+        }
+    )
 
 
 def drain(engine: ContinuousBatchingEngine) -> None:
@@ -103,7 +120,8 @@ def test_greedy_outputs_equal_generate(model, tokenizer, prompts, greedy_referen
     outputs = [future.result(timeout=0) for future in futures]
     assert [output.token_ids for output in outputs] == greedy_references
     assert [output.finish_reason for output in outputs] == [
-        "stop" if reference[-1] == tokenizer.eos_token_id else "length" for reference in greedy_references]
+        "stop" if reference[-1] == tokenizer.eos_token_id else "length" for reference in greedy_references
+    ]
     if arrival == "two_slots":
         assert engine.stats()["mean_running"] <= 2 and engine.stats()["requests_admitted"] == len(prompts)
 
@@ -114,15 +132,19 @@ def test_log_probs_equal_a_teacher_forced_forward(model, tokenizer, prompts):
     token lies inside its top-k and top-p set."""
     engine = engine_for(model, tokenizer, max_num_seqs=3)
     requests = [(prompt, sampled(seed=index)) for index, prompt in enumerate(prompts)]
-    requests.append((prompts[0], RequestSampling(temperature=0.7, top_p=0.9, top_k=8, greedy=True,
-                                                 max_new_tokens=MAX_NEW_TOKENS, seed=0)))
+    requests.append(
+        (
+            prompts[0],
+            RequestSampling(temperature=0.7, top_p=0.9, top_k=8, greedy=True, max_new_tokens=MAX_NEW_TOKENS, seed=0),
+        )
+    )
     futures = [engine.submit(f"r{index}", prompt, sampling) for index, (prompt, sampling) in enumerate(requests)]
     drain(engine)
     for (prompt, sampling), future in zip(requests, futures):
         output = future.result(timeout=0)
         tokens = torch.tensor(output.token_ids)
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1 : -1]
         temperature = 1.0 if sampling.greedy else sampling.temperature
         expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
         torch.testing.assert_close(torch.tensor(output.log_probs), expected, rtol=0, atol=1e-4)
@@ -144,8 +166,10 @@ def test_sampling_depends_only_on_prompt_seed_and_weights(model, tokenizer, prom
     expected = future.result(timeout=0).token_ids
 
     batched = engine_for(model, tokenizer, max_num_seqs=4)
-    others = [batched.submit(f"o{index}", prompt, sampled(seed=100 + index, max_new_tokens=7 + 5 * index))
-              for index, prompt in enumerate(prompts[2:5])]
+    others = [
+        batched.submit(f"o{index}", prompt, sampled(seed=100 + index, max_new_tokens=7 + 5 * index))
+        for index, prompt in enumerate(prompts[2:5])
+    ]
     batched.step()
     batched.step()
     same = batched.submit("x", prompts[1], sampled(seed=11, max_new_tokens=length, ignore_eos=True))
@@ -157,8 +181,9 @@ def test_sampling_depends_only_on_prompt_seed_and_weights(model, tokenizer, prom
     assert other_seed.result(timeout=0).token_ids != expected
 
 
-def test_eos_and_stop_tokens_end_a_request_and_max_new_tokens_gives_length(model, tokenizer, prompts,
-                                                                           greedy_references):
+def test_eos_and_stop_tokens_end_a_request_and_max_new_tokens_gives_length(
+    model, tokenizer, prompts, greedy_references
+):
     index = max(range(len(prompts)), key=lambda i: len(greedy_references[i]))
     reference = greedy_references[index]
     stop_token = reference[4]
@@ -266,7 +291,9 @@ def test_requests_that_cannot_be_served_fail_their_futures_only(model, tokenizer
     served = engine.submit("served", prompts[0], greedy())
     duplicate = engine.submit("served", prompts[0], greedy())
     drain(engine)
-    with pytest.raises(ValueError, match=r"prompt length 50 \+ max_new_tokens 20 = 70 exceeds .*max_position_embeddings=64"):
+    with pytest.raises(
+        ValueError, match=r"prompt length 50 \+ max_new_tokens 20 = 70 exceeds .*max_position_embeddings=64"
+    ):
         too_long.result(timeout=0)
     with pytest.raises(ValueError, match="empty"):
         empty.result(timeout=0)
@@ -283,8 +310,9 @@ def broken_model(**inputs):
     raise RuntimeError("device lost")
 
 
-def test_a_failing_forward_fails_the_requests_it_hit_and_the_engine_goes_on(model, tokenizer, prompts,
-                                                                             greedy_references):
+def test_a_failing_forward_fails_the_requests_it_hit_and_the_engine_goes_on(
+    model, tokenizer, prompts, greedy_references
+):
     """A prefill that raises fails the joining requests, a decode that raises fails the running ones;
     the engine (and its thread) then serves the next requests."""
     engine = engine_for(model, tokenizer)
@@ -314,8 +342,13 @@ def test_sample_next_tokens_keeps_each_rows_own_filters():
     most likely token, and with no filter the draw's position in the CDF picks the token."""
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]] * 4))
     tokens, log_probs = sample_next_tokens(
-        logits, temperatures=torch.ones(4), top_ks=torch.tensor([0, 1, 0, 0]), top_ps=torch.tensor([1.0, 1.0, 0.01, 1.0]),
-        greedy=torch.tensor([True, False, False, False]), uniforms=torch.tensor([0.99, 0.99, 0.99, 0.95]))
+        logits,
+        temperatures=torch.ones(4),
+        top_ks=torch.tensor([0, 1, 0, 0]),
+        top_ps=torch.tensor([1.0, 1.0, 0.01, 1.0]),
+        greedy=torch.tensor([True, False, False, False]),
+        uniforms=torch.tensor([0.99, 0.99, 0.99, 0.95]),
+    )
     assert tokens.tolist() == [1, 1, 1, 0]
     torch.testing.assert_close(log_probs, torch.log(torch.tensor([0.6, 0.6, 0.6, 0.1])))
 
@@ -323,7 +356,14 @@ def test_sample_next_tokens_keeps_each_rows_own_filters():
 def test_models_without_full_attention_caches_are_refused():
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, sliding_window=8)
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
     with pytest.raises(NotImplementedError, match="full-attention"):
         ContinuousBatchingEngine(MistralForCausalLM(config), eos_token_id=2, device=CPU)

@@ -22,8 +22,7 @@ from tensordict import TensorDict
 
 from ppoflow.storage import fs as storage_fs
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
-from ppoflow.storage.step_cache import (CacheCorrupt, CacheEntry, CacheWriteError, StepCache, config_dir,
-                                        scan)
+from ppoflow.storage.step_cache import CacheCorrupt, CacheEntry, CacheWriteError, StepCache, config_dir, scan
 from ppoflow.storage.step_cache.manifest import STEP_MARKER, StepStatus, decode_manifest
 from ppoflow.storage.step_cache.store import encode_manifest
 
@@ -57,7 +56,9 @@ def make_batch(uids: list[str], seed: int = 0, prompt_length: int = 3, response_
         {
             "uid": uids,
             "data_source": ["gsm8k" if row % 2 else "math" for row in range(rows)],
-            "ground_truth": [{"answer": str(row), "steps": [row, seed]} if row % 2 else str(row) for row in range(rows)],
+            "ground_truth": [
+                {"answer": str(row), "steps": [row, seed]} if row % 2 else str(row) for row in range(rows)
+            ],
         },
     )
 
@@ -112,7 +113,9 @@ def test_config_dir_expands_home_resolves_relative_and_keeps_urls(tmp_path: Path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     suffix = "ut_exp_ut_proj/GBS4_N2_in8_out16"
-    assert config_dir("~/.ppoflow/rollout_dump", **CONFIG) == f"{tmp_path.resolve()}/home/.ppoflow/rollout_dump/{suffix}"
+    assert (
+        config_dir("~/.ppoflow/rollout_dump", **CONFIG) == f"{tmp_path.resolve()}/home/.ppoflow/rollout_dump/{suffix}"
+    )
     assert config_dir("relative/dump", **CONFIG) == f"{tmp_path.resolve()}/relative/dump/{suffix}"
     assert config_dir(f"file://{tmp_path}/dump", **CONFIG) == f"{tmp_path.resolve()}/dump/{suffix}"
     assert config_dir("s3://bucket/dump/", **CONFIG) == f"s3://bucket/dump/{suffix}"
@@ -138,8 +141,9 @@ def test_round_trip_and_manifest(cache: StepCache):
     assert manifest["stage"] == "rollout"
     assert manifest["global_steps"] == 7
     assert manifest["num_trajectories"] == 4
-    assert manifest["files"] == {"rollout.safetensors": {"bytes": len(payload),
-                                                         "sha256": hashlib.sha256(payload).hexdigest()}}
+    assert manifest["files"] == {
+        "rollout.safetensors": {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    }
     assert manifest["sampling"] == {"temperature": 1.0}
     marker = Path(cache.marker_url(7)).read_bytes()
     assert marker == encode_manifest(manifest)
@@ -181,10 +185,13 @@ def test_write_marker_refuses_a_manifest_of_another_step(cache: StepCache):
 def test_decode_manifest_rejects_bad_markers(cache: StepCache, data, message):
     manifest = cache.write(1, make_batch(["a"]))
     entry = manifest["files"]["rollout.safetensors"]
-    changes = {"bool": {"num_trajectories": True}, "version": {"format_version": 1},
-               "checksum": {"files": {"rollout.safetensors": {**entry, "sha256": "md5:00"}}},
-               "two payloads": {"files": {"rollout.safetensors": entry, "x.safetensors": entry}},
-               "unsafe name": {"files": {"../rollout.safetensors": entry}}}
+    changes = {
+        "bool": {"num_trajectories": True},
+        "version": {"format_version": 1},
+        "checksum": {"files": {"rollout.safetensors": {**entry, "sha256": "md5:00"}}},
+        "two payloads": {"files": {"rollout.safetensors": entry, "x.safetensors": entry}},
+        "unsafe name": {"files": {"../rollout.safetensors": entry}},
+    }
     if isinstance(data, str):
         data = json.dumps({**manifest, **changes[data]}).encode()
     with pytest.raises(ValueError, match=re.escape(message)):

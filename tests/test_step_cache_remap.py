@@ -12,6 +12,7 @@ from ppoflow.storage.batch import non_tensor_column
 from ppoflow.storage.step_cache import remap_to_prompts
 from tests.test_step_cache import CACHE_LOGGER, make_batch, warnings_text
 
+
 def test_remap_reproduces_verls_worked_example(caplog: pytest.LogCaptureFixture):
     cached = make_batch(["A", "B", "A", "B", "C"])
     with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):

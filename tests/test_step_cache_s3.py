@@ -61,7 +61,11 @@ def test_s3_damaged_entries_and_scan(s3_server):
     s3.pipe_file(cache.payload_url(2), b"truncated")
     assert cache.valid_steps() == [1]
     assert cache.resolve(2, "repeat") == 1
-    assert [(entry.step, entry.valid) for entry in scan(dump_dir, storage_options)] == [(1, True), (2, False), (3, False)]
+    assert [(entry.step, entry.valid) for entry in scan(dump_dir, storage_options)] == [
+        (1, True),
+        (2, False),
+        (3, False),
+    ]
 
 
 def test_s3_refused_write_is_retried_then_raises(s3_server):

@@ -29,9 +29,14 @@ def test_read_with_sha256_returns_the_bytes_and_their_digest(tmp_path: Path, siz
 
 
 def test_read_safetensors_agrees_with_the_reference_loader():
-    tensors = {"ids": torch.arange(12).reshape(3, 4), "mask": torch.tensor([True, False, True]),
-               "half": torch.randn(5, dtype=torch.bfloat16), "odd": torch.arange(7, dtype=torch.uint8),
-               "f64": torch.randn(2, 3, dtype=torch.float64), "empty": torch.zeros(0, 4)}
+    tensors = {
+        "ids": torch.arange(12).reshape(3, 4),
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.randn(5, dtype=torch.bfloat16),
+        "odd": torch.arange(7, dtype=torch.uint8),
+        "f64": torch.randn(2, 3, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+    }
     payload = save(tensors, metadata={"note": "kept"})
     decoded, metadata = read_safetensors(payload)
     expected = reference_load(payload)
@@ -41,8 +46,9 @@ def test_read_safetensors_agrees_with_the_reference_loader():
 
 
 def test_a_loaded_batch_views_the_read_buffer(tmp_path: Path):
-    batch = TensorDict({"responses": torch.arange(64).reshape(8, 8), "rollout_log_probs": torch.randn(8, 8)},
-                       batch_size=[8])
+    batch = TensorDict(
+        {"responses": torch.arange(64).reshape(8, 8), "rollout_log_probs": torch.randn(8, 8)}, batch_size=[8]
+    )
     with_non_tensor_columns(batch, {"uid": [str(i // 2) for i in range(8)]})
     (tmp_path / "step").write_bytes(encode_batch(batch))
     view, _ = read_with_sha256(LocalFileSystem(), str(tmp_path / "step"))
@@ -63,23 +69,40 @@ def handmade(header: dict, data: bytes) -> bytes:
 
 def test_a_misaligned_tensor_is_read_correctly():
     value = torch.tensor([7, -3], dtype=torch.int64)
-    payload = handmade({"flag": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-                        "ids": {"dtype": "I64", "shape": [2], "data_offsets": [1, 17]}},
-                       b"\x01" + value.numpy().tobytes())
+    payload = handmade(
+        {
+            "flag": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "ids": {"dtype": "I64", "shape": [2], "data_offsets": [1, 17]},
+        },
+        b"\x01" + value.numpy().tobytes(),
+    )
     decoded, _ = read_safetensors(payload)
     assert torch.equal(decoded["ids"], value) and decoded["flag"].tolist() == [1]
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"\x10\x00", "truncated safetensors header"),
-    ((100).to_bytes(8, "little") + b"{}", "truncated safetensors header"),
-    (handmade({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)), "tensor 'x': unsupported dtype 'C64'"),
-    (handmade({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)),
-     "tensor 'x': bytes 0..16 do not hold torch.float32 [4] within the 8-byte data section"),
-    (handmade({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, bytes(16)),
-     "tensor 'x': bytes 0..16 do not hold torch.float32 [3]"),
-    (handmade({"x": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(16)), "tensor 'x': bytes -4..0"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\x10\x00", "truncated safetensors header"),
+        ((100).to_bytes(8, "little") + b"{}", "truncated safetensors header"),
+        (
+            handmade({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
+            "tensor 'x': unsupported dtype 'C64'",
+        ),
+        (
+            handmade({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)),
+            "tensor 'x': bytes 0..16 do not hold torch.float32 [4] within the 8-byte data section",
+        ),
+        (
+            handmade({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, bytes(16)),
+            "tensor 'x': bytes 0..16 do not hold torch.float32 [3]",
+        ),
+        (
+            handmade({"x": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(16)),
+            "tensor 'x': bytes -4..0",
+        ),
+    ],
+)
 def test_a_damaged_header_raises_naming_the_tensor(payload: bytes, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):
         read_safetensors(payload)

@@ -17,7 +17,7 @@ from ppoflow.configs import ConfigError
 from ppoflow.workers.tool_config import TOOL_CONFIG_KEY, ToolSpec, load_tool_config
 from ppoflow.workers.tools import ToolRunner
 
-TOOL_FUNCTIONS = '''
+TOOL_FUNCTIONS = """
 import os
 import time
 
@@ -73,14 +73,19 @@ def segfault():
 
 def long_text():
     return "y" * 1000
-'''
+"""
 
 
 def tool(function: str, name: str, properties: dict | None = None, required: tuple = (), **config) -> dict:
     """One entry of a tool config file."""
-    schema = {"type": "function", "function": {
-        "name": name, "description": f"the {name} test tool",
-        "parameters": {"type": "object", "properties": properties or {}, "required": list(required)}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"the {name} test tool",
+            "parameters": {"type": "object", "properties": properties or {}, "required": list(required)},
+        },
+    }
     return {"function": function, "tool_schema": schema, **({"config": config} if config else {})}
 
 
@@ -230,25 +235,33 @@ def test_a_memory_hog_hits_its_limit_and_the_runner_keeps_working(runner):
     assert works(runner)
 
 
-@pytest.mark.parametrize("name, ending", [("exit_3", "exited with code 3"),
-                                          ("segfault", "was killed by signal SIGSEGV")])
+@pytest.mark.parametrize(
+    "name, ending", [("exit_3", "exited with code 3"), ("segfault", "was killed by signal SIGSEGV")]
+)
 def test_a_tool_that_kills_its_process_gives_an_error_and_a_fresh_process(runner, name, ending):
     result = runner.call_sync(name, {})
     assert (result.error, result.text) == ("crashed", f"error: {name} crashed: its process {ending}")
     assert works(runner)
 
 
-@pytest.mark.parametrize("name, arguments, kind, message", [
-    ("lookup", {"count": 1}, "bad_arguments", "bad arguments for lookup: missing required argument 'key'"),
-    ("lookup", {"key": 3}, "bad_arguments", "bad arguments for lookup: argument 'key' must be string, not integer"),
-    ("lookup", {"key": "k", "count": True}, "bad_arguments",
-     "bad arguments for lookup: argument 'count' must be integer, not boolean"),
-    ("lookup", '{"key": "k"', "bad_arguments", "bad arguments for lookup: arguments are not valid JSON"),
-    ("lookup", '["k"]', "bad_arguments", "bad arguments for lookup: arguments must be a JSON object, not array"),
-    ("lookup", {"key": {1, 2}}, "bad_arguments", "bad arguments for lookup: arguments are not JSON-serialisable"),
-    ("search", {}, "unknown_tool", "unknown tool 'search'; the tools are: pid, lookup, shout"),
-    ("s" * 1000, {}, "unknown_tool", "unknown tool '" + "s" * 64 + "... [truncated: 1000 characters in all]'"),
-])
+@pytest.mark.parametrize(
+    "name, arguments, kind, message",
+    [
+        ("lookup", {"count": 1}, "bad_arguments", "bad arguments for lookup: missing required argument 'key'"),
+        ("lookup", {"key": 3}, "bad_arguments", "bad arguments for lookup: argument 'key' must be string, not integer"),
+        (
+            "lookup",
+            {"key": "k", "count": True},
+            "bad_arguments",
+            "bad arguments for lookup: argument 'count' must be integer, not boolean",
+        ),
+        ("lookup", '{"key": "k"', "bad_arguments", "bad arguments for lookup: arguments are not valid JSON"),
+        ("lookup", '["k"]', "bad_arguments", "bad arguments for lookup: arguments must be a JSON object, not array"),
+        ("lookup", {"key": {1, 2}}, "bad_arguments", "bad arguments for lookup: arguments are not JSON-serialisable"),
+        ("search", {}, "unknown_tool", "unknown tool 'search'; the tools are: pid, lookup, shout"),
+        ("s" * 1000, {}, "unknown_tool", "unknown tool '" + "s" * 64 + "... [truncated: 1000 characters in all]'"),
+    ],
+)
 def test_calls_that_cannot_run_are_refused_without_a_process(runner, name, arguments, kind, message):
     result = runner.call_sync(name, arguments)
     assert result.error == kind and not result.ok
@@ -286,31 +299,43 @@ def test_check_reports_the_tools_that_cannot_be_imported(runner, tool_folder):
 
 def test_a_process_that_cannot_start_is_reported_by_check(tool_folder):
     (tool_folder / "exits_on_import.py").write_text("import os\nos._exit(7)\n")
-    spec = ToolSpec(name="broken", function=f"{tool_folder / 'exits_on_import.py'}:run",
-                    schema={"type": "function", "function": {"name": "broken"}})
+    spec = ToolSpec(
+        name="broken",
+        function=f"{tool_folder / 'exits_on_import.py'}:run",
+        schema={"type": "function", "function": {"name": "broken"}},
+    )
     with ToolRunner([spec]) as broken:
         assert broken.check() == [
-            "tools broken: the tool process exited with code 7 while importing the tool functions"]
+            "tools broken: the tool process exited with code 7 while importing the tool functions"
+        ]
         result = broken.call_sync("broken", {})
         assert result.error == "start_failed" and "exited with code 7" in result.text
 
 
 @pytest.mark.reliability
 def test_check_reports_a_schema_that_does_not_match_the_function(tool_folder):
-    (tool_folder / "mismatched.py").write_text("def by_name(key, count=1):\n    return key\n\n"
-                                               "def by_position(key, /):\n    return key\n\n"
-                                               "def anything(**kwargs):\n    return kwargs\n")
+    (tool_folder / "mismatched.py").write_text(
+        "def by_name(key, count=1):\n    return key\n\n"
+        "def by_position(key, /):\n    return key\n\n"
+        "def anything(**kwargs):\n    return kwargs\n"
+    )
     properties = {"key": {"type": "string"}, "limit": {"type": "integer"}}
     schema = {"type": "object", "properties": properties}
-    specs = [ToolSpec(name=name, function=f"{tool_folder / 'mismatched.py'}:{name}",
-                      schema={"type": "function", "function": {"name": name, "parameters": schema}})
-             for name in ("by_name", "by_position", "anything")]
+    specs = [
+        ToolSpec(
+            name=name,
+            function=f"{tool_folder / 'mismatched.py'}:{name}",
+            schema={"type": "function", "function": {"name": name, "parameters": schema}},
+        )
+        for name in ("by_name", "by_position", "anything")
+    ]
     with ToolRunner(specs) as runner:
         assert runner.check() == [
             f"tool 'by_name' ({tool_folder / 'mismatched.py'}:by_name): its tool_schema declares 'limit', which "
             "by_name(key, count=1) does not take",
             f"tool 'by_position' ({tool_folder / 'mismatched.py'}:by_position): by_position(key, /) takes 'key' by "
-            "position only; tools are called with keywords"]
+            "position only; tools are called with keywords",
+        ]
         assert runner.call_sync("anything", {"key": "a", "limit": 2}).text == '{"key": "a", "limit": 2}'
         assert runner.call_sync("by_name", {"key": "a"}).error == "unavailable"
 
@@ -321,14 +346,18 @@ def test_the_caller_never_imports_a_tool_module(tmp_path, monkeypatch):
     (tmp_path / "file_tools.py").write_text(TOOL_FUNCTIONS)
     monkeypatch.syspath_prepend(str(tmp_path))  # where the tool processes (which copy sys.path) find the module
     config = tmp_path / "tools.yaml"
-    config.write_text(yaml.safe_dump({"tools": [tool(f"{module_name}:pid", "by_module"),
-                                                tool("file_tools.py:pid", "by_file")]}))
+    config.write_text(
+        yaml.safe_dump({"tools": [tool(f"{module_name}:pid", "by_module"), tool("file_tools.py:pid", "by_file")]})
+    )
     with ToolRunner(load_tool_config(str(config))) as isolated:
         assert isolated.check() == []
         assert all(int(isolated.call_sync(name, {}).text) != os.getpid() for name in ("by_module", "by_file"))
     assert module_name not in sys.modules
-    assert not [module for module in list(sys.modules.values())
-                if getattr(module, "__file__", None) == str(tmp_path / "file_tools.py")]
+    assert not [
+        module
+        for module in list(sys.modules.values())
+        if getattr(module, "__file__", None) == str(tmp_path / "file_tools.py")
+    ]
 
 
 # ------------------------------------------------------------------------------ process cleanup
@@ -351,7 +380,7 @@ def test_close_kills_and_reaps_every_process(specs):
         runner.call_sync("pid", {})
 
 
-SCRIPT = '''
+SCRIPT = """
 import os, signal, sys, threading, time
 from ppoflow.workers.tool_config import ToolSpec
 from ppoflow.workers.tools import ToolRunner
@@ -364,7 +393,7 @@ if __name__ == "__main__":
         threading.Thread(target=runner.call_sync, args=("sleep_then_pid", {"seconds": 60})).start()
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
-'''
+"""
 
 
 @pytest.mark.parametrize("ending", ["exits", "killed"])
@@ -373,8 +402,11 @@ def test_tool_processes_end_with_the_trainer(tool_folder, ending):
     script.write_text(textwrap.dedent(SCRIPT))
     # Only stdout is a pipe, read up to the first line: a tool process that outlived the script would hold
     # the pipe open, and waiting for its end would wait for the tool.
-    with subprocess.Popen([sys.executable, str(script), f"{tool_folder / 'tools.py'}:sleep_then_pid", ending],
-                          stdout=subprocess.PIPE, text=True) as trainer:
+    with subprocess.Popen(
+        [sys.executable, str(script), f"{tool_folder / 'tools.py'}:sleep_then_pid", ending],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as trainer:
         tool_pid = int(trainer.stdout.readline())
         trainer.wait(timeout=30)
     assert wait_until(lambda: exited(tool_pid))
@@ -413,23 +445,41 @@ def with_changes(entry: dict, **changes) -> dict:
     return changed
 
 
-@pytest.mark.parametrize("content, problem", [
-    (None, "no such tool config file: "),
-    ("tools: [unclosed", " is not valid YAML: "),
-    ("tool: []", ": must hold a mapping with a `tools:` list"),
-    ({"tools": []}, ": `tools:` is empty"),
-    ({"tools": [with_changes(GOOD, function=None)]}, ": tools[0] (lookup): `function` is missing"),
-    ({"tools": [with_changes(GOOD, function="lookup")]}, ": tools[0] (lookup): function 'lookup' must look like"),
-    ({"tools": [with_changes(GOOD, function="nowhere.py:f")]}, ": tools[0] (lookup): function 'nowhere.py:f': no such"),
-    ({"tools": [with_changes(GOOD, tool_schema=None)]}, ": tools[0]: `tool_schema` is missing"),
-    ({"tools": [GOOD, GOOD]}, ": tools[1] (lookup): duplicate tool name 'lookup'"),
-    ({"tools": [with_changes(GOOD, schema_type="object")]}, ": tools[0] (lookup): tool_schema.type must be 'function'"),
-    ({"tools": [with_changes(GOOD, config={"timeout": 1})]}, "unknown key 'timeout'; did you mean 'timeout_s'?"),
-    ({"tools": [with_changes(GOOD, config={"memory_mb": 0.5})]}, "config.memory_mb must be a positive whole number"),
-    ({"tools": [with_changes(GOOD, config={"timeout_s": float("inf")})]}, "config.timeout_s must be a positive number"),
-    ({"tools": [with_changes(GOOD, key_type="str")]}, "parameters.properties.key.type must be one of string, integer"),
-    ({"tools": [with_changes(GOOD, class_name="verl.tools.Lookup")]}, "class_name names a verl tool class"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (None, "no such tool config file: "),
+        ("tools: [unclosed", " is not valid YAML: "),
+        ("tool: []", ": must hold a mapping with a `tools:` list"),
+        ({"tools": []}, ": `tools:` is empty"),
+        ({"tools": [with_changes(GOOD, function=None)]}, ": tools[0] (lookup): `function` is missing"),
+        ({"tools": [with_changes(GOOD, function="lookup")]}, ": tools[0] (lookup): function 'lookup' must look like"),
+        (
+            {"tools": [with_changes(GOOD, function="nowhere.py:f")]},
+            ": tools[0] (lookup): function 'nowhere.py:f': no such",
+        ),
+        ({"tools": [with_changes(GOOD, tool_schema=None)]}, ": tools[0]: `tool_schema` is missing"),
+        ({"tools": [GOOD, GOOD]}, ": tools[1] (lookup): duplicate tool name 'lookup'"),
+        (
+            {"tools": [with_changes(GOOD, schema_type="object")]},
+            ": tools[0] (lookup): tool_schema.type must be 'function'",
+        ),
+        ({"tools": [with_changes(GOOD, config={"timeout": 1})]}, "unknown key 'timeout'; did you mean 'timeout_s'?"),
+        (
+            {"tools": [with_changes(GOOD, config={"memory_mb": 0.5})]},
+            "config.memory_mb must be a positive whole number",
+        ),
+        (
+            {"tools": [with_changes(GOOD, config={"timeout_s": float("inf")})]},
+            "config.timeout_s must be a positive number",
+        ),
+        (
+            {"tools": [with_changes(GOOD, key_type="str")]},
+            "parameters.properties.key.type must be one of string, integer",
+        ),
+        ({"tools": [with_changes(GOOD, class_name="verl.tools.Lookup")]}, "class_name names a verl tool class"),
+    ],
+)
 def test_config_errors_name_the_key_the_file_and_the_problem(tmp_path, content, problem):
     config = tmp_path / "tools.yaml"
     if content is not None:
@@ -437,8 +487,10 @@ def test_config_errors_name_the_key_the_file_and_the_problem(tmp_path, content, 
     (tmp_path / "tools.py").write_text(TOOL_FUNCTIONS)
     with pytest.raises(ConfigError) as raised:
         load_tool_config(str(config))
-    assert any(key == TOOL_CONFIG_KEY and str(config) in message and problem in message
-               for key, message in raised.value.problems), raised.value.problems
+    assert any(
+        key == TOOL_CONFIG_KEY and str(config) in message and problem in message
+        for key, message in raised.value.problems
+    ), raised.value.problems
 
 
 def test_config_errors_use_the_key_the_caller_names(tmp_path):

@@ -13,8 +13,10 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     tracker.log(1, {"critic/score/mean": 0.25, "actor/pg_loss": float("nan")})
     tracker.log(2, {"critic/score/mean": 0.5})
     tracker.close()
-    assert read_metrics(str(tmp_path / "run")) == [{"step": 1, "actor/pg_loss": None, "critic/score/mean": 0.25},
-                                                  {"step": 2, "critic/score/mean": 0.5}]
+    assert read_metrics(str(tmp_path / "run")) == [
+        {"step": 1, "actor/pg_loss": None, "critic/score/mean": 0.25},
+        {"step": 2, "critic/score/mean": 0.5},
+    ]
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
     again = Tracker(str(tmp_path / "run"), [], total_steps=1)  # a new run of the same experiment
@@ -27,9 +29,12 @@ def test_models_load_from_an_fsspec_url(tiny_model):
     fs = fsspec.filesystem("memory")
     for path in fsspec.filesystem("file").ls(tiny_model):
         fs.pipe_file(f"/models/tiny/{path.rsplit('/', 1)[-1]}", open(path, "rb").read())
-    remote = ModelConfig(path="memory://models/tiny", tokenizer_path=None, trust_remote_code=False, dtype="float32",
-                         build=None)
+    remote = ModelConfig(
+        path="memory://models/tiny", tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None
+    )
     local = ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
     assert load_tokenizer(remote)("12>")["input_ids"] == load_tokenizer(local)("12>")["input_ids"]
-    for (name, a), (_, b) in zip(load_causal_lm(remote).state_dict().items(), load_causal_lm(local).state_dict().items()):
+    for (name, a), (_, b) in zip(
+        load_causal_lm(remote).state_dict().items(), load_causal_lm(local).state_dict().items()
+    ):
         assert torch.equal(a, b), name

@@ -12,8 +12,15 @@ import time
 
 import pytest
 from prefect import get_client
-from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter,
-                                            FlowRunFilterId, LogFilter, LogFilterFlowRunId)
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.sorting import TaskRunSort
 
 from tests.conftest import drain_prefect_logs
@@ -27,8 +34,11 @@ def task_runs(flow_run_id, expected: int) -> list:
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+                limit=200,
+            )
             if len(runs) >= expected and all(run.state and run.state.is_final() for run in runs):
                 return runs
             assert time.monotonic() < deadline, f"{len(runs)} task runs of {expected}"
@@ -40,16 +50,18 @@ def logs(flow_run_id) -> list:
     drain_prefect_logs()
     found: list = []
     with get_client(sync_client=True) as client:
-        while page := client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                                       limit=200, offset=len(found)):
+        while page := client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(found)
+        ):
             found += page
     return found
 
 
 def artifacts(flow_run_id) -> dict:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {artifact.key: artifact for artifact in found}
 
 
@@ -77,8 +89,12 @@ def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, go
     for step in (0, 4):
         assert {f"generate[val@{step}]", f"reward[val@{step}]"} <= set(names)
     by_name = {run.name: run for run in runs}
-    assert set(by_name["generate[step=3]"].tags) == {"stage:generate", "kind:train", "mode:sync",
-                                                     "experiment:grpo_tiny"}
+    assert set(by_name["generate[step=3]"].tags) == {
+        "stage:generate",
+        "kind:train",
+        "mode:sync",
+        "experiment:grpo_tiny",
+    }
     assert "kind:validation" in by_name["reward[val@0]"].tags
     assert all(not run.name.startswith("weight_sync") for run in runs)  # colocated: no weights to move
 
@@ -100,9 +116,14 @@ def test_a_steps_task_runs_record_the_task_run_each_input_came_from(prefect_api,
     assert came_from("reward[step=3]", "batch") == ["generate[step=3]"]
     assert came_from("advantage[step=3]", "batch") == ["reward[step=3]"]
     assert came_from("update_actor[step=3]", "batch_ref") == ["advantage[step=3]"]
-    for name, parameter in (("generate[step=3]", "prompts"), ("generate[step=3]", "workers"),
-                            ("reward[step=3]", "tokenizer"), ("update_actor[step=3]", "workers"),
-                            ("generate[val@4]", "prompts"), ("reward[val@0]", "tokenizer")):
+    for name, parameter in (
+        ("generate[step=3]", "prompts"),
+        ("generate[step=3]", "workers"),
+        ("reward[step=3]", "tokenizer"),
+        ("update_actor[step=3]", "workers"),
+        ("generate[val@4]", "prompts"),
+        ("reward[val@0]", "tokenizer"),
+    ):
         assert came_from(name, parameter) == [], (name, parameter)
     assert shown("generate[step=3]", "prompts") == ["TensorDict of 4 from load_data"]
     assert shown("generate[step=3]", "workers") == ["Workers from start_workers"]
@@ -118,8 +139,9 @@ def run_graph(flow_run_id) -> tuple[dict, list[tuple[str, str]]]:
         response = client.request("GET", "/flow_runs/{id}/graph-v2", path_params={"id": flow_run_id})
     response.raise_for_status()
     nodes = {node["id"]: node for _, node in response.json()["nodes"]}
-    return nodes, [(nodes[parent["id"]]["label"], node["label"]) for node in nodes.values()
-                   for parent in node["parents"]]
+    return nodes, [
+        (nodes[parent["id"]]["label"], node["label"]) for node in nodes.values() for parent in node["parents"]
+    ]
 
 
 def test_the_run_graph_holds_the_steps_data_flow_not_a_fan_out_from_the_start_up(prefect_api, golden):
@@ -130,8 +152,11 @@ def test_the_run_graph_holds_the_steps_data_flow_not_a_fan_out_from_the_start_up
     assert len(nodes) == 2 + 4 * 4 + 2 * 2
     assert {child for parent, child in distinct if parent in ("load_data", "start_workers")} == {"generate[val@0]"}
     for step in (1, 2, 3, 4):
-        assert {(f"generate[step={step}]", f"reward[step={step}]"), (f"reward[step={step}]", f"advantage[step={step}]"),
-                (f"advantage[step={step}]", f"update_actor[step={step}]")} <= distinct
+        assert {
+            (f"generate[step={step}]", f"reward[step={step}]"),
+            (f"reward[step={step}]", f"advantage[step={step}]"),
+            (f"advantage[step={step}]", f"update_actor[step={step}]"),
+        } <= distinct
     assert len(distinct) < len(nodes)  # 3 a step, 1 a validation, 2 from the start-up
     assert len(edges) <= 6 * len(nodes)  # Prefect lists an edge once per input of its parent
 
@@ -166,8 +191,11 @@ def test_a_cache_hit_shows_its_key_and_the_entry_it_loaded(prefect_api, replay):
     assert hit.cache_key == f"{PROJECT}/{CONFIG}/2/meta.json"
     said = [line.message for line in lines if line.task_run_id == hit.id]
     assert f"checking the cache entry {dump}/{PROJECT}/{CONFIG}/2/meta.json, to replay it" in said
-    assert any(message.startswith("cached rollout of step 2: 16 trajectories, written ") and
-               message.endswith("sampled with weight versions 1-1") for message in said), said
+    assert any(
+        message.startswith("cached rollout of step 2: 16 trajectories, written ")
+        and message.endswith("sampled with weight versions 1-1")
+        for message in said
+    ), said
 
 
 def test_a_miss_logs_where_it_wrote(prefect_api, golden):
@@ -180,9 +208,14 @@ def test_a_miss_logs_where_it_wrote(prefect_api, golden):
 
 def test_the_flow_run_logs_hold_what_a_user_follows_the_run_by(prefect_api, golden):
     said = [line.message for line in logs(golden.flow_run_id) if line.task_run_id is None]
-    for start in ("loaded the tokenizer and data in ", "started the workers (actor+rollout) in ",
-                  "step 0 validation: val-core/", "step 4 validation: val-core/", "trained policy written to ",
-                  "reward curve written to "):
+    for start in (
+        "loaded the tokenizer and data in ",
+        "started the workers (actor+rollout) in ",
+        "step 0 validation: val-core/",
+        "step 4 validation: val-core/",
+        "trained policy written to ",
+        "reward curve written to ",
+    ):
         assert any(message.startswith(start) for message in said), start
     assert any("samples: '" in message for message in said)
 
@@ -205,8 +238,9 @@ def test_artifacts_are_per_run_and_compact(prefect_api, golden, replay):
     assert [row["step"] for row in table] == [1, 2, 3, 4]
 
     with get_client(sync_client=True) as client:  # the latest version of "<slug>-latest" names the newest run
-        (latest,) = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
-            any_=[f"{SLUG}-latest"])))
+        (latest,) = client.read_latest_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{SLUG}-latest"]))
+        )
         replay_name = client.read_flow_run(replay_run).name
     assert f"latest run `{replay_name}`" in latest.data
 
@@ -219,7 +253,13 @@ def test_constant_inputs_are_described_by_value_size_or_type():
     from ppoflow.workers.rollout import SamplingParams
 
     assert [describe(value) for value in (12, False, 0.5, None, "val", "x" * 41)] == [
-        "int 12", "bool False", "float 0.5", "None", "str 'val'", "str of 41 characters"]
+        "int 12",
+        "bool False",
+        "float 0.5",
+        "None",
+        "str 'val'",
+        "str of 41 characters",
+    ]
     assert describe(TensorDict({"a": torch.zeros(128, 2)}, batch_size=[128])) == "TensorDict of 128"
     assert describe([1, 2, 3]) == "list of 3"
     assert describe(SamplingParams(8, 1.0, 1.0, 0, True, 16, 0)) == "SamplingParams"
@@ -276,5 +316,6 @@ def test_a_start_up_result_links_to_its_first_taker_only(prefect_api):
     loaded = next(run for name, run in runs.items() if name.startswith("load_data"))
     assert [link.id for link in runs["use[1]"].task_inputs["texts"]] == [loaded.id]
     assert [(link.input_type, getattr(link, "type", None)) for link in runs["use[2]"].task_inputs["texts"]] == [
-        ("constant", "list of 2 from load_data")]
+        ("constant", "list of 2 from load_data")
+    ]
     assert [link.type for link in runs["use[2]"].task_inputs["step"]] == ["int 2"]

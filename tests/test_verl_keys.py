@@ -45,14 +45,19 @@ def test_every_entry_is_answered_in_one_round():
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("word, answer", [
-    # the three: difflib offered the dual-clip constant, the reward cache and the trainer mode
-    ("actor_rollout_ref.actor.clip_ratio=0.2", "did you mean 'actor_rollout_ref.actor.clip_ratio_low' and "
-                                               "'actor_rollout_ref.actor.clip_ratio_high'?"),
-    ("reward_model.enable=false", "verl's key, not supported until reward models land"),
-    ("trainer.device=cuda", "verl's key, not supported: the device follows the resources"),
-    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "verl's key, planned, not supported yet"),
-])
+@pytest.mark.parametrize(
+    "word, answer",
+    [
+        # the three: difflib offered the dual-clip constant, the reward cache and the trainer mode
+        (
+            "actor_rollout_ref.actor.clip_ratio=0.2",
+            "did you mean 'actor_rollout_ref.actor.clip_ratio_low' and 'actor_rollout_ref.actor.clip_ratio_high'?",
+        ),
+        ("reward_model.enable=false", "verl's key, not supported until reward models land"),
+        ("trainer.device=cuda", "verl's key, not supported: the device follows the resources"),
+        ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "verl's key, planned, not supported yet"),
+    ],
+)
 def test_the_command_line_answers_verls_keys_by_meaning(capsys, word, answer):
     key = word.partition("=")[0]
     code, stderr = run_cli(capsys, "config", word)
@@ -61,52 +66,95 @@ def test_the_command_line_answers_verls_keys_by_meaning(capsys, word, answer):
 
 
 def test_a_key_inside_an_unknown_section_gets_its_own_answer():
-    problems = load_problems(["critic.fsdp.param_offload=False", "critic.fsdp.fsdp_size=-1",
-                              "ray_kwargs.ray_init.num_cpus=4", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
-                              "ray_kwargs.zzz=1"])
-    assert [key for key, _ in problems] == ["actor_rollout_ref.actor.policy_loss", "critic.fsdp.param_offload",
-                                           "critic.fsdp.fsdp_size", "ray_kwargs.ray_init.num_cpus", "ray_kwargs"]
+    problems = load_problems(
+        [
+            "critic.fsdp.param_offload=False",
+            "critic.fsdp.fsdp_size=-1",
+            "ray_kwargs.ray_init.num_cpus=4",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+            "ray_kwargs.zzz=1",
+        ]
+    )
+    assert [key for key, _ in problems] == [
+        "actor_rollout_ref.actor.policy_loss",
+        "critic.fsdp.param_offload",
+        "critic.fsdp.fsdp_size",
+        "ray_kwargs.ray_init.num_cpus",
+        "ray_kwargs",
+    ]
     assert dict(problems)["critic.fsdp.param_offload"].startswith(
-        "unknown key; did you mean 'critic.fsdp_config.offload_policy'?")
+        "unknown key; did you mean 'critic.fsdp_config.offload_policy'?"
+    )
     assert dict(problems)["ray_kwargs"] == "unknown key"  # what is left of the section: no key of verl's, no typo
 
 
 def test_typos_of_our_own_keys_still_get_the_closest_spelling():
     assert load_problems(["actor_rollout_ref.rollout.temprature=0.5"]) == [
-        ("actor_rollout_ref.rollout.temprature", "unknown key; did you mean 'actor_rollout_ref.rollout.temperature'?")]
+        ("actor_rollout_ref.rollout.temprature", "unknown key; did you mean 'actor_rollout_ref.rollout.temperature'?")
+    ]
 
 
 VERL_GRPO_EXAMPLE = [  # verl's examples/grpo_trainer/run_qwen3_4b_fsdp.sh, its paths and sizes made small
-    "algorithm.adv_estimator=grpo", "data.train_files=/data/train.parquet", "data.val_files=/data/test.parquet",
-    "data.train_batch_size=16", "data.max_prompt_length=64", "data.max_response_length=64",
-    "data.filter_overlong_prompts=True", "data.truncation='error'", "algorithm.use_kl_in_reward=False",
-    "actor_rollout_ref.model.path=/models/qwen", "actor_rollout_ref.model.use_remove_padding=True",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=/data/train.parquet",
+    "data.val_files=/data/test.parquet",
+    "data.train_batch_size=16",
+    "data.max_prompt_length=64",
+    "data.max_response_length=64",
+    "data.filter_overlong_prompts=True",
+    "data.truncation='error'",
+    "algorithm.use_kl_in_reward=False",
+    "actor_rollout_ref.model.path=/models/qwen",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
     "actor_rollout_ref.actor.fsdp_config.param_offload=False",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3000", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3000",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=hf",
-    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.enable_chunked_prefill=False",
-    "actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+    "actor_rollout_ref.rollout.enforce_eager=False",
+    "actor_rollout_ref.rollout.free_cache_engine=True",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
-    "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192", "trainer.critic_warmup=0",
-    "trainer.logger=[console]", "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen3_4b",
-    "trainer.n_gpus_per_node=0", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
+    "trainer.critic_warmup=0",
+    "trainer.logger=[console]",
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen3_4b",
+    "trainer.n_gpus_per_node=0",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
     "trainer.total_epochs=15",
 ]
 VERL_PPO_EXTRA = [  # and what examples/ppo_trainer/run_qwen3_8b_fsdp.sh adds for the critic
-    "algorithm.adv_estimator=gae", "critic.model.path=/models/qwen", "critic.model.use_remove_padding=True",
-    "critic.model.enable_gradient_checkpointing=True", "critic.optim.lr=1e-5", "critic.use_dynamic_bsz=True",
-    "critic.ppo_max_token_len_per_gpu=3000", "critic.fsdp.param_offload=False", "critic.fsdp.optimizer_offload=False",
-    "trainer.balance_batch=True", "actor_rollout_ref.actor.clip_ratio=0.2",
+    "algorithm.adv_estimator=gae",
+    "critic.model.path=/models/qwen",
+    "critic.model.use_remove_padding=True",
+    "critic.model.enable_gradient_checkpointing=True",
+    "critic.optim.lr=1e-5",
+    "critic.use_dynamic_bsz=True",
+    "critic.ppo_max_token_len_per_gpu=3000",
+    "critic.fsdp.param_offload=False",
+    "critic.fsdp.optimizer_offload=False",
+    "trainer.balance_batch=True",
+    "actor_rollout_ref.actor.clip_ratio=0.2",
 ]
 
 

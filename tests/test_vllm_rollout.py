@@ -34,9 +34,19 @@ import torch
 from ppoflow.configs import ConfigError, load_config, rules
 from ppoflow.workers.models import load_tokenizer
 from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams, step_seed
-from ppoflow.workers.vllm_rollout import (LOGPROBS_MODE, SEED_SPACE, WORKER_EXTENSION, VLLMRolloutWorker,
-                                  VLLMWeightLoader, bucket_bytes, bucket_tensors, engine_kwargs, request_seeds,
-                                  rollout_batch, sampling_kwargs)
+from ppoflow.workers.vllm_rollout import (
+    LOGPROBS_MODE,
+    SEED_SPACE,
+    WORKER_EXTENSION,
+    VLLMRolloutWorker,
+    VLLMWeightLoader,
+    bucket_bytes,
+    bucket_tensors,
+    engine_kwargs,
+    request_seeds,
+    rollout_batch,
+    sampling_kwargs,
+)
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _raw_bytes, plan_buckets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +55,11 @@ LOG_PROB_TOLERANCE = 1e-3
 """Absolute tolerance between vLLM's log-probs and the transformers ones (both float32; kernel
 differences on the tiny model are expected around 1e-5, a wrong temperature or position is > 1e-2)."""
 
-GPU_OVERRIDES = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.resources.num_gpus=1",
-                 "rollout.n_gpus_per_node=1"]
+GPU_OVERRIDES = [
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.resources.num_gpus=1",
+    "rollout.n_gpus_per_node=1",
+]
 
 
 def problems_of(overrides: list[str]) -> list[tuple[str, str]]:
@@ -70,16 +83,24 @@ def fake_vllm(monkeypatch):
 @pytest.mark.skipif(rules.installed_vllm_version() is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_installed_fails_at_config_time():
     problems = problems_of(GPU_OVERRIDES)
-    assert any(key == "actor_rollout_ref.rollout.name" and "vllm is not installed" in message
-               and "ppoflow[vllm]" in message for key, message in problems)
+    assert any(
+        key == "actor_rollout_ref.rollout.name" and "vllm is not installed" in message and "ppoflow[vllm]" in message
+        for key, message in problems
+    )
 
 
 def test_vllm_without_a_cuda_gpu_fails_at_config_time(monkeypatch):
     monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.11.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert problems_of(GPU_OVERRIDES) == [
-        ("actor_rollout_ref.rollout.name", ("vllm generates on CUDA GPUs but torch.cuda.is_available() is false "
-                                            "on this machine; use actor_rollout_ref.rollout.name=hf"))]
+        (
+            "actor_rollout_ref.rollout.name",
+            (
+                "vllm generates on CUDA GPUs but torch.cuda.is_available() is false "
+                "on this machine; use actor_rollout_ref.rollout.name=hf"
+            ),
+        )
+    ]
 
 
 def test_vllm_without_reserved_gpus_fails_at_config_time(fake_vllm):
@@ -88,8 +109,9 @@ def test_vllm_without_reserved_gpus_fails_at_config_time(fake_vllm):
 
 
 def test_vllm_config_rules_on_version_parallelism_and_weight_sync(fake_vllm, monkeypatch):
-    ((key, message),) = problems_of(GPU_OVERRIDES + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                                                     "rollout.n_gpus_per_node=2"])
+    ((key, message),) = problems_of(
+        GPU_OVERRIDES + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout.n_gpus_per_node=2"]
+    )
     assert key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and "num_gpus=1" in message
     ((key, message),) = problems_of(GPU_OVERRIDES + ["actor_rollout_ref.rollout.weight_sync.backend=gloo"])
     assert key == "actor_rollout_ref.rollout.weight_sync.backend" and "object_store" in message
@@ -108,9 +130,11 @@ def test_vllm_config_loads_and_selects_the_vllm_worker(fake_vllm):
 
 
 def test_module_imports_without_importing_vllm():
-    code = ("import sys, workers.vllm_rollout, workers.group, configs; "
-            "from configs import load_config; load_config('grpo_tiny'); "
-            "assert 'vllm' not in sys.modules, 'vllm was imported'")
+    code = (
+        "import sys, workers.vllm_rollout, workers.group, configs; "
+        "from configs import load_config; load_config('grpo_tiny'); "
+        "assert 'vllm' not in sys.modules, 'vllm was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     module, name = WORKER_EXTENSION.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is VLLMWeightLoader
@@ -121,21 +145,41 @@ def test_module_imports_without_importing_vllm():
 
 
 def test_conversion_with_eos_in_the_middle_no_eos_and_nothing_after_eos():
-    fields = rollout_batch([[5, 6, EOS, 7, 8], [5, 6, 7, 8, 9], [EOS], [5, 6], []],
-                           [[-1.0, -2.0, -3.0, -4.0, -5.0], [-.1, -.2, -.3, -.4, -.5], [-0.5], [-1.5, -2.5], []],
-                           width=5, eos_token_id=EOS, pad_token_id=PAD)
+    fields = rollout_batch(
+        [[5, 6, EOS, 7, 8], [5, 6, 7, 8, 9], [EOS], [5, 6], []],
+        [[-1.0, -2.0, -3.0, -4.0, -5.0], [-0.1, -0.2, -0.3, -0.4, -0.5], [-0.5], [-1.5, -2.5], []],
+        width=5,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
     assert fields["responses"].dtype == torch.int64 and fields["response_mask"].dtype == torch.bool
     assert fields["rollout_log_probs"].dtype == torch.float32
-    assert fields["responses"].tolist() == [[5, 6, EOS, PAD, PAD],  # after the first EOS: padding, masked
-                                            [5, 6, 7, 8, 9],  # no EOS, full width: all valid
-                                            [EOS, PAD, PAD, PAD, PAD],  # EOS first: only the EOS is valid
-                                            [5, 6, PAD, PAD, PAD],  # stopped short without EOS
-                                            [PAD] * 5]  # nothing generated
-    assert fields["response_mask"].tolist() == [[True, True, True, False, False], [True] * 5,
-                                                [True, False, False, False, False],
-                                                [True, True, False, False, False], [False] * 5]
-    torch.testing.assert_close(fields["rollout_log_probs"], torch.tensor(
-        [[-1.0, -2.0, -3.0, 0, 0], [-.1, -.2, -.3, -.4, -.5], [-0.5, 0, 0, 0, 0], [-1.5, -2.5, 0, 0, 0], [0] * 5]))
+    assert fields["responses"].tolist() == [
+        [5, 6, EOS, PAD, PAD],  # after the first EOS: padding, masked
+        [5, 6, 7, 8, 9],  # no EOS, full width: all valid
+        [EOS, PAD, PAD, PAD, PAD],  # EOS first: only the EOS is valid
+        [5, 6, PAD, PAD, PAD],  # stopped short without EOS
+        [PAD] * 5,
+    ]  # nothing generated
+    assert fields["response_mask"].tolist() == [
+        [True, True, True, False, False],
+        [True] * 5,
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [False] * 5,
+    ]
+    torch.testing.assert_close(
+        fields["rollout_log_probs"],
+        torch.tensor(
+            [
+                [-1.0, -2.0, -3.0, 0, 0],
+                [-0.1, -0.2, -0.3, -0.4, -0.5],
+                [-0.5, 0, 0, 0, 0],
+                [-1.5, -2.5, 0, 0, 0],
+                [0] * 5,
+            ]
+        ),
+    )
 
 
 def test_conversion_rejects_inconsistent_lists():
@@ -163,10 +207,13 @@ def test_conversion_reproduces_the_transformers_engine_batch(cpu_cfg, cpu_prompt
     hf = HFRolloutWorker(cpu_cfg)
     batch = hf.generate(cpu_prompts, step=1, sampling=SamplingParams.for_training(cpu_cfg))
     lengths = batch["response_mask"].sum(dim=1).tolist()
-    fields = rollout_batch([row[:length] for row, length in zip(batch["responses"].tolist(), lengths)],
-                           [row[:length] for row, length in zip(batch["rollout_log_probs"].tolist(), lengths)],
-                           width=cpu_cfg.data.max_response_length, eos_token_id=hf.tokenizer.eos_token_id,
-                           pad_token_id=hf.tokenizer.pad_token_id)
+    fields = rollout_batch(
+        [row[:length] for row, length in zip(batch["responses"].tolist(), lengths)],
+        [row[:length] for row, length in zip(batch["rollout_log_probs"].tolist(), lengths)],
+        width=cpu_cfg.data.max_response_length,
+        eos_token_id=hf.tokenizer.eos_token_id,
+        pad_token_id=hf.tokenizer.pad_token_id,
+    )
     for name, value in fields.items():
         assert value.dtype == batch[name].dtype and torch.equal(value, batch[name]), name
 
@@ -188,8 +235,17 @@ def test_sampling_arguments_map_the_config():
     cfg = load_config("grpo_tiny", ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.top_p=0.9"])
     training = SamplingParams.for_training(cfg)
     kwargs = sampling_kwargs(training, eos_token_id=EOS)
-    assert kwargs == {"n": 8, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 3, "logprobs": 0,
-                      "stop_token_ids": [EOS], "ignore_eos": False, "detokenize": False}
+    assert kwargs == {
+        "n": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 3,
+        "logprobs": 0,
+        "stop_token_ids": [EOS],
+        "ignore_eos": False,
+        "detokenize": False,
+    }
     assert sampling_kwargs(dataclasses.replace(training, top_k=0), eos_token_id=EOS)["top_k"] == -1
     assert sampling_kwargs(dataclasses.replace(training, top_k=5), eos_token_id=EOS)["top_k"] == 5
     greedy = sampling_kwargs(SamplingParams.for_validation(cfg), eos_token_id=EOS)
@@ -197,9 +253,14 @@ def test_sampling_arguments_map_the_config():
 
 
 def test_engine_arguments_map_the_config():
-    cfg = load_config("grpo_tiny", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-                                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                                    "actor_rollout_ref.model.dtype=bfloat16"])
+    cfg = load_config(
+        "grpo_tiny",
+        [
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.model.dtype=bfloat16",
+        ],
+    )
     kwargs = engine_kwargs(cfg)
     assert kwargs["gpu_memory_utilization"] == 0.3 and kwargs["tensor_parallel_size"] == 2
     assert kwargs["dtype"] == "bfloat16" and kwargs["max_model_len"] == 8 + 3
@@ -214,8 +275,13 @@ def test_engine_arguments_map_the_config():
 def test_weight_buckets_round_trip_through_bytes():
     """What apply_weights sends (bytes in the packed layout) is what the worker extension unpacks,
     whatever the dtypes (bfloat16, a misaligned odd-sized int8 before a float32) and bucket split."""
-    state = {"embed.weight": torch.randn(5, 3, dtype=torch.bfloat16), "odd": torch.arange(3, dtype=torch.int8),
-             "layer.weight": torch.randn(4, 4), "empty": torch.zeros(0), "bias": torch.randn(7, dtype=torch.float16)}
+    state = {
+        "embed.weight": torch.randn(5, 3, dtype=torch.bfloat16),
+        "odd": torch.arange(3, dtype=torch.int8),
+        "layer.weight": torch.randn(4, 4),
+        "empty": torch.zeros(0),
+        "bias": torch.randn(7, dtype=torch.float16),
+    }
     for bucket_size in (64, 10_000):
         layouts = plan_buckets(state.items(), bucket_size)
         restored = {}
@@ -238,8 +304,12 @@ def test_actor_updates_round_trip_through_the_vllm_transport(cpu_cfg):
     restored = {}
     for layout, payload in zip(update.layouts, update.payloads):
         packed = bucket_bytes(layout, payload)
-        restored.update(bucket_tensors(torch.frombuffer(bytearray(packed), dtype=torch.uint8),
-                                       [(s.name, s.dtype, s.shape, s.offset, s.nbytes) for s in layout]))
+        restored.update(
+            bucket_tensors(
+                torch.frombuffer(bytearray(packed), dtype=torch.uint8),
+                [(s.name, s.dtype, s.shape, s.offset, s.nbytes) for s in layout],
+            )
+        )
     state = actor.model.state_dict()
     assert restored.keys() == state.keys()
     assert all(torch.equal(restored[name], tensor) for name, tensor in state.items())
@@ -265,7 +335,8 @@ def _prompt_batch(cfg, count: int):
     dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
     rows = list(range(count))
     return dataset.batch(rows, [f"u{row}" for row in rows], tokenizer.pad_token_id).exclude(
-        "uid", "data_source", "ground_truth")
+        "uid", "data_source", "ground_truth"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -282,21 +353,41 @@ def _build_model(path: Path, seed: int) -> str:
     from ppoflow.configs.schema import TinyModelConfig
     from ppoflow.workers.models import build_tiny_model
 
-    build_tiny_model(str(path), TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                                num_attention_heads=2, max_position_embeddings=64, seed=seed))
+    build_tiny_model(
+        str(path),
+        TinyModelConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            seed=seed,
+        ),
+    )
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def gpu_overrides(gpu) -> list[str]:
-    return [f"actor_rollout_ref.model.path={_build_model(gpu / 'model', seed=0)}", "actor_rollout_ref.model.build=null",
-            f"data.train_files={gpu}/data/train.parquet", f"data.val_files={gpu}/data/val.parquet",
-            "data.synthetic.train_rows=64", "data.synthetic.val_rows=8", "data.max_response_length=16",
-            "data.max_prompt_length=24",  # room for the long prompts of the weight-update check
-            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.2", "actor_rollout_ref.actor.resources.num_gpus=1",
-            "trainer.n_gpus_per_node=1", "trainer.logger=[]", f"trainer.default_local_dir={gpu}/run",
-            "actor_rollout_ref.model.dtype=float32"] + GPU_OVERRIDES
+    return [
+        f"actor_rollout_ref.model.path={_build_model(gpu / 'model', seed=0)}",
+        "actor_rollout_ref.model.build=null",
+        f"data.train_files={gpu}/data/train.parquet",
+        f"data.val_files={gpu}/data/val.parquet",
+        "data.synthetic.train_rows=64",
+        "data.synthetic.val_rows=8",
+        "data.max_response_length=16",
+        "data.max_prompt_length=24",  # room for the long prompts of the weight-update check
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.2",
+        "actor_rollout_ref.actor.resources.num_gpus=1",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={gpu}/run",
+        "actor_rollout_ref.model.dtype=float32",
+    ] + GPU_OVERRIDES
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +449,7 @@ def test_vllm_generate_returns_the_rollout_contract(gpu_cfg, gpu_prompts, engine
     for tokens, mask in zip(batch["responses"].tolist(), batch["response_mask"].tolist()):
         valid = sum(mask)
         assert mask == [True] * valid + [False] * (width - valid) and valid >= 1
-        assert eos not in tokens[:valid - 1] and (valid == width or tokens[valid - 1] == eos)
+        assert eos not in tokens[: valid - 1] and (valid == width or tokens[valid - 1] == eos)
         assert tokens[valid:] == [pad] * (width - valid)
     assert (batch["rollout_log_probs"][~batch["response_mask"]] == 0).all()
     assert (batch["rollout_log_probs"][batch["response_mask"]] < 0).all()
@@ -438,7 +529,9 @@ def test_weight_update_reaches_the_running_engine(gpu, gpu_cfg, gpu_prompts, eng
     expected = reference.generate(prompts, step=1, sampling=sampling)
     assert not torch.equal(after["responses"], before["responses"])
     assert torch.equal(after["responses"], expected["responses"])
-    torch.testing.assert_close(after["rollout_log_probs"], expected["rollout_log_probs"], atol=LOG_PROB_TOLERANCE, rtol=0)
+    torch.testing.assert_close(
+        after["rollout_log_probs"], expected["rollout_log_probs"], atol=LOG_PROB_TOLERANCE, rtol=0
+    )
     assert (after["weight_version"] == 3).all()
 
     original = ActorWorker(gpu_cfg)  # and back: the initial weights give the initial outputs again
@@ -454,8 +547,11 @@ def test_vllm_engine_as_the_runs_ray_rollout_actor(gpu_overrides, gpu_prompts, r
 
     request.getfixturevalue("ray_local")  # only once the GPU checks apply (a session fixture would start first)
 
-    cfg = load_config("grpo_tiny", gpu_overrides + ["actor_rollout_ref.rollout.resources.num_gpus=0.5",
-                                                    "actor_rollout_ref.actor.resources.num_gpus=0.5"])
+    cfg = load_config(
+        "grpo_tiny",
+        gpu_overrides
+        + ["actor_rollout_ref.rollout.resources.num_gpus=0.5", "actor_rollout_ref.actor.resources.num_gpus=0.5"],
+    )
     workers = start_workers(cfg)
     try:
         sampling = _greedy(cfg)

@@ -23,7 +23,9 @@ def test_buckets_respect_the_size_limit_and_keep_order():
 
 def test_round_trip_copies_every_tensor_exactly():
     source, target = model(0), model(1)
-    update, _ = WeightSender(WeightSyncConfig(backend="object_store", bucket_mb=1, delta=False)).prepare(source.state_dict(), 7)
+    update, _ = WeightSender(WeightSyncConfig(backend="object_store", bucket_mb=1, delta=False)).prepare(
+        source.state_dict(), 7
+    )
     assert WeightReceiver().apply(target, update, torch.device("cpu")) == 7
     for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
         assert torch.equal(a, b), name

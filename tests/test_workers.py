@@ -23,7 +23,9 @@ def prompts(cfg):
     ensure_datasets(cfg.data)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
-    return dataset.batch([0, 1, 2], ["a", "b", "c"], tokenizer.pad_token_id).exclude("uid", "data_source", "ground_truth")
+    return dataset.batch([0, 1, 2], ["a", "b", "c"], tokenizer.pad_token_id).exclude(
+        "uid", "data_source", "ground_truth"
+    )
 
 
 def test_generate_returns_the_rollout_contract(cfg, prompts):
@@ -40,7 +42,7 @@ def test_generate_returns_the_rollout_contract(cfg, prompts):
     for tokens, mask in zip(batch["responses"].tolist(), batch["response_mask"].tolist()):
         valid = sum(mask)
         assert mask == [True] * valid + [False] * (width - valid)  # a prefix
-        assert eos not in tokens[:valid - 1]  # nothing valid after the first EOS
+        assert eos not in tokens[: valid - 1]  # nothing valid after the first EOS
         assert valid == width or tokens[valid - 1] == eos
     assert (batch["rollout_log_probs"][~batch["response_mask"]] == 0).all()
     assert (batch["rollout_log_probs"][batch["response_mask"]] < 0).all()
@@ -54,21 +56,30 @@ def test_sampled_log_probs_equal_those_of_generates_kept_logits(cfg, prompts):
 
     model, tokenizer = load_causal_lm(cfg.actor_rollout_ref.model), load_tokenizer(cfg.actor_rollout_ref.model)
     sampling = SamplingParams.for_training(cfg)
-    batch = sample_responses(model, tokenizer, prompts, step=3, sampling=sampling, weight_version=0,
-                             device=torch.device("cpu"))
+    batch = sample_responses(
+        model, tokenizer, prompts, step=3, sampling=sampling, weight_version=0, device=torch.device("cpu")
+    )
     repeated = prompts[torch.arange(3).repeat_interleave(sampling.n)]
     torch.manual_seed(step_seed(sampling.seed, 3))
     with torch.no_grad():
-        output = model.generate(input_ids=repeated["prompts"], attention_mask=repeated["prompt_mask"].long(),
-                                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=max(sampling.top_k, 0), max_new_tokens=sampling.max_new_tokens,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                output_logits=True, return_dict_in_generate=True)
-    generated = output.sequences[:, repeated["prompts"].shape[1]:]
+        output = model.generate(
+            input_ids=repeated["prompts"],
+            attention_mask=repeated["prompt_mask"].long(),
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = output.sequences[:, repeated["prompts"].shape[1] :]
     kept = torch.log_softmax(torch.stack(output.logits, dim=1).float() / sampling.temperature, dim=-1)
-    expected = kept.gather(-1, generated.unsqueeze(-1)).squeeze(-1) * batch["response_mask"][:, :generated.shape[1]]
-    assert torch.equal(batch["responses"][:, :generated.shape[1]], generated)
-    assert torch.equal(batch["rollout_log_probs"][:, :generated.shape[1]], expected)
+    expected = kept.gather(-1, generated.unsqueeze(-1)).squeeze(-1) * batch["response_mask"][:, : generated.shape[1]]
+    assert torch.equal(batch["responses"][:, : generated.shape[1]], generated)
+    assert torch.equal(batch["rollout_log_probs"][:, : generated.shape[1]], expected)
 
 
 def test_sampling_depends_only_on_seed_and_step(cfg, prompts):
@@ -98,17 +109,25 @@ def test_log_probs_are_position_correct_with_left_padding(cfg, prompts):
     pad = rollout.tokenizer.pad_token_id
     padded = batch.clone()
     padded["prompts"] = torch.cat([torch.full((batch.batch_size[0], 2), pad), batch["prompts"]], dim=1)
-    padded["prompt_mask"] = torch.cat([torch.zeros(batch.batch_size[0], 2, dtype=torch.bool), batch["prompt_mask"]], dim=1)
+    padded["prompt_mask"] = torch.cat(
+        [torch.zeros(batch.batch_size[0], 2, dtype=torch.bool), batch["prompt_mask"]], dim=1
+    )
     actor = ActorWorker(cfg)
     mask = batch["response_mask"]
-    torch.testing.assert_close(actor.compute_log_prob(padded)["log_probs"][mask],
-                               actor.compute_log_prob(batch)["log_probs"][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        actor.compute_log_prob(padded)["log_probs"][mask],
+        actor.compute_log_prob(batch)["log_probs"][mask],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def _trainable_batch(cfg, prompts, actor):
     batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
     batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
-    batch["advantages"] = torch.linspace(-1, 1, batch.batch_size[0]).unsqueeze(1).expand_as(batch["old_log_probs"]).clone()
+    batch["advantages"] = (
+        torch.linspace(-1, 1, batch.batch_size[0]).unsqueeze(1).expand_as(batch["old_log_probs"]).clone()
+    )
     return batch
 
 
@@ -123,14 +142,18 @@ def test_update_changes_weights_and_bumps_the_version(cfg, prompts):
     assert any(not torch.equal(before[name], tensor) for name, tensor in actor.model.state_dict().items())
     rollout = HFRolloutWorker(cfg)
     assert rollout.apply_weights(actor.prepare_weights()) == 1
-    assert all(torch.equal(rollout.model.state_dict()[name], tensor) for name, tensor in actor.model.state_dict().items())
+    assert all(
+        torch.equal(rollout.model.state_dict()[name], tensor) for name, tensor in actor.model.state_dict().items()
+    )
 
 
 def test_micro_batching_does_not_change_the_update(tiny_overrides, prompts):
     """Micro-batch losses are normalised by the whole mini-batch, so the step is the same."""
     updates = []
     for micro in ("null", "4"):
-        cfg = load_config("grpo_tiny", tiny_overrides + [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"])
+        cfg = load_config(
+            "grpo_tiny", tiny_overrides + [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"]
+        )
         actor = ActorWorker(cfg)
         metrics = actor.update(_trainable_batch(cfg, prompts, actor), step=1).metrics
         updates.append((metrics, actor.model.state_dict()))
@@ -151,7 +174,9 @@ def test_an_on_policy_update_takes_its_own_log_probs_as_the_old_ones(tiny_overri
     shortcut = fused.update(batch.exclude("old_log_probs"), step=1)
     assert expected.fields is None
     mask = batch["response_mask"]
-    torch.testing.assert_close(shortcut.fields["old_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        shortcut.fields["old_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-5, rtol=1e-5
+    )
     for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert shortcut.metrics[name] == pytest.approx(expected.metrics[name], rel=1e-4, abs=1e-6), name
     assert shortcut.metrics["actor/ppo_kl"] == 0 and shortcut.metrics["actor/pg_clipfrac"] == 0  # ratio exactly 1

@@ -37,7 +37,7 @@ from ppoflow.configs import ConfigError
 from ppoflow.workers.rollout import SamplingParams
 from ppoflow.workers.serving import RequestSampling, TokenOutput
 
-AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
+AGENT_LOOPS: dict[str, type[AgentLoop]] = {}
 """Registered agent loops by name."""
 
 
@@ -74,16 +74,26 @@ def load_agent_loop_config(path: str, key: str = "actor_rollout_ref.rollout.agen
         raise ConfigError([(key, f"{path!r} must hold a list of {{name, _target_}} entries")])
     names = []
     for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or \
-                not isinstance(entry.get("_target_"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not isinstance(entry.get("_target_"), str)
+        ):
             raise ConfigError([(key, f"{path!r} entry {index} needs a name and a _target_, got {entry!r:.80}")])
         module_name, _, class_name = entry["_target_"].rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
             register(entry["name"])(cls)
         except Exception as error:  # noqa: BLE001 - the user's module may raise anything while it is imported
-            raise ConfigError([(key, f"{path!r} entry {index} ({entry['name']}): cannot load "
-                                     f"{entry['_target_']!r}: {type(error).__name__}: {error}")]) from None
+            raise ConfigError(
+                [
+                    (
+                        key,
+                        f"{path!r} entry {index} ({entry['name']}): cannot load "
+                        f"{entry['_target_']!r}: {type(error).__name__}: {error}",
+                    )
+                ]
+            ) from None
         names.append(entry["name"])
     return names
 
@@ -113,8 +123,11 @@ class AgentLoopOutput:
         self.turn_ids += [turn] * len(output.token_ids)
         self.num_turns += 1
         low, high = output.weight_versions
-        self.weight_versions = (low, high) if self.weight_versions is None else \
-            (min(self.weight_versions[0], low), max(self.weight_versions[1], high))
+        self.weight_versions = (
+            (low, high)
+            if self.weight_versions is None
+            else (min(self.weight_versions[0], low), max(self.weight_versions[1], high))
+        )
 
     def add_tool_answer(self, token_ids: list[int]) -> None:
         self.tool_calls += 1
@@ -156,20 +169,30 @@ class AgentLoop(ABC):
         """``row``: ``prompt_ids`` (list[int]), ``session_id`` (unique per trajectory), ``seed`` (this
         trajectory's sampling seed), ``tools_kwargs`` (per tool, arguments the dataset fixes for this row)."""
 
-    def request(self, sampling: SamplingParams, *, seed: int, budget: int,
-                stop_token_ids: tuple[int, ...] = ()) -> RequestSampling:
+    def request(
+        self, sampling: SamplingParams, *, seed: int, budget: int, stop_token_ids: tuple[int, ...] = ()
+    ) -> RequestSampling:
         """One model turn's request: the run's sampling settings, at most ``budget`` tokens (the rest of the
         trajectory's response budget) and ``max_tokens_per_turn``."""
         per_turn = self.settings.max_tokens_per_turn or budget
-        return RequestSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                               greedy=sampling.greedy, max_new_tokens=min(budget, per_turn), seed=seed,
-                               stop_token_ids=stop_token_ids)
+        return RequestSampling(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            greedy=sampling.greedy,
+            max_new_tokens=min(budget, per_turn),
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+        )
 
 
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of a trajectory's ``turn``: independent per turn, reproducible from ``seed``."""
-    return seed if turn == 1 else int.from_bytes(hashlib.sha256(f"{seed}/turn{turn}".encode()).digest()[:8],
-                                                  "little") % (2**63)
+    return (
+        seed
+        if turn == 1
+        else int.from_bytes(hashlib.sha256(f"{seed}/turn{turn}".encode()).digest()[:8], "little") % (2**63)
+    )
 
 
 @register("single_turn_agent")
@@ -220,8 +243,9 @@ class HermesParser(ToolCallParser):
             return ToolCall("<unparsable>", found[0])
 
     def answer_ids(self, text: str, tokenizer) -> list[int]:
-        rendered = tokenizer.apply_chat_template([{"role": "tool", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "tool", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -269,8 +293,7 @@ class ToolAgentLoop(AgentLoop):
             if budget <= 0:
                 break
             request = self.request(sampling, seed=turn_seed(row["seed"], turn), budget=budget, stop_token_ids=stop_ids)
-            generated = await self.client.generate(row["session_id"], output.prompt_ids + output.response_ids,
-                                                   request)
+            generated = await self.client.generate(row["session_id"], output.prompt_ids + output.response_ids, request)
             output.add_model_turn(generated)
             if generated.finish_reason != "stop" or generated.token_ids[-1:] == [self.tokenizer.eos_token_id]:
                 break
@@ -280,7 +303,7 @@ class ToolAgentLoop(AgentLoop):
             result = await self.tools.call(call.name, call.arguments, fixed=tools_kwargs.get(call.name))
             if not result.ok:
                 errors.append(f"{call.name}: {result.text}")
-            answer = parser.answer_ids(result.text, self.tokenizer)[:settings.max_tool_response_length]
+            answer = parser.answer_ids(result.text, self.tokenizer)[: settings.max_tool_response_length]
             room = settings.response_length - len(output.response_ids)
             output.add_tool_answer(answer[:room])
         if errors:
@@ -296,8 +319,9 @@ def make_loops(names: set[str], **shared) -> dict[str, AgentLoop]:
     return {name: AGENT_LOOPS[name](**shared) for name in names}
 
 
-def outputs_to_batch(outputs: list[AgentLoopOutput], *, prompt_width: int, response_width: int,
-                     pad_token_id: int, weight_version: int) -> TensorDict:
+def outputs_to_batch(
+    outputs: list[AgentLoopOutput], *, prompt_width: int, response_width: int, pad_token_id: int, weight_version: int
+) -> TensorDict:
     """The rollout part of the step batch from loop outputs (prompts left-padded to ``prompt_width``,
     responses right-padded to ``response_width``); ``weight_version`` and ``max_weight_version`` are the
     oldest and newest weights a trajectory's tokens were sampled with (they differ when a partial rollout
@@ -315,18 +339,25 @@ def outputs_to_batch(outputs: list[AgentLoopOutput], *, prompt_width: int, respo
         if len(output.response_ids) > response_width:
             raise ValueError(f"trajectory {row} has {len(output.response_ids)} response tokens > {response_width}")
         length, width = len(output.prompt_ids), len(output.response_ids)
-        prompts[row, prompt_width - length:] = torch.tensor(output.prompt_ids, dtype=torch.int64)
-        prompt_mask[row, prompt_width - length:] = True
+        prompts[row, prompt_width - length :] = torch.tensor(output.prompt_ids, dtype=torch.int64)
+        prompt_mask[row, prompt_width - length :] = True
         responses[row, :width] = torch.tensor(output.response_ids, dtype=torch.int64)
         response_mask[row, :width] = torch.tensor(output.response_mask, dtype=torch.bool)
         log_probs[row, :width] = torch.tensor(output.response_log_probs, dtype=torch.float32)
         turn_ids[row, :width] = torch.tensor(output.turn_ids, dtype=torch.int64)
     versions = [o.weight_versions or (weight_version, weight_version) for o in outputs]
-    return TensorDict({
-        "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
-        "rollout_log_probs": log_probs, "turn_ids": turn_ids,
-        "weight_version": torch.tensor([low for low, _ in versions], dtype=torch.int64),
-        "max_weight_version": torch.tensor([high for _, high in versions], dtype=torch.int64),
-        "num_turns": torch.tensor([o.num_turns for o in outputs], dtype=torch.int64),
-        "tool_calls": torch.tensor([o.tool_calls for o in outputs], dtype=torch.int64),
-    }, batch_size=[rows])
+    return TensorDict(
+        {
+            "prompts": prompts,
+            "prompt_mask": prompt_mask,
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "turn_ids": turn_ids,
+            "weight_version": torch.tensor([low for low, _ in versions], dtype=torch.int64),
+            "max_weight_version": torch.tensor([high for _, high in versions], dtype=torch.int64),
+            "num_turns": torch.tensor([o.num_turns for o in outputs], dtype=torch.int64),
+            "tool_calls": torch.tensor([o.tool_calls for o in outputs], dtype=torch.int64),
+        },
+        batch_size=[rows],
+    )

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ppoflow.configs.schema import PPOConfig
-from ppoflow.algorithms.masked import masked_mean
 from ppoflow.algorithms.losses import compute_value_loss
-from ppoflow.workers.models import set_up_worker_process, load_value_model
+from ppoflow.algorithms.masked import masked_mean
+from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
+from ppoflow.workers.models import load_value_model, set_up_worker_process
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
@@ -27,9 +27,17 @@ class CriticWorker:
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
-        self.model = self.parallel.shard(load_value_model(critic.model, seed=cfg.data.seed).to(self.device), critic.fsdp_config)
-        self.learner = Learner(self.model, critic.optim, grad_clip=critic.grad_clip, device=self.device,
-                               parallel=self.parallel, nonfinite=cfg.trainer.nonfinite)
+        self.model = self.parallel.shard(
+            load_value_model(critic.model, seed=cfg.data.seed).to(self.device), critic.fsdp_config
+        )
+        self.learner = Learner(
+            self.model,
+            critic.optim,
+            grad_clip=critic.grad_clip,
+            device=self.device,
+            parallel=self.parallel,
+            nonfinite=cfg.trainer.nonfinite,
+        )
 
     def compute_values(self, batch: TensorDict) -> TensorDict | None:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
@@ -38,8 +46,10 @@ class CriticWorker:
         size = self.cfg.forward_micro_batch_size_per_gpu
         count = self.parallel.micro_count(batch, size)
         with torch.no_grad():
-            values = [self._values(micro.to(self.device)).float().cpu()
-                      for micro in micro_batches(self.parallel.local_rows(batch), size, count=count)]
+            values = [
+                self._values(micro.to(self.device)).float().cpu()
+                for micro in micro_batches(self.parallel.local_rows(batch), size, count=count)
+            ]
         values = self.parallel.gather_rows(batch, pad_responses(values, batch["responses"].shape[1]))
         return None if values is None else TensorDict({"values": values}, batch_size=batch.batch_size)
 
@@ -61,23 +71,40 @@ class CriticWorker:
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
             vpreds = self._values(micro)
             vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds, micro["returns"], micro["values"], micro["response_mask"], cliprange_value=cfg.cliprange_value,
-                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                loss_scale_factor=self.response_length)
-            averaged = {"critic/vf_clipfrac": vf_clipfrac,
-                        "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"])}
+                vpreds,
+                micro["returns"],
+                micro["values"],
+                micro["response_mask"],
+                cliprange_value=cfg.cliprange_value,
+                loss_agg_mode=cfg.loss_agg_mode,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                loss_scale_factor=self.response_length,
+            )
+            averaged = {
+                "critic/vf_clipfrac": vf_clipfrac,
+                "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"]),
+            }
             return vf_loss, {"critic/vf_loss": vf_loss}, averaged
 
-        metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, shuffle=cfg.shuffle,
-                                     generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
-                                     prefix="critic", step=step)
+        metrics = self.learner.train(
+            batch,
+            micro_loss,
+            epochs=cfg.ppo_epochs,
+            mini_batch_size=self.mini_batch_size,
+            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            shuffle=cfg.shuffle,
+            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
+            prefix="critic",
+            step=step,
+        )
         return metrics if self.parallel.is_rank_zero else None
 
     def _values(self, batch: TensorDict) -> torch.Tensor:
         input_ids, attention_mask, position_ids = sequence_inputs(batch)
-        scores = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).logits.squeeze(-1)
+        scores = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits.squeeze(-1)
         prompt_length, response_length = batch["prompts"].shape[1], batch["responses"].shape[1]
-        values = scores[:, prompt_length - 1: prompt_length + response_length - 1]
+        values = scores[:, prompt_length - 1 : prompt_length + response_length - 1]
         return values * batch["response_mask"]

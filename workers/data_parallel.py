@@ -101,7 +101,7 @@ class DataParallel:
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
 
     @classmethod
-    def join(cls, ranks: RankInfo | None, device: torch.device) -> "DataParallel":
+    def join(cls, ranks: RankInfo | None, device: torch.device) -> DataParallel:
         """Join the role's process group (NCCL on GPUs, gloo on CPUs); no ``ranks``: no group at all."""
         if ranks is None:
             return cls()
@@ -109,9 +109,13 @@ class DataParallel:
 
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=ranks.rank,
-                                world_size=ranks.world_size, timeout=PROCESS_GROUP_TIMEOUT,
-                                init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}")
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            timeout=PROCESS_GROUP_TIMEOUT,
+            init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
+        )
         return cls(ranks.rank, ranks.world_size, sharded=True)
 
     @property
@@ -126,10 +130,13 @@ class DataParallel:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         precision = fsdp.mixed_precision
-        options = {"reshard_after_forward": fsdp.reshard_after_forward,
-                   "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES.get(precision.param_dtype),
-                                                     reduce_dtype=_DTYPES[precision.reduce_dtype]),
-                   "offload_policy": CPUOffloadPolicy() if fsdp.offload_policy else OffloadPolicy()}
+        options = {
+            "reshard_after_forward": fsdp.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=_DTYPES.get(precision.param_dtype), reduce_dtype=_DTYPES[precision.reduce_dtype]
+            ),
+            "offload_policy": CPUOffloadPolicy() if fsdp.offload_policy else OffloadPolicy(),
+        }
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         sharded = [fully_shard(module, **options) for module in model.modules() if type(module).__name__ in block_names]
         root = fully_shard(model, **options)
@@ -204,19 +211,28 @@ class DataParallel:
 
         return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
-    def load_full(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
+    def load_full(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        weights: dict[str, torch.Tensor],
+        optimizer_state: dict | None,
+    ) -> None:
         """Load unsharded weights (and optimizer state) that every rank read, each keeping its shard."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, weights, options=options)
         if optimizer is not None and optimizer_state is not None:
             set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
-    def save_sharded(self, directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     extra: dict) -> dict[str, dict]:
+    def save_sharded(
+        self, directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> dict[str, dict]:
         """Every rank writes its shards of the weights and the optimizer state into ``directory`` at once
         (staged locally by DCP, then each file written atomically); rank 0 adds :data:`SHARDED_STATE`
         (parameter groups and ``extra``) and returns every file's manifest entry (the others: {})."""
@@ -228,8 +244,10 @@ class DataParallel:
         state = {"model": _without_aliases(model, get_model_state_dict(model)), "optimizer": optimizer_state["state"]}
         with tempfile.TemporaryDirectory() as staging:
             dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(staging, save_distributed=True))
-            entries = {name: write_file(join(directory, name), Path(staging, name).read_bytes())
-                       for name in sorted(os.listdir(staging))}
+            entries = {
+                name: write_file(join(directory, name), Path(staging, name).read_bytes())
+                for name in sorted(os.listdir(staging))
+            }
         parts = [None] * self.world_size if self.is_rank_zero else None
         dist.gather_object(entries, parts, dst=0)
         if not self.is_rank_zero:
@@ -240,33 +258,47 @@ class DataParallel:
         return {**merged, SHARDED_STATE: write_file(join(directory, SHARDED_STATE), buffer.getvalue())}
 
     @staticmethod
-    def load_sharded(directory: str, entries: dict[str, dict], model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer) -> dict:
+    def load_sharded(
+        directory: str, entries: dict[str, dict], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict:
         """Load what :meth:`save_sharded` wrote, with any number of ranks (or none): each file is checked
         against its manifest entry before DCP reads it, and DCP gives each rank its own shards. Returns the
         ``extra`` it was saved with; :class:`CheckpointError` when the shards do not fit the model."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        extra = read_decoded(directory, entries, SHARDED_STATE, lambda data: torch.load(io.BytesIO(data), weights_only=True))
+        extra = read_decoded(
+            directory, entries, SHARDED_STATE, lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        )
         shards = sorted(name for name in entries if SHARD_FILE.fullmatch(name))
         # the state to load into: the optimizer's is created (zero) by asking for it
-        state = {"model": _without_aliases(model, get_model_state_dict(model)),
-                 "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+        state = {
+            "model": _without_aliases(model, get_model_state_dict(model)),
+            "optimizer": get_optimizer_state_dict(model, optimizer)["state"],
+        }
         with tempfile.TemporaryDirectory() as staging:
             for name in shards:
                 Path(staging, name).write_bytes(read_file(join(directory, name), entries[name]))
             try:
                 with warnings.catch_warnings():  # one rank without a process group is meant, not a mistake
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(staging),
-                             no_dist=not torch.distributed.is_initialized())
+                    dcp.load(
+                        state,
+                        storage_reader=dcp.HuggingFaceStorageReader(staging),
+                        no_dist=not torch.distributed.is_initialized(),
+                    )
             except Exception as error:  # DCP reports a missing or misshapen tensor in several ways
                 raise CheckpointError(directory, f"the shards do not fit the model: {error}") from error
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # aliases: tied
-        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": extra.pop("param_groups")})
+        set_optimizer_state_dict(
+            model, optimizer, {"state": state["optimizer"], "param_groups": extra.pop("param_groups")}
+        )
         return extra
 
 
@@ -279,4 +311,6 @@ def unique_state_names(model: torch.nn.Module) -> set[str]:
     """Names of the model's state without aliases (tied embeddings are one parameter under two names;
     safetensors refuses the duplicate): its parameters and persistent buffers, each once."""
     names = {name for name, _ in model.named_parameters()}
-    return names | {name for name in model.state_dict() if name not in dict(model.named_parameters(remove_duplicate=False))}
+    return names | {
+        name for name in model.state_dict() if name not in dict(model.named_parameters(remove_duplicate=False))
+    }

@@ -26,12 +26,24 @@ from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 from ppoflow.workers.transport import send_batches_as_plain_values
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
-              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
 """Environment of every worker process: one OpenMP thread unless a role asks for more, quiet logs."""
 
-FORWARDED_ENV_PREFIXES = ("AWS_", "AZURE_STORAGE_", "GOOGLE_APPLICATION_CREDENTIALS", "FSSPEC_", "PREFECT_API_",
-                          "HF_", "PPOFLOW_")
+FORWARDED_ENV_PREFIXES = (
+    "AWS_",
+    "AZURE_STORAGE_",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "FSSPEC_",
+    "PREFECT_API_",
+    "HF_",
+    "PPOFLOW_",
+)
 """The driver's environment variables (storage credentials and endpoints, the Prefect API, model caches) that
 every worker gets too: on a cluster's other nodes, workers start from that node's environment, not the
 driver's, and nodes share no disk or settings."""
@@ -113,8 +125,10 @@ class Workers:
         nodes = {node for ids in self.placement.values() for node in ids}
         if len(nodes) <= 1 and all(len(ids) == 1 for ids in self.placement.values()):
             return ""
-        return "; ".join(f"{role} on node{'s' if len(ids) > 1 else ''} {', '.join(node[:12] for node in ids)}"
-                         for role, ids in self.placement.items())
+        return "; ".join(
+            f"{role} on node{'s' if len(ids) > 1 else ''} {', '.join(node[:12] for node in ids)}"
+            for role, ids in self.placement.items()
+        )
 
     def put(self, value):
         """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""
@@ -201,8 +215,13 @@ def _times(key: str, count: int, what: str) -> str:
 
 def _scaled(resources: ResourcesConfig, count: int) -> ResourcesConfig:
     """What ``count`` actors of ``resources`` reserve together."""
-    return resources.model_copy(update={"num_cpus": resources.num_cpus * count, "num_gpus": resources.num_gpus * count,
-                                        "custom": {name: value * count for name, value in resources.custom.items()}})
+    return resources.model_copy(
+        update={
+            "num_cpus": resources.num_cpus * count,
+            "num_gpus": resources.num_gpus * count,
+            "custom": {name: value * count for name, value in resources.custom.items()},
+        }
+    )
 
 
 def _ray_resources(resources: ResourcesConfig) -> dict[str, float]:
@@ -243,11 +262,19 @@ def start_workers(cfg: PPOConfig) -> Workers:
 
     def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):
         env = {**worker_env(), "OMP_NUM_THREADS": str(resources.num_threads)}
-        return ray.remote(cls).options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
-                                       resources=dict(resources.custom),
-                                       max_restarts=RESTARTS if restartable else 0,
-                                       max_task_retries=RESTARTS if restartable else 0,
-                                       runtime_env={"env_vars": env}, **options).remote(cfg, *args)
+        return (
+            ray.remote(cls)
+            .options(
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                resources=dict(resources.custom),
+                max_restarts=RESTARTS if restartable else 0,
+                max_task_retries=RESTARTS if restartable else 0,
+                runtime_env={"env_vars": env},
+                **options,
+            )
+            .remote(cfg, *args)
+        )
 
     # The rollout and reference workers hold no training state, so Ray may restart them after a crash
     # and re-run the interrupted call there (the flow then re-syncs a restarted rollout's weights);
@@ -261,7 +288,9 @@ def start_workers(cfg: PPOConfig) -> Workers:
         training["critic"] = (CriticWorker, cfg.critic.resources)
     ranks, placement_groups = cfg.data_parallel_size, []
     if ranks == 1:
-        groups = {role: [actor_of(cls, resources, restartable=role == "ref")] for role, (cls, resources) in training.items()}
+        groups = {
+            role: [actor_of(cls, resources, restartable=role == "ref")] for role, (cls, resources) in training.items()
+        }
     else:
         groups, placement_group = _start_training_ranks(training, ranks, actor_of)
         placement_groups.append(placement_group)
@@ -277,9 +306,15 @@ def start_workers(cfg: PPOConfig) -> Workers:
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
     if backend != "object_store":  # the actor's rank 0 and the rollout (rank 1) share a collective group
         group = f"ppoflow-weights-{uuid.uuid4().hex[:12]}"
-        ray.get([*(rank.join_weight_group.remote(group) for rank in groups["actor"]),
-                 handles["rollout"].join_weight_group.remote(group)])
-    roles_served = {role: RayRole(group[0]) if len(group) == 1 else RayGroupRole(group) for role, group in groups.items()}
+        ray.get(
+            [
+                *(rank.join_weight_group.remote(group) for rank in groups["actor"]),
+                handles["rollout"].join_weight_group.remote(group),
+            ]
+        )
+    roles_served = {
+        role: RayRole(group[0]) if len(group) == 1 else RayGroupRole(group) for role, group in groups.items()
+    }
     roles_served.update({role: RayRole(handle) for role, handle in handles.items()})
     if cfg.colocated:
         roles_served["rollout"] = roles_served["actor"]
@@ -290,9 +325,16 @@ def start_workers(cfg: PPOConfig) -> Workers:
         placement["rollout"] = _node_ids(service.replicas)
     elif "rollout" in handles:
         placement["rollout"] = _node_ids([handles["rollout"]])
-    return Workers(**roles_served, colocated=cfg.colocated, streams_reward=streams_reward(cfg), uses_ray=True,
-                   started_ray=started_ray, placement=placement, _handles=every_handle,
-                   _placement_groups=placement_groups)
+    return Workers(
+        **roles_served,
+        colocated=cfg.colocated,
+        streams_reward=streams_reward(cfg),
+        uses_ray=True,
+        started_ray=started_ray,
+        placement=placement,
+        _handles=every_handle,
+        _placement_groups=placement_groups,
+    )
 
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -318,9 +360,16 @@ def _start_training_ranks(training: dict, ranks: int, actor_of) -> tuple[dict[st
     if not ready:
         ray.util.remove_placement_group(group)
         offered = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        raise ConfigError([("trainer.nnodes", f"{ranks} training ranks (trainer.nnodes x ranks per node), each "
-                                              f"reserving {per_rank} for {', '.join(training)}, do not fit in the Ray "
-                                              f"cluster within {PLACEMENT_TIMEOUT_S:g} s; its nodes offer {offered}")])
+        raise ConfigError(
+            [
+                (
+                    "trainer.nnodes",
+                    f"{ranks} training ranks (trainer.nnodes x ranks per node), each "
+                    f"reserving {per_rank} for {', '.join(training)}, do not fit in the Ray "
+                    f"cluster within {PLACEMENT_TIMEOUT_S:g} s; its nodes offer {offered}",
+                )
+            ]
+        )
 
     def in_bundle(index: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
@@ -328,8 +377,9 @@ def _start_training_ranks(training: dict, ranks: int, actor_of) -> tuple[dict[st
     started = {}
     for role, (cls, resources) in training.items():
         address, port = ray.get(ray.remote(free_port).options(num_cpus=0, **in_bundle(0)).remote())
-        started[role] = [actor_of(cls, resources, RankInfo(rank, ranks, address, port), **in_bundle(rank))
-                         for rank in range(ranks)]
+        started[role] = [
+            actor_of(cls, resources, RankInfo(rank, ranks, address, port), **in_bundle(rank)) for rank in range(ranks)
+        ]
     return started, group
 
 
@@ -337,8 +387,9 @@ def _node_ids(handles: list) -> list[str]:
     """The Ray node each actor runs on (rank order)."""
     import ray
 
-    return ray.get([handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                    for handle in handles])
+    return ray.get(
+        [handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for handle in handles]
+    )
 
 
 def streams_reward(cfg: PPOConfig) -> bool:
@@ -357,8 +408,10 @@ def _start_rollout_service(cfg: PPOConfig, replica_of):
 
     rollout = cfg.actor_rollout_ref.rollout
     replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
-    agents = [ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": worker_env()}).remote(cfg, replicas)
-              for _ in range(rollout.agent.num_workers)]
+    agents = [
+        ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": worker_env()}).remote(cfg, replicas)
+        for _ in range(rollout.agent.num_workers)
+    ]
     return RolloutService(replicas, agents, pad_token_id=load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id)
 
 
@@ -372,10 +425,14 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
     if cfg.data_parallel_size > 1:
         raise ValueError(f"{cfg.data_parallel_size} data-parallel ranks per training role need Ray")
     actor = LocalRole(actor_worker_class(cfg)(cfg))
-    return Workers(rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)), actor=actor,
-                   ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
-                   critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None, colocated=cfg.colocated,
-                   uses_ray=False)
+    return Workers(
+        rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)),
+        actor=actor,
+        ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
+        critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None,
+        colocated=cfg.colocated,
+        uses_ray=False,
+    )
 
 
 def scoring_cpus(cfg: PPOConfig) -> int:
@@ -397,8 +454,14 @@ def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
     # address="local": a Ray of this run's own, even when a cluster started with `ray start` runs on this
     # machine (joining one is what ray.address is for)
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=_local_gpu_count(), include_dashboard=False,
-             runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=_local_gpu_count(),
+        include_dashboard=False,
+        runtime_env={"env_vars": worker_env()},
+        log_to_driver=True,
+    )
     return True
 
 
@@ -431,6 +494,13 @@ def _check_fits(roles: dict[str, ResourcesConfig], *, scores_on_ray: bool) -> No
         if needed > available.get(unit, 0):
             largest = max(roles, key=lambda key: _ray_resources(roles[key]).get(unit, 0.0)).split(" (")[0]
             key = f"{largest}.resources.{_RESOURCE_KEYS.get(unit, f'custom.{unit}')}"
-            raise ConfigError([(key, f"the roles need {needed:g} {unit} but the Ray cluster has "
-                                     f"{available.get(unit, 0):g} ({', '.join(details)}); lower the roles' resources, "
-                                     f"or set ray.num_cpus, or join a larger cluster (ray.address)")])
+            raise ConfigError(
+                [
+                    (
+                        key,
+                        f"the roles need {needed:g} {unit} but the Ray cluster has "
+                        f"{available.get(unit, 0):g} ({', '.join(details)}); lower the roles' resources, "
+                        f"or set ray.num_cpus, or join a larger cluster (ray.address)",
+                    )
+                ]
+            )

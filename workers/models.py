@@ -66,8 +66,10 @@ def ensure_model(model: ModelConfig, key: str) -> None:
     """
     if builds_model(model):
         # print, not a logger: inside the flow (log_prints) it reaches the console and the Prefect UI
-        print(f"building a random-init tiny Llama into {model.path} ({_build_key(key)} is set and "
-              f"{model.path} holds no model)")
+        print(
+            f"building a random-init tiny Llama into {model.path} ({_build_key(key)} is set and "
+            f"{model.path} holds no model)"
+        )
         build_tiny_model(model.path, model.build)
 
 
@@ -85,9 +87,16 @@ def model_config(model: ModelConfig, key: str) -> dict:
         config = json.loads(fs.cat_file(config_path))
     except FileNotFoundError:
         hint = _build_key(key)
-        raise ConfigError([(key, f"{model.path!r} holds no Hugging Face model (no config.json); point it at a "
-                                 f"model directory, or set {hint}.* (e.g. {hint}.seed=0) to build a random-init "
-                                 "tiny Llama there")]) from None
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"{model.path!r} holds no Hugging Face model (no config.json); point it at a "
+                    f"model directory, or set {hint}.* (e.g. {hint}.seed=0) to build a random-init "
+                    "tiny Llama there",
+                )
+            ]
+        ) from None
     except (OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
         raise ConfigError([(key, f"{url} is unreadable: {error}")]) from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
@@ -127,8 +136,11 @@ def check_model_paths(model: ModelConfig, key: str) -> None:
     """:class:`ConfigError` naming the key when ``model.path`` or ``model.tokenizer_path`` (or the model's
     ``config.json``) is a path no load should open: a symlink loop, a dangling symlink, a FIFO or other
     special file, a file where a directory belongs (:func:`~ppoflow.storage.fs.path_problem`)."""
-    paths = ((key, model.path, "directory"), (key, f"{model.path.rstrip('/')}/config.json", "file"),
-             (f"{key.removesuffix('.path')}.tokenizer_path", model.tokenizer_path, "directory"))
+    paths = (
+        (key, model.path, "directory"),
+        (key, f"{model.path.rstrip('/')}/config.json", "file"),
+        (f"{key.removesuffix('.path')}.tokenizer_path", model.tokenizer_path, "directory"),
+    )
     problems: dict[str, str] = {}
     for name, path, want in paths:  # one problem per key: config.json is not checked under a broken model.path
         if path and name not in problems and (problem := path_problem(path, want=want)) is not None:
@@ -147,8 +159,15 @@ def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
     else:
         limit, source = model_config(model, key).get("max_position_embeddings"), model.path
     if limit is not None and needed > limit:
-        raise ConfigError([(key, f"data.max_prompt_length + data.max_response_length = {needed} exceeds the "
-                                 f"model's max_position_embeddings={limit} ({source})")])
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"data.max_prompt_length + data.max_response_length = {needed} exceeds the "
+                    f"model's max_position_embeddings={limit} ({source})",
+                )
+            ]
+        )
 
 
 def build_tiny_model(path: str, spec: TinyModelConfig) -> None:
@@ -160,14 +179,27 @@ def build_tiny_model(path: str, spec: TinyModelConfig) -> None:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>", padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=spec.hidden_size,
-                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                         num_attention_heads=spec.num_attention_heads,
-                         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
-                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+    )
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
@@ -194,8 +226,9 @@ def load_tokenizer(model: ModelConfig):
     """Load the tokenizer of ``model`` (``tokenizer_path`` or ``path``), left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(local_model_dir(model.tokenizer_path or model.path),
-                                              trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        local_model_dir(model.tokenizer_path or model.path), trust_remote_code=model.trust_remote_code
+    )
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -206,8 +239,9 @@ def load_causal_lm(model: ModelConfig):
     """Load ``model.path`` as a causal LM in ``model.dtype``."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(local_model_dir(model.path), dtype=_DTYPES[model.dtype],
-                                                trust_remote_code=model.trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(
+        local_model_dir(model.path), dtype=_DTYPES[model.dtype], trust_remote_code=model.trust_remote_code
+    )
 
 
 def load_value_model(model: ModelConfig, *, seed: int):
@@ -223,5 +257,6 @@ def load_value_model(model: ModelConfig, *, seed: int):
     config.classifier_dropout = 0.0
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return AutoModelForTokenClassification.from_pretrained(directory, config=config, dtype=_DTYPES[model.dtype],
-                                                               trust_remote_code=model.trust_remote_code)
+        return AutoModelForTokenClassification.from_pretrained(
+            directory, config=config, dtype=_DTYPES[model.dtype], trust_remote_code=model.trust_remote_code
+        )

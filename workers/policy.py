@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.storage.batch import StageResult
-from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer, save_pretrained
-from ppoflow.workers.rollout import SamplingParams, sample_responses
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
+from ppoflow.workers.models import load_causal_lm, load_tokenizer, save_pretrained, set_up_worker_process
+from ppoflow.workers.rollout import SamplingParams, sample_responses
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
@@ -27,14 +27,23 @@ class PolicyModel:
     """A causal LM on its device that computes response log-probs at the rollout temperature; one rank of
     its role's data-parallel group (``ranks``; None: the only one), sharded by the role's engine."""
 
-    def __init__(self, cfg: PPOConfig, *, resources: ResourcesConfig, micro_batch_size: int | None,
-                 engine: TrainingEngineConfig, ranks: RankInfo | None):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        *,
+        resources: ResourcesConfig,
+        micro_batch_size: int | None,
+        engine: TrainingEngineConfig,
+        ranks: RankInfo | None,
+    ):
         self.device = set_up_worker_process(resources)
         self.parallel = DataParallel.join(ranks, self.device)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size
-        self.model = self.parallel.shard(load_causal_lm(cfg.actor_rollout_ref.model).to(self.device), engine.fsdp_config)
+        self.model = self.parallel.shard(
+            load_causal_lm(cfg.actor_rollout_ref.model).to(self.device), engine.fsdp_config
+        )
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict | None:
         """Per-token ``log_probs`` of the responses, [N, R]; no gradient. Each rank computes its rows;
@@ -59,8 +68,13 @@ class ReferenceWorker(PolicyModel):
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         ref = cfg.actor_rollout_ref.ref
-        super().__init__(cfg, resources=ref.resources, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
-                         engine=ref, ranks=ranks)
+        super().__init__(
+            cfg,
+            resources=ref.resources,
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+            engine=ref,
+            ranks=ranks,
+        )
 
 
 class ActorWorker(PolicyModel):
@@ -68,16 +82,26 @@ class ActorWorker(PolicyModel):
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         actor = cfg.actor_rollout_ref.actor
-        super().__init__(cfg, resources=actor.resources,
-                         micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
-                         engine=actor, ranks=ranks)
+        super().__init__(
+            cfg,
+            resources=actor.resources,
+            micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+            engine=actor,
+            ranks=ranks,
+        )
         self.cfg = actor
         self.model_config = cfg.actor_rollout_ref.model
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
-        self.learner = Learner(self.model, actor.optim, grad_clip=actor.grad_clip, device=self.device,
-                               parallel=self.parallel, nonfinite=cfg.trainer.nonfinite)
+        self.learner = Learner(
+            self.model,
+            actor.optim,
+            grad_clip=actor.grad_clip,
+            device=self.device,
+            parallel=self.parallel,
+            nonfinite=cfg.trainer.nonfinite,
+        )
         # A mode other than sync may sample with weights older than the actor's: keep what was last pushed.
         self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=cfg.trainer.mode != "sync")
         self._outgoing: dict[str, torch.Tensor] = {}
@@ -111,8 +135,10 @@ class ActorWorker(PolicyModel):
         rows = batch.batch_size[0]
         on_policy = "old_log_probs" not in batch.keys()
         if on_policy and (cfg.ppo_epochs != 1 or rows > self.mini_batch_size):
-            raise ValueError(f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} "
-                             f"epochs, mini-batches of {self.mini_batch_size} of {rows} trajectories)")
+            raise ValueError(
+                f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} "
+                f"epochs, mini-batches of {self.mini_batch_size} of {rows} trajectories)"
+            )
         own_log_probs: list[torch.Tensor] = []
         own_rows: list[torch.Tensor] = []
         if on_policy:  # each row's index, to put the own log-probs of every rank's micro-batches back in order
@@ -130,33 +156,51 @@ class ActorWorker(PolicyModel):
                 own_rows.append(micro["row"].cpu())
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
             pg_loss, pg_metrics = compute_policy_loss(
-                old_log_probs, log_probs, micro["advantages"], mask,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.get("rollout_is_weights", None),
-                **normalizers)
+                old_log_probs,
+                log_probs,
+                micro["advantages"],
+                mask,
+                clip_ratio_low=cfg.clip_ratio_low,
+                clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode,
+                rollout_is_weights=micro.get("rollout_is_weights", None),
+                **normalizers,
+            )
             entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode, **normalizers)
             loss = pg_loss - cfg.entropy_coeff * entropy
             summed = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
             if cfg.use_kl_loss:
-                kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type), mask,
-                              cfg.loss_agg_mode, **normalizers)
+                kl = agg_loss(
+                    kl_penalty(log_probs, micro["ref_log_probs"], cfg.kl_loss_type),
+                    mask,
+                    cfg.loss_agg_mode,
+                    **normalizers,
+                )
                 loss = loss + cfg.kl_loss_coef * kl
                 summed["actor/kl_loss"] = kl
             return loss, summed, {f"actor/{name}": value for name, value in pg_metrics.items()}
 
         # On-policy, the one mini-batch holds every row whatever its order: keep the batch's order, so the
         # log-probs collected micro-batch by micro-batch line up with its rows.
-        metrics = self.learner.train(batch, micro_loss, epochs=cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                                     shuffle=cfg.shuffle and not on_policy,
-                                     generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
-                                     prefix="actor", step=step)
+        metrics = self.learner.train(
+            batch,
+            micro_loss,
+            epochs=cfg.ppo_epochs,
+            mini_batch_size=self.mini_batch_size,
+            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            shuffle=cfg.shuffle and not on_policy,
+            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
+            prefix="actor",
+            step=step,
+        )
         if metrics["actor/optimizer_steps"]:  # else every step was skipped on non-finite values: the trainer drops it
             self.weight_version += 1
         if not on_policy:
             return StageResult(None, metrics) if self.parallel.is_rank_zero else None
-        old_log_probs = self.parallel.gather_indexed(torch.cat(own_rows).tolist(),
-                                                     pad_responses(own_log_probs, batch["responses"].shape[1]), rows)
+        old_log_probs = self.parallel.gather_indexed(
+            torch.cat(own_rows).tolist(), pad_responses(own_log_probs, batch["responses"].shape[1]), rows
+        )
         if old_log_probs is None:
             return None
         return StageResult(TensorDict({"old_log_probs": old_log_probs}, batch_size=batch.batch_size), metrics)
@@ -217,5 +261,12 @@ class ColocatedActorWorker(ActorWorker):
 
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """The rollout worker's ``generate``, on the actor's model, stamped with its weight version."""
-        return sample_responses(self.model, self.tokenizer, prompts, step=step, sampling=sampling,
-                                weight_version=self.weight_version, device=self.device)
+        return sample_responses(
+            self.model,
+            self.tokenizer,
+            prompts,
+            step=step,
+            sampling=sampling,
+            weight_version=self.weight_version,
+            device=self.device,
+        )

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
+from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
@@ -35,16 +35,30 @@ class SamplingParams:
     seed: int
 
     @classmethod
-    def for_training(cls, cfg: PPOConfig) -> "SamplingParams":
+    def for_training(cls, cfg: PPOConfig) -> SamplingParams:
         rollout = cfg.actor_rollout_ref.rollout
-        return cls(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k, rollout.do_sample,
-                   cfg.data.max_response_length, rollout.seed)
+        return cls(
+            rollout.n,
+            rollout.temperature,
+            rollout.top_p,
+            rollout.top_k,
+            rollout.do_sample,
+            cfg.data.max_response_length,
+            rollout.seed,
+        )
 
     @classmethod
-    def for_validation(cls, cfg: PPOConfig) -> "SamplingParams":
+    def for_validation(cls, cfg: PPOConfig) -> SamplingParams:
         val = cfg.actor_rollout_ref.rollout.val_kwargs
-        return cls(val.n, val.temperature, val.top_p, val.top_k, val.do_sample, cfg.data.max_response_length,
-                   cfg.actor_rollout_ref.rollout.seed)
+        return cls(
+            val.n,
+            val.temperature,
+            val.top_p,
+            val.top_k,
+            val.do_sample,
+            cfg.data.max_response_length,
+            cfg.actor_rollout_ref.rollout.seed,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -81,8 +95,11 @@ class SampledTokenLogProbs:
     def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
         """[N, generated] log-probs of the generated tokens (``sequences``: generate's output)."""
         self._take(sequences[:, -1])
-        return torch.stack(self.sampled, dim=1) if self.sampled else sequences.new_zeros((sequences.shape[0], 0),
-                                                                                          dtype=torch.float32)
+        return (
+            torch.stack(self.sampled, dim=1)
+            if self.sampled
+            else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+        )
 
     def _take(self, tokens: torch.Tensor) -> None:
         if self.previous is not None:
@@ -90,15 +107,25 @@ class SampledTokenLogProbs:
             self.previous = None
 
 
-def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampling: SamplingParams,
-                     weight_version: int, device: torch.device) -> TensorDict:
+def sample_responses(
+    model,
+    tokenizer,
+    prompts: TensorDict,
+    *,
+    step: int,
+    sampling: SamplingParams,
+    weight_version: int,
+    device: torch.device,
+) -> TensorDict:
     """Sample ``sampling.n`` responses per prompt with transformers' ``generate``; the rollout part of the
     step batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``."""
     from transformers import LogitsProcessorList
 
     # the prompt tensors only: any per-prompt column sent along stays with the driver, which repeats
     # its own copy onto the responses (tasks/generate.py)
-    repeated = prompts.select("prompts", "prompt_mask")[torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)]
+    repeated = prompts.select("prompts", "prompt_mask")[
+        torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)
+    ]
     eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(step_seed(sampling.seed, step))
     model.eval()
@@ -122,22 +149,24 @@ def sample_responses(model, tokenizer, prompts: TensorDict, *, step: int, sampli
 
     rows, width = generated.shape[0], sampling.max_new_tokens
     responses = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.int64)
-    responses[:, :generated.shape[1]] = generated
+    responses[:, : generated.shape[1]] = generated
     is_eos = responses == eos_token_id
     after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
     response_mask = ~after_eos
-    response_mask[:, generated.shape[1]:] = False
+    response_mask[:, generated.shape[1] :] = False
     rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    rollout_log_probs[:, :generated.shape[1]] = token_log_probs
+    rollout_log_probs[:, : generated.shape[1]] = token_log_probs
     rollout_log_probs = rollout_log_probs * response_mask
 
-    repeated.update({
-        "responses": responses,
-        "response_mask": response_mask,
-        "rollout_log_probs": rollout_log_probs,
-        "weight_version": torch.full((rows,), weight_version, dtype=torch.int64),
-        "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
-    })
+    repeated.update(
+        {
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": rollout_log_probs,
+            "weight_version": torch.full((rows,), weight_version, dtype=torch.int64),
+            "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
+        }
+    )
     return repeated
 
 
@@ -154,8 +183,15 @@ class HFRolloutWorker:
 
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
-        return sample_responses(self.model, self.tokenizer, prompts, step=step, sampling=sampling,
-                                weight_version=self.weight_version, device=self.device)
+        return sample_responses(
+            self.model,
+            self.tokenizer,
+            prompts,
+            step=step,
+            sampling=sampling,
+            weight_version=self.weight_version,
+            device=self.device,
+        )
 
     def apply_weights(self, update: WeightUpdate) -> int:
         """Take the actor's weights (see :mod:`workers.weight_sync`); returns the version now served."""

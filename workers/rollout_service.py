@@ -36,13 +36,14 @@ from ppoflow.storage.bounded import client_timeouts
 from ppoflow.storage.fingerprints import model_identities
 from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
-from ppoflow.workers.models import set_up_worker_process, load_causal_lm, load_tokenizer
+from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
 from ppoflow.workers.rollout import SamplingParams
 from ppoflow.workers.scorer_process import configured_scorer
 from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, TokenOutput
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
 
 logger = logging.getLogger("ppoflow.rollout")
+
 
 class RolloutReplica:
     """One generation replica: the policy on its device behind a continuous-batching engine."""
@@ -52,8 +53,9 @@ class RolloutReplica:
         self.device = set_up_worker_process(rollout.resources)
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
-        self.engine = ContinuousBatchingEngine(self.model, eos_token_id=tokenizer.eos_token_id, device=self.device,
-                                               max_num_seqs=rollout.max_num_seqs)
+        self.engine = ContinuousBatchingEngine(
+            self.model, eos_token_id=tokenizer.eos_token_id, device=self.device, max_num_seqs=rollout.max_num_seqs
+        )
         self.engine.start()
         self.receiver = WeightReceiver()
         self.awake = asyncio.Event()
@@ -128,12 +130,24 @@ class LoadBalancer:
         while not self.partial_rollout and output.finish_reason == "abort":
             output = await self._generate_once(session_id, prompt_ids, sampling)
         while output.finish_reason == "abort" and len(output.token_ids) < sampling.max_new_tokens:
-            rest = await self._generate_once(session_id, prompt_ids + output.token_ids, replace(
-                sampling, max_new_tokens=sampling.max_new_tokens - len(output.token_ids),
-                seed=continuation_seed(sampling.seed, len(output.token_ids))))
-            output = TokenOutput(output.token_ids + rest.token_ids, output.log_probs + rest.log_probs,
-                                 rest.finish_reason, (min(output.weight_versions[0], rest.weight_versions[0]),
-                                                      max(output.weight_versions[1], rest.weight_versions[1])))
+            rest = await self._generate_once(
+                session_id,
+                prompt_ids + output.token_ids,
+                replace(
+                    sampling,
+                    max_new_tokens=sampling.max_new_tokens - len(output.token_ids),
+                    seed=continuation_seed(sampling.seed, len(output.token_ids)),
+                ),
+            )
+            output = TokenOutput(
+                output.token_ids + rest.token_ids,
+                output.log_probs + rest.log_probs,
+                rest.finish_reason,
+                (
+                    min(output.weight_versions[0], rest.weight_versions[0]),
+                    max(output.weight_versions[1], rest.weight_versions[1]),
+                ),
+            )
         return replace(output, finish_reason="length") if output.finish_reason == "abort" else output
 
     async def _generate_once(self, session_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
@@ -145,15 +159,15 @@ class LoadBalancer:
             self.requests += 1
             self.in_flight[index] += 1
             try:
-                return await self.replicas[index].generate.remote(f"{session_id}#{self.requests}", prompt_ids,
-                                                                  sampling)
+                return await self.replicas[index].generate.remote(f"{session_id}#{self.requests}", prompt_ids, sampling)
             except ray.exceptions.RayActorError as error:
-                logger.warning("rollout replica %d failed a request (%s); retrying on another", index,
-                               type(error).__name__)
+                logger.warning(
+                    "rollout replica %d failed a request (%s); retrying on another", index, type(error).__name__
+                )
                 failed.add(index)
                 if len(failed) == len(self.replicas):  # all down at once: wait for Ray to restart them
                     failed.clear()
-                    await asyncio.sleep(min(2.0 ** attempt, 10.0))
+                    await asyncio.sleep(min(2.0**attempt, 10.0))
             finally:
                 self.in_flight[index] -= 1
         raise RuntimeError(f"no rollout replica could serve session {session_id}")
@@ -186,27 +200,35 @@ class AgentLoopWorker:
             from ppoflow.workers.tool_config import load_tool_config
             from ppoflow.workers.tools import ToolRunner
 
-            self.tools = ToolRunner(load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
-                                    processes=rollout.multi_turn.tool_processes)
+            self.tools = ToolRunner(
+                load_tool_config(tool_config_file(rollout.multi_turn.tool_config_path)),
+                processes=rollout.multi_turn.tool_processes,
+            )
         self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
         self.custom_scorer = configured_scorer(cfg.custom_reward_function)  # user code: its own process
-        self.settings = AgentSettings(response_length=cfg.data.max_response_length,
-                                      max_assistant_turns=rollout.multi_turn.max_assistant_turns,
-                                      max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
-                                      max_tool_response_length=rollout.multi_turn.max_tool_response_length,
-                                      tool_format=rollout.multi_turn.format)
+        self.settings = AgentSettings(
+            response_length=cfg.data.max_response_length,
+            max_assistant_turns=rollout.multi_turn.max_assistant_turns,
+            max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
+            max_tool_response_length=rollout.multi_turn.max_tool_response_length,
+            tool_format=rollout.multi_turn.format,
+        )
         self.loops: dict = {}
         self.sample_cache = sample_cache(cfg)
 
     def loop(self, name: str):
         """The agent loop registered as ``name`` (one instance per worker, made on first use)."""
         if name not in self.loops:
-            self.loops.update(make_loops({name}, client=self.client, tokenizer=self.tokenizer,
-                                         settings=self.settings, tools=self.tools))
+            self.loops.update(
+                make_loops(
+                    {name}, client=self.client, tokenizer=self.tokenizer, settings=self.settings, tools=self.tools
+                )
+            )
         return self.loops[name]
 
-    async def generate(self, prompts: TensorDict, *, first_position: int, step: int, sampling: SamplingParams,
-                       weight_version: int) -> TensorDict:
+    async def generate(
+        self, prompts: TensorDict, *, first_position: int, step: int, sampling: SamplingParams, weight_version: int
+    ) -> TensorDict:
         """``sampling.n`` trajectories per prompt (rows prompt-major), ``group_index`` counted from
         ``first_position``; a ``tool_errors`` column lists each trajectory's failed tool calls. When the
         prompts carry ``data_source`` and ``ground_truth`` (streamed reward), each trajectory is scored as
@@ -220,12 +242,24 @@ class AgentLoopWorker:
         samples = _column(prompts, "sample_id") or [None] * rows
         sources, truths = _column(prompts, "data_source"), _column(prompts, "ground_truth")
         call_id = uuid.uuid4().hex[:8]
-        groups = await asyncio.gather(*(
-            self.group(prompts["prompts"][row][prompts["prompt_mask"][row]].tolist(), names[row] or self.default_loop,
-                       sampling, step=step, position=first_position + row, session=f"{call_id}/{first_position + row}",
-                       weight_version=weight_version, tools_kwargs=tools_kwargs[row], sample=samples[row],
-                       source=sources[row] if sources else None, truth=truths[row] if truths else None)
-            for row in range(rows)))
+        groups = await asyncio.gather(
+            *(
+                self.group(
+                    prompts["prompts"][row][prompts["prompt_mask"][row]].tolist(),
+                    names[row] or self.default_loop,
+                    sampling,
+                    step=step,
+                    position=first_position + row,
+                    session=f"{call_id}/{first_position + row}",
+                    weight_version=weight_version,
+                    tools_kwargs=tools_kwargs[row],
+                    sample=samples[row],
+                    source=sources[row] if sources else None,
+                    truth=truths[row] if truths else None,
+                )
+                for row in range(rows)
+            )
+        )
         batch = concatenate(*(group for group, _ in groups), pad_token_id=self.tokenizer.pad_token_id)
         batch["group_index"] = torch.arange(first_position, first_position + rows).repeat_interleave(sampling.n)
         errors = non_tensor_column(batch, "tool_errors")
@@ -233,12 +267,25 @@ class AgentLoopWorker:
             logger.warning("tool call failed: %s", message)
         if self.sample_cache is None:
             return batch
-        return with_non_tensor_columns(batch, {"sample_cache": [outcome for _, outcome in groups
-                                                                for _ in range(sampling.n)]})
+        return with_non_tensor_columns(
+            batch, {"sample_cache": [outcome for _, outcome in groups for _ in range(sampling.n)]}
+        )
 
-    async def group(self, prompt_ids: list[int], loop_name: str, sampling: SamplingParams, *, step: int,
-                    position: int, session: str, weight_version: int, tools_kwargs, sample: str | None,
-                    source: str | None, truth) -> tuple[TensorDict, str]:
+    async def group(
+        self,
+        prompt_ids: list[int],
+        loop_name: str,
+        sampling: SamplingParams,
+        *,
+        step: int,
+        position: int,
+        session: str,
+        weight_version: int,
+        tools_kwargs,
+        sample: str | None,
+        source: str | None,
+        truth,
+    ) -> tuple[TensorDict, str]:
         """One prompt's ``n`` trajectories (its prompt unpadded) and how the sample cache served them:
         replayed from the cache when it holds them (stamped with the weights served now: they stand in for
         fresh samples, their manifest keeps the versions they were sampled with), else generated
@@ -255,31 +302,53 @@ class AgentLoopWorker:
                 found.group.update({"weight_version": now, "max_weight_version": now.clone()})
                 return found.group, outcome
             if found.group is not None:
-                logger.warning("cached %s was recorded %s scores; generating it", sample,
-                               "without" if source is not None else "with")
+                logger.warning(
+                    "cached %s was recorded %s scores; generating it",
+                    sample,
+                    "without" if source is not None else "with",
+                )
                 outcome = "miss"
         loop = self.loop(loop_name)
         runs = []
         for index in range(sampling.n):
-            trajectory = loop.run(sampling, prompt_ids=prompt_ids, session_id=f"{session}/{index}",
-                                  seed=trajectory_seed(sampling.seed, step, position, index), tools_kwargs=tools_kwargs)
+            trajectory = loop.run(
+                sampling,
+                prompt_ids=prompt_ids,
+                session_id=f"{session}/{index}",
+                seed=trajectory_seed(sampling.seed, step, position, index),
+                tools_kwargs=tools_kwargs,
+            )
             prompt = repr(sample) if sample is not None else f"{position} of step {step}"
-            runs.append(trajectory if source is None else self.scored(
-                trajectory, source, truth, sample=f"response {index} to prompt {prompt} (data source {source!r})"))
+            runs.append(
+                trajectory
+                if source is None
+                else self.scored(
+                    trajectory, source, truth, sample=f"response {index} to prompt {prompt} (data source {source!r})"
+                )
+            )
         finished = await asyncio.gather(*runs)
         outputs = finished if source is None else [output for output, _ in finished]
-        group = outputs_to_batch(outputs, prompt_width=len(prompt_ids), response_width=sampling.max_new_tokens,
-                                 pad_token_id=self.tokenizer.pad_token_id, weight_version=weight_version)
+        group = outputs_to_batch(
+            outputs,
+            prompt_width=len(prompt_ids),
+            response_width=sampling.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            weight_version=weight_version,
+        )
         columns = {"tool_errors": [output.extra_fields.get("tool_errors", []) for output in outputs]}
         if source is not None:
-            group["token_level_scores"] = scores_on_last_tokens([score for _, (score, _) in finished],
-                                                                group["response_mask"])
+            group["token_level_scores"] = scores_on_last_tokens(
+                [score for _, (score, _) in finished], group["response_mask"]
+            )
             columns["reward_extras"] = [extras for _, (_, extras) in finished]
         group = with_non_tensor_columns(group, columns)
         if cache is not None:
             versions = group["weight_version"]
-            meta = {"seed": sampling.seed, "train_step": step,
-                    "weight_version": {"min": int(versions.min()), "max": int(versions.max())}}
+            meta = {
+                "seed": sampling.seed,
+                "train_step": step,
+                "weight_version": {"min": int(versions.min()), "max": int(versions.max())},
+            }
             if not await asyncio.to_thread(cache.dump, sample, prompt_ids, sampling.as_dict(), group, meta=meta):
                 outcome = "dump_failed"
         return group, outcome
@@ -289,8 +358,9 @@ class AgentLoopWorker:
         custom scorer does not hold up the event loop); ``sample`` names it in the scorer's messages."""
         output = await trajectory
         solution = solution_text(output.response_ids, self.tokenizer)
-        return output, await asyncio.to_thread(score_one, data_source, solution, ground_truth, self.custom_scorer,
-                                               sample=sample)
+        return output, await asyncio.to_thread(
+            score_one, data_source, solution, ground_truth, self.custom_scorer, sample=sample
+        )
 
 
 def sample_cache(cfg: PPOConfig) -> SampleCache | None:
@@ -299,12 +369,19 @@ def sample_cache(cfg: PPOConfig) -> SampleCache | None:
     if skip is None or not skip.enable:
         return None
     model = cfg.actor_rollout_ref.model
-    return SampleCache(run_cache_dir(skip, cfg, key=SAMPLE_CACHE_KEY), indexes=skip.steps, action=skip.action,
-                       storage_options=client_timeouts(skip.dump_dir, storage_settings(skip), timeout_s=skip.timeout_s,
-                                                       retries=skip.retries),
-                       timeout_s=skip.timeout_s, retries=skip.retries, allow_mismatch=skip.allow_mismatch,
-                       models=model_identities(model.path, model.tokenizer_path or model.path),
-                       max_entry_bytes=entry_size_bound(cfg, prompts=1))
+    return SampleCache(
+        run_cache_dir(skip, cfg, key=SAMPLE_CACHE_KEY),
+        indexes=skip.steps,
+        action=skip.action,
+        storage_options=client_timeouts(
+            skip.dump_dir, storage_settings(skip), timeout_s=skip.timeout_s, retries=skip.retries
+        ),
+        timeout_s=skip.timeout_s,
+        retries=skip.retries,
+        allow_mismatch=skip.allow_mismatch,
+        models=model_identities(model.path, model.tokenizer_path or model.path),
+        max_entry_bytes=entry_size_bound(cfg, prompts=1),
+    )
 
 
 def _column(batch: TensorDict, name: str) -> list | None:
@@ -342,9 +419,16 @@ class RolloutService:
         self.resync_restarted()
         rows = prompts.batch_size[0]
         share = -(-rows // len(self.agents))
-        parts = [agent.generate.remote(prompts[start:start + share], first_position=start, step=step,
-                                       sampling=sampling, weight_version=self.weight_version)
-                 for agent, start in zip(self.agents, range(0, rows, share))]
+        parts = [
+            agent.generate.remote(
+                prompts[start : start + share],
+                first_position=start,
+                step=step,
+                sampling=sampling,
+                weight_version=self.weight_version,
+            )
+            for agent, start in zip(self.agents, range(0, rows, share))
+        ]
         return self._concatenate.remote(*parts, pad_token_id=self.pad_token_id)
 
     def submit_group(self, prompt: TensorDict, *, position: int, step: int, sampling: SamplingParams):
@@ -352,8 +436,9 @@ class RolloutService:
         in turn: the async trainer modes feed prompts one at a time and take each group as it finishes.
         ``position`` (the prompt's feed index) keeps the trajectories' seeds apart."""
         self._next_agent = (self._next_agent + 1) % len(self.agents)
-        return self.agents[self._next_agent].generate.remote(prompt, first_position=position, step=step,
-                                                             sampling=sampling, weight_version=self.weight_version)
+        return self.agents[self._next_agent].generate.remote(
+            prompt, first_position=position, step=step, sampling=sampling, weight_version=self.weight_version
+        )
 
     def cancel(self, groups: list, timeout_s: float = 10.0) -> None:
         """End the generations of ``groups`` (references from :meth:`submit_group`) and wait, up to
@@ -406,6 +491,10 @@ class RolloutService:
         versions = ray.get([replica.weight_version.remote() for replica in self.replicas])
         stale = [index for index, version in enumerate(versions) if version != self.weight_version]
         if stale:
-            logger.warning("rollout replica(s) %s serve weight version(s) %s instead of %d (restarted): re-syncing",
-                           stale, [versions[i] for i in stale], self.weight_version)
+            logger.warning(
+                "rollout replica(s) %s serve weight version(s) %s instead of %d (restarted): re-syncing",
+                stale,
+                [versions[i] for i in stale],
+                self.weight_version,
+            )
             ray.get([self.replicas[index].apply_weights.remote(self.last_update) for index in stale])

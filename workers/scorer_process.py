@@ -25,11 +25,24 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from ppoflow.algorithms.scoring import (SCORER_TIMEOUTS, ScorerFailed, ScorerTimedOut, as_score, sample_being_scored,
-                                      scorer_function)
+from ppoflow.algorithms.scoring import (
+    SCORER_TIMEOUTS,
+    ScorerFailed,
+    ScorerTimedOut,
+    as_score,
+    sample_being_scored,
+    scorer_function,
+)
 from ppoflow.storage import bounded
-from ppoflow.workers.tools import (ProcessEnded, Sandbox, SandboxFailed, cpu_budget_s, describe_error, kill_sandboxes,
-                                   set_soft_limit)
+from ppoflow.workers.tools import (
+    ProcessEnded,
+    Sandbox,
+    SandboxFailed,
+    cpu_budget_s,
+    describe_error,
+    kill_sandboxes,
+    set_soft_limit,
+)
 
 if TYPE_CHECKING:  # the child imports this module: no pydantic there
     from ppoflow.configs.schema import CustomRewardConfig
@@ -50,8 +63,16 @@ class ScorerProcess:
     child, and so do garbage collection and the interpreter's exit.
     """
 
-    def __init__(self, path: str, name: str, *, timeout_s: float, on_timeout: str = "fail",
-                 timeout_score: float = 0.0, start_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        *,
+        timeout_s: float,
+        on_timeout: str = "fail",
+        timeout_score: float = 0.0,
+        start_timeout_s: float = 60.0,
+    ):
         self.path, self.name = path, name
         self.label = repr(scorer_function(path, name))
         self.timeout_s, self.on_timeout, self.timeout_score = timeout_s, on_timeout, timeout_score
@@ -66,8 +87,10 @@ class ScorerProcess:
         be imported, raises, returns something that is not a score, passes its deadline (unless
         ``on_timeout="score"``) or ends its process."""
         try:
-            request = {"args": json.loads(json.dumps(list(args), default=_as_json)),
-                       "cpu_s": cpu_budget_s(self.timeout_s)}
+            request = {
+                "args": json.loads(json.dumps(list(args), default=_as_json)),
+                "cpu_s": cpu_budget_s(self.timeout_s),
+            }
         except (TypeError, ValueError) as error:
             raise ScorerFailed(f"the custom scorer {self.label} cannot be sent its arguments: {error}") from None
         with self._lock:
@@ -116,24 +139,40 @@ class ScorerProcess:
             waited = time.monotonic() - started
             if reply is not None or waited >= self.timeout_s:
                 return reply
-            logger.warning("the custom scorer %s has been scoring %s for %.0f s (custom_reward_function.timeout_s="
-                           "%g)", self.label, sample_being_scored(), waited, self.timeout_s)
+            logger.warning(
+                "the custom scorer %s has been scoring %s for %.0f s (custom_reward_function.timeout_s=%g)",
+                self.label,
+                sample_being_scored(),
+                waited,
+                self.timeout_s,
+            )
 
     def _timed_out(self) -> dict[str, float]:
         """A call past :attr:`timeout_s` (its child killed): :class:`ScorerTimedOut`, or the timeout score."""
         late = f"did not return within custom_reward_function.timeout_s={self.timeout_s:g} s (its process was killed)"
         if self.on_timeout == "fail":
             raise ScorerTimedOut(f"the custom scorer {self.label} {late}")
-        logger.warning("the custom scorer %s %s while scoring %s: it scores custom_reward_function.timeout_score=%g "
-                       "(on_timeout=score)", self.label, late, sample_being_scored(), self.timeout_score)
+        logger.warning(
+            "the custom scorer %s %s while scoring %s: it scores custom_reward_function.timeout_score=%g "
+            "(on_timeout=score)",
+            self.label,
+            late,
+            sample_being_scored(),
+            self.timeout_score,
+        )
         return {"score": self.timeout_score, SCORER_TIMEOUTS: 1.0}
 
     def _started(self) -> Sandbox:
         """The child, started (again, if it died) and done importing the scorer."""
         if self._sandbox is None or not self._sandbox.process.is_alive():
             self._retire()
-            self._sandbox = Sandbox(multiprocessing.get_context("spawn"), {_SCORER: scorer_function(self.path,
-                                     self.name)}, self.start_timeout_s, answer=_score, role="scorer")
+            self._sandbox = Sandbox(
+                multiprocessing.get_context("spawn"),
+                {_SCORER: scorer_function(self.path, self.name)},
+                self.start_timeout_s,
+                answer=_score,
+                role="scorer",
+            )
             self._live.add(self._sandbox)
         try:
             self._sandbox.wait_ready()
@@ -159,23 +198,30 @@ def configured_scorer(custom: CustomRewardConfig) -> ScorerProcess | None:
     """The run's custom scorer (``custom_reward_function``) in a process of its own; None without one."""
     if not custom.path:
         return None
-    return ScorerProcess(custom.path, custom.name, timeout_s=custom.timeout_s, on_timeout=custom.on_timeout,
-                         timeout_score=custom.timeout_score)
+    return ScorerProcess(
+        custom.path,
+        custom.name,
+        timeout_s=custom.timeout_s,
+        on_timeout=custom.on_timeout,
+        timeout_score=custom.timeout_score,
+    )
 
 
 _SHARED: dict[tuple, ScorerProcess] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_scorer_process(path: str, name: str, timeout_s: float, on_timeout: str, timeout_score: float
-                          ) -> ScorerProcess:
+def shared_scorer_process(
+    path: str, name: str, timeout_s: float, on_timeout: str, timeout_score: float
+) -> ScorerProcess:
     """This process's one :class:`ScorerProcess` for these settings (what an unpickled one is), so that the
     reward chunks a Ray worker runs one after the other share one child."""
     key = (path, name, timeout_s, on_timeout, timeout_score)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = ScorerProcess(path, name, timeout_s=timeout_s, on_timeout=on_timeout,
-                                         timeout_score=timeout_score)
+            _SHARED[key] = ScorerProcess(
+                path, name, timeout_s=timeout_s, on_timeout=on_timeout, timeout_score=timeout_score
+            )
         return _SHARED[key]
 
 

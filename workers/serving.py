@@ -128,8 +128,12 @@ class _Request:
 
     def output(self, finish_reason: str, weight_version: int) -> TokenOutput:
         """What the request has so far (``weight_version`` stands in when no token was sampled yet)."""
-        return TokenOutput(list(self.token_ids), list(self.log_probs), finish_reason,
-                           self.weight_versions or (weight_version, weight_version))
+        return TokenOutput(
+            list(self.token_ids),
+            list(self.log_probs),
+            finish_reason,
+            self.weight_versions or (weight_version, weight_version),
+        )
 
 
 def _settle(future: Future, result: TokenOutput | None = None, error: BaseException | None = None) -> None:
@@ -149,9 +153,15 @@ def left_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return (columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
 
 
-def sample_next_tokens(logits: torch.Tensor, *, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                       top_ps: torch.Tensor, greedy: torch.Tensor,
-                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_tokens(
+    logits: torch.Tensor,
+    *,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[rows, vocab]`` and its log-prob under ``softmax(logits / T)``.
 
     Per row: greedy rows take the argmax (their ``temperatures`` entry must be 1, the log-prob
@@ -194,20 +204,28 @@ def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
 
 
-def _join_rows(running: list[tuple[torch.Tensor, torch.Tensor]],
-               joining: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _join_rows(
+    running: list[tuple[torch.Tensor, torch.Tensor]], joining: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the running rows then the joining rows on one time axis, the shorter side left-padded."""
     width = max(running[0][0].shape[-2], joining[0][0].shape[-2])
-    return [(torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)]),
-             torch.cat([_left_pad(values, width), _left_pad(new_values, width)]))
-            for (keys, values), (new_keys, new_values) in zip(running, joining, strict=True)]
+    return [
+        (
+            torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)]),
+            torch.cat([_left_pad(values, width), _left_pad(new_values, width)]),
+        )
+        for (keys, values), (new_keys, new_values) in zip(running, joining, strict=True)
+    ]
 
 
-def _select_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
-                 width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _select_rows(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, width: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, only ``rows`` and only the last ``width`` columns."""
-    return [(keys[rows, :, keys.shape[-2] - width:], values[rows, :, values.shape[-2] - width:])
-            for keys, values in layers]
+    return [
+        (keys[rows, :, keys.shape[-2] - width :], values[rows, :, values.shape[-2] - width :])
+        for keys, values in layers
+    ]
 
 
 class ContinuousBatchingEngine:
@@ -235,8 +253,10 @@ class ContinuousBatchingEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers if type(layer) is not DynamicLayer}
         if layer_types:
-            raise NotImplementedError(f"the continuous-batching engine needs full-attention KV cache layers; "
-                                      f"{type(model).__name__} has {sorted(layer_types)}")
+            raise NotImplementedError(
+                f"the continuous-batching engine needs full-attention KV cache layers; "
+                f"{type(model).__name__} has {sorted(layer_types)}"
+            )
         parameters = inspect.signature(model.forward).parameters
         # transformers 5 names the cache argument ``cache``; remote-code models may still take ``past_key_values``
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -249,8 +269,14 @@ class ContinuousBatchingEngine:
         self._stepping = False
         self._pause_depth = 0
         self._stop_requested = False
-        self._counters = {"steps": 0, "prefills": 0, "requests_admitted": 0, "tokens_generated": 0,
-                          "running_rows_summed": 0, "failed_steps": 0}
+        self._counters = {
+            "steps": 0,
+            "prefills": 0,
+            "requests_admitted": 0,
+            "tokens_generated": 0,
+            "running_rows_summed": 0,
+            "failed_steps": 0,
+        }
         # owned by the stepping thread (swapped under _condition where other threads read them)
         self._running: list[_Request] = []
         self._cache = None
@@ -276,8 +302,9 @@ class ContinuousBatchingEngine:
                 if request_id in self._requests:
                     problem = f"request {request_id!r} is already in flight"
                 else:
-                    request = _Request(request_id, prompt_ids, sampling, future,
-                                       torch.Generator().manual_seed(sampling.seed))
+                    request = _Request(
+                        request_id, prompt_ids, sampling, future, torch.Generator().manual_seed(sampling.seed)
+                    )
                     self._requests[request_id] = request
                     self._waiting.append(request)
                     self._condition.notify_all()
@@ -292,9 +319,11 @@ class ContinuousBatchingEngine:
         if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
             return f"the prompt has token ids outside the model's vocabulary [0, {self.vocab_size})"
         if self.max_positions is not None and len(prompt_ids) + sampling.max_new_tokens > self.max_positions:
-            return (f"prompt length {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} = "
-                    f"{len(prompt_ids) + sampling.max_new_tokens} exceeds the model's max_position_embeddings="
-                    f"{self.max_positions}")
+            return (
+                f"prompt length {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} = "
+                f"{len(prompt_ids) + sampling.max_new_tokens} exceeds the model's max_position_embeddings="
+                f"{self.max_positions}"
+            )
         return None
 
     def abort(self, request_id: str) -> None:
@@ -344,8 +373,12 @@ class ContinuousBatchingEngine:
             counters = dict(self._counters)
             running, waiting = len(self._running), len(self._waiting)
         summed = counters.pop("running_rows_summed")
-        return {**counters, "mean_running": summed / counters["steps"] if counters["steps"] else 0.0,
-                "running": running, "waiting": waiting}
+        return {
+            **counters,
+            "mean_running": summed / counters["steps"] if counters["steps"] else 0.0,
+            "running": running,
+            "waiting": waiting,
+        }
 
     # --- the background thread ---------------------------------------------------------------------
 
@@ -425,12 +458,18 @@ class ContinuousBatchingEngine:
             input_ids = torch.zeros((len(joining), width), dtype=torch.long)
             for row, request in enumerate(joining):
                 if len(request.prompt_ids) > 1:
-                    input_ids[row, width - len(request.prompt_ids) + 1:] = torch.tensor(request.prompt_ids[:-1])
+                    input_ids[row, width - len(request.prompt_ids) + 1 :] = torch.tensor(request.prompt_ids[:-1])
             attention_mask = left_padding_mask(lengths, width)
             position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             cache = self._new_cache()
-            self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=True, **{self._cache_argument: cache}, **self._prefill_options)
+            self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_argument: cache},
+                **self._prefill_options,
+            )
             if self._running:
                 _set_cache_layers(cache, _join_rows(_cache_layers(self._cache), _cache_layers(cache)))
         except Exception as error:
@@ -450,9 +489,17 @@ class ContinuousBatchingEngine:
             lengths = torch.tensor([request.cached_length for request in running], device=self.device)
             width = self._cache.get_seq_length()
             input_ids = torch.tensor([[request.next_input] for request in running], device=self.device)
-            logits = self.model(input_ids=input_ids, attention_mask=left_padding_mask(lengths + 1, width + 1),
-                                position_ids=lengths.unsqueeze(1), use_cache=True,
-                                **{self._cache_argument: self._cache}).logits[:, -1].float()
+            logits = (
+                self.model(
+                    input_ids=input_ids,
+                    attention_mask=left_padding_mask(lengths + 1, width + 1),
+                    position_ids=lengths.unsqueeze(1),
+                    use_cache=True,
+                    **{self._cache_argument: self._cache},
+                )
+                .logits[:, -1]
+                .float()
+            )
             samplings = [request.sampling for request in running]
             tokens, log_probs = sample_next_tokens(
                 logits,
@@ -460,7 +507,8 @@ class ContinuousBatchingEngine:
                 top_ks=torch.tensor([s.top_k for s in samplings], device=self.device),
                 top_ps=torch.tensor([s.top_p for s in samplings], device=self.device),
                 greedy=torch.tensor([s.is_greedy for s in samplings], device=self.device),
-                uniforms=torch.cat([torch.rand(1, generator=request.generator) for request in running]).to(self.device))
+                uniforms=torch.cat([torch.rand(1, generator=request.generator) for request in running]).to(self.device),
+            )
             tokens, log_probs = tokens.tolist(), log_probs.tolist()
         except Exception as error:
             logger.exception("decode step over %d requests failed", len(running))

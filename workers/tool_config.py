@@ -32,8 +32,14 @@ import yaml
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 
 JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-    "object": (dict,), "null": (type(None),)}
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
 """JSON Schema's basic types and the Python types ``json.loads`` gives for them (bool is only boolean)."""
 
 _LIMIT_KEYS = ("timeout_s", "memory_mb", "max_output_chars")
@@ -129,9 +135,13 @@ def _tool_spec(entry, local_folder: Path | None) -> tuple[ToolSpec | None, list[
     """One ``tools:`` entry as a spec (None when it has no usable name) and the entry's problems."""
     if not isinstance(entry, dict):
         return None, [f"must be a mapping with function and tool_schema, not {type(entry).__name__}"]
-    problems = ["class_name names a verl tool class; ppoflow tools are functions: set `function`"
-                if name == "class_name" else _unknown_key_problem(name, _TOOL_KEYS)
-                for name in entry if name not in _TOOL_KEYS]
+    problems = [
+        "class_name names a verl tool class; ppoflow tools are functions: set `function`"
+        if name == "class_name"
+        else _unknown_key_problem(name, _TOOL_KEYS)
+        for name in entry
+        if name not in _TOOL_KEYS
+    ]
     function, function_problems = _function_path(entry.get("function"), local_folder)
     schema = entry.get("tool_schema")
     name, schema_problems = _schema_problems(schema)
@@ -163,8 +173,9 @@ def _function_path(value, local_folder: Path | None) -> tuple[str | None, list[s
     file = Path(source).expanduser()
     if not file.is_absolute():
         if local_folder is None:
-            return None, [(f"function {value!r}: a relative .py path needs a local tool config file; "
-                           "give an absolute path")]
+            return None, [
+                (f"function {value!r}: a relative .py path needs a local tool config file; give an absolute path")
+            ]
         file = local_folder / file
     if not file.is_file():
         return None, [f"function {value!r}: no such file {str(file)!r}"]
@@ -177,14 +188,20 @@ def _schema_problems(schema) -> tuple[str | None, list[str]]:
         return None, ["`tool_schema` is missing; give the tool's OpenAI function schema"]
     if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict):
         return None, ["tool_schema must be a mapping with type: function and a function: mapping"]
-    problems = [] if schema.get("type") == "function" else [
-        f"tool_schema.type must be 'function', not {schema.get('type')!r}"]
+    problems = (
+        [] if schema.get("type") == "function" else [f"tool_schema.type must be 'function', not {schema.get('type')!r}"]
+    )
     function = schema["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not name or len(name) > TOOL_NAME_MAX_LENGTH or \
-            not set(name) <= _TOOL_NAME_CHARACTERS:
-        problems.append(f"tool_schema.function.name must be 1 to {TOOL_NAME_MAX_LENGTH} letters, digits, _ or -, "
-                        f"not {name!r}")
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > TOOL_NAME_MAX_LENGTH
+        or not set(name) <= _TOOL_NAME_CHARACTERS
+    ):
+        problems.append(
+            f"tool_schema.function.name must be 1 to {TOOL_NAME_MAX_LENGTH} letters, digits, _ or -, not {name!r}"
+        )
         name = None
     if not isinstance(function.get("description", ""), str):
         problems.append("tool_schema.function.description must be a string")
@@ -204,13 +221,15 @@ def _schema_problems(schema) -> tuple[str | None, list[str]]:
             types = [types]
         unknown = [kind for kind in types if not isinstance(kind, str) or kind not in JSON_TYPES]
         if unknown or ("type" in declared and not types):
-            problems.append(f"{where}.type must be one of {', '.join(JSON_TYPES)} (or a list of them), "
-                            f"not {declared['type']!r}")
+            problems.append(
+                f"{where}.type must be one of {', '.join(JSON_TYPES)} (or a list of them), not {declared['type']!r}"
+            )
         if "enum" in declared and not isinstance(declared["enum"], list):
             problems.append(f"{where}.enum must be a list")
     required = parameters.get("required", [])
-    if not isinstance(required, list) or \
-            not all(isinstance(argument, str) and argument in properties for argument in required):
+    if not isinstance(required, list) or not all(
+        isinstance(argument, str) and argument in properties for argument in required
+    ):
         problems.append(f"tool_schema.function.parameters.required must list names of properties, not {required!r}")
     return name, problems
 

@@ -49,8 +49,17 @@ from ppoflow.workers.tool_config import JSON_TYPES, TOOL_NAME_MAX_LENGTH, ToolSp
 
 logger = logging.getLogger(__name__)
 
-ERROR_KINDS = ("unknown_tool", "bad_arguments", "unavailable", "raised", "bad_return", "memory", "timeout",
-               "crashed", "start_failed")
+ERROR_KINDS = (
+    "unknown_tool",
+    "bad_arguments",
+    "unavailable",
+    "raised",
+    "bad_return",
+    "memory",
+    "timeout",
+    "crashed",
+    "start_failed",
+)
 """The values of :attr:`ToolResult.error`: what went wrong, in one word, for logs and metrics."""
 
 _MAX_MESSAGE_BYTES = 16 << 20
@@ -117,8 +126,9 @@ class ToolRunner:
         self.processes = processes
         self.start_timeout_s = start_timeout_s
         self._functions = {spec.name: spec.function for spec in specs}
-        self._parameters = {spec.name: list(spec.schema["function"].get("parameters", {}).get("properties", {}))
-                            for spec in specs}
+        self._parameters = {
+            spec.name: list(spec.schema["function"].get("parameters", {}).get("properties", {})) for spec in specs
+        }
         self._context = multiprocessing.get_context("spawn")
         self._idle: queue.SimpleQueue[Sandbox | None] = queue.SimpleQueue()
         for _ in range(processes):
@@ -166,8 +176,10 @@ class ToolRunner:
         for position, sandbox in enumerate(sandboxes):
             try:
                 _ready(sandbox)
-                problems.update(f"tool {name!r} ({self.specs[name].function}): {message}"
-                                for name, message in sandbox.import_errors.items())
+                problems.update(
+                    f"tool {name!r} ({self.specs[name].function}): {message}"
+                    for name, message in sandbox.import_errors.items()
+                )
             except SandboxFailed as failure:
                 self._retire(sandbox)
                 sandboxes[position] = None
@@ -179,9 +191,12 @@ class ToolRunner:
     def stats(self) -> dict[str, float]:
         """Counters for metrics: ``calls``, ``errors`` and ``errors/<kind>`` for every kind, ``mean_seconds``."""
         with self._lock:
-            return {"calls": self._calls, "errors": sum(self._errors.values()),
-                    **{f"errors/{kind}": count for kind, count in self._errors.items()},
-                    "mean_seconds": self._total_seconds / self._calls if self._calls else 0.0}
+            return {
+                "calls": self._calls,
+                "errors": sum(self._errors.values()),
+                **{f"errors/{kind}": count for kind, count in self._errors.items()},
+                "mean_seconds": self._total_seconds / self._calls if self._calls else 0.0,
+            }
 
     def close(self) -> None:
         """Kill the tool processes (a call in flight gets a ``crashed`` observation) and stop the threads."""
@@ -198,8 +213,9 @@ class ToolRunner:
 
     # --- in the caller's thread: checks that need no tool process
 
-    def _prepare(self, name: str, arguments, fixed: dict | None = None
-                 ) -> tuple[ToolSpec | None, dict | None, tuple[str, str] | None]:
+    def _prepare(
+        self, name: str, arguments, fixed: dict | None = None
+    ) -> tuple[ToolSpec | None, dict | None, tuple[str, str] | None]:
         """The spec and parsed arguments of a call (with the ``fixed`` ones), or the ``(kind, text)`` of why
         it cannot run."""
         self._raise_if_closed()
@@ -211,8 +227,11 @@ class ToolRunner:
         try:
             return spec, {**_parse_arguments(spec, arguments), **(fixed or {})}, None
         except _BadArguments as problem:
-            return spec, None, ("bad_arguments", _truncate(f"error: bad arguments for {name}: {problem}",
-                                                           spec.max_output_chars))
+            return (
+                spec,
+                None,
+                ("bad_arguments", _truncate(f"error: bad arguments for {name}: {problem}", spec.max_output_chars)),
+            )
 
     def _finish(self, name: str, kind: str, text: str, started: float) -> ToolResult:
         seconds = time.monotonic() - started
@@ -354,14 +373,25 @@ class Sandbox:
     process in messages.
     """
 
-    def __init__(self, context, functions: dict[str, str], start_timeout_s: float, *,
-                 parameters: dict[str, list[str]] | None = None, answer=None, role: str = "tool"):
+    def __init__(
+        self,
+        context,
+        functions: dict[str, str],
+        start_timeout_s: float,
+        *,
+        parameters: dict[str, list[str]] | None = None,
+        answer=None,
+        role: str = "tool",
+    ):
         self.connection, child_end = context.Pipe()
         self.tool_names = set(functions)
         self.start_timeout_s = start_timeout_s
-        self.process = context.Process(target=_serve, args=(child_end, functions, cpu_budget_s(start_timeout_s),
-                                                            parameters or {}, answer or _answer),
-                                       name=f"ppoflow-{role}s", daemon=True)
+        self.process = context.Process(
+            target=_serve,
+            args=(child_end, functions, cpu_budget_s(start_timeout_s), parameters or {}, answer or _answer),
+            name=f"ppoflow-{role}s",
+            daemon=True,
+        )
         self.role = role
         try:
             self.process.start()
@@ -376,22 +406,34 @@ class Sandbox:
         try:
             message = self.receive(self.start_timeout_s)
         except ProcessEnded as ended:
-            raise SandboxFailed("start_failed", f"the {self.role} process {ended} while importing the {self.role} "
-                                                 "functions") from None
+            raise SandboxFailed(
+                "start_failed", f"the {self.role} process {ended} while importing the {self.role} functions"
+            ) from None
         if message is None:
-            raise SandboxFailed("start_failed", f"the {self.role} process did not finish importing the {self.role} "
-                                                 f"functions within {self.start_timeout_s:g} s")
+            raise SandboxFailed(
+                "start_failed",
+                f"the {self.role} process did not finish importing the {self.role} "
+                f"functions within {self.start_timeout_s:g} s",
+            )
         errors = message.get("import_errors")
-        if not isinstance(errors, dict) or not set(errors) <= self.tool_names or \
-                not all(isinstance(text, str) for text in errors.values()):
+        if (
+            not isinstance(errors, dict)
+            or not set(errors) <= self.tool_names
+            or not all(isinstance(text, str) for text in errors.values())
+        ):
             raise SandboxFailed("start_failed", f"the {self.role} process broke the message protocol")
         self.import_errors = errors
 
     def run(self, spec: ToolSpec, arguments: dict) -> tuple[str, str]:
         """Run one call in the (ready) process: ``(kind, text)`` as it answered; raises :class:`SandboxFailed`
         when it timed out or died (the caller then replaces it)."""
-        request = {"tool": spec.name, "arguments": arguments, "memory_mb": spec.memory_mb,
-                   "cpu_s": cpu_budget_s(spec.timeout_s), "max_output_chars": spec.max_output_chars}
+        request = {
+            "tool": spec.name,
+            "arguments": arguments,
+            "memory_mb": spec.memory_mb,
+            "cpu_s": cpu_budget_s(spec.timeout_s),
+            "max_output_chars": spec.max_output_chars,
+        }
         try:
             reply = self.exchange(request, spec.timeout_s)
         except ProcessEnded as ended:
@@ -457,8 +499,7 @@ class _NotSerialisable(Exception):
     """The tool returned a value that is neither ``str`` nor JSON-serialisable; the message names its type."""
 
 
-def _serve(connection, functions: dict[str, str], start_cpu_s: int, parameters: dict[str, list[str]],
-           answer) -> None:
+def _serve(connection, functions: dict[str, str], start_cpu_s: int, parameters: dict[str, list[str]], answer) -> None:
     """The main function of a tool process: import the functions (and check that each takes its schema's
     ``parameters`` by name), then ``answer`` requests until the trainer closes the pipe (or dies)."""
     threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()

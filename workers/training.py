@@ -35,10 +35,11 @@ def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torc
 def response_logits(model, batch: TensorDict) -> torch.Tensor:
     """Logits that predict each response token, [N, R, vocab] (positions P-1 ... P+R-2)."""
     input_ids, attention_mask, position_ids = sequence_inputs(batch)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
     prompt_length, response_length = batch["prompts"].shape[1], batch["responses"].shape[1]
-    return logits[:, prompt_length - 1: prompt_length + response_length - 1]
+    return logits[:, prompt_length - 1 : prompt_length + response_length - 1]
 
 
 def weights_digest(model: torch.nn.Module, parallel: DataParallel) -> str | None:
@@ -54,13 +55,15 @@ def micro_batches(batch: TensorDict, size: int | None, *, count: int | None = No
     instead (data-parallel ranks must run the same number of forward passes)."""
     if count is not None:
         if count > batch.batch_size[0]:
-            raise ValueError(f"{batch.batch_size[0]} rows cannot make {count} micro-batches (as many as another rank's)")
+            raise ValueError(
+                f"{batch.batch_size[0]} rows cannot make {count} micro-batches (as many as another rank's)"
+            )
         for rows in torch.arange(batch.batch_size[0]).tensor_split(count):
             yield trim_response_padding(batch[rows])
         return
     size = size or batch.batch_size[0]
     for start in range(0, batch.batch_size[0], size):
-        yield trim_response_padding(batch[start:start + size])
+        yield trim_response_padding(batch[start : start + size])
 
 
 def pad_responses(parts: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -72,7 +75,7 @@ def mini_batches(batch: TensorDict, size: int, *, shuffle: bool, generator: torc
     """The batch split into mini-batches of ``size`` rows, optionally in a shuffled order."""
     order = torch.randperm(batch.batch_size[0], generator=generator) if shuffle else torch.arange(batch.batch_size[0])
     for start in range(0, len(order), size):
-        yield batch[order[start:start + size]]
+        yield batch[order[start : start + size]]
 
 
 MicroLoss = Callable[[TensorDict, float, float], tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
@@ -87,19 +90,39 @@ class Learner:
     several data-parallel ranks each trains on its share of every mini-batch (:mod:`.data_parallel`).
     ``nonfinite`` is ``trainer.nonfinite``: what a mini-batch with a non-finite loss or gradient does."""
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, grad_clip: float, device: torch.device,
-                 parallel: DataParallel, nonfinite: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        *,
+        grad_clip: float,
+        device: torch.device,
+        parallel: DataParallel,
+        nonfinite: str,
+    ):
         self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
         self.nonfinite = nonfinite
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                           weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        )
         warmup = optim.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0
+        )
 
-    def train(self, batch: TensorDict, micro_loss: MicroLoss, *, epochs: int, mini_batch_size: int,
-              micro_batch_size: int | None, shuffle: bool, generator: torch.Generator, prefix: str,
-              step: int) -> dict[str, float]:
+    def train(
+        self,
+        batch: TensorDict,
+        micro_loss: MicroLoss,
+        *,
+        epochs: int,
+        mini_batch_size: int,
+        micro_batch_size: int | None,
+        shuffle: bool,
+        generator: torch.Generator,
+        prefix: str,
+        step: int,
+    ) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate the micro-batch losses of this rank's rows (normalised by
         the whole mini-batch), sum over ranks, clip, step; mean metrics.
 
@@ -127,8 +150,10 @@ class Learner:
                 totals[f"{prefix}/grad_norm"] = self._clip_gradients()
                 if nonfinite_values(totals):
                     self.optimizer.zero_grad(set_to_none=True)
-                    problem = (f"step {step} update_{prefix}, epoch {epoch + 1} of {epochs}, mini-batch {index + 1} of "
-                               f"{count}: non-finite {describe_values(totals)}")
+                    problem = (
+                        f"step {step} update_{prefix}, epoch {epoch + 1} of {epochs}, mini-batch {index + 1} of "
+                        f"{count}: non-finite {describe_values(totals)}"
+                    )
                     if self.nonfinite == "fail":
                         raise NonFiniteError(problem)
                     logger.warning("%s; its optimizer step is skipped (trainer.nonfinite=skip)", problem)
@@ -137,20 +162,26 @@ class Learner:
                 self._step()
                 totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
                 rows.append(totals)
-        return {**mean_metrics(rows), f"{prefix}/optimizer_steps": float(len(rows)),
-                f"{prefix}/nonfinite_skipped": float(skipped)}
+        return {
+            **mean_metrics(rows),
+            f"{prefix}/optimizer_steps": float(len(rows)),
+            f"{prefix}/nonfinite_skipped": float(skipped),
+        }
 
     def save(self, directory: str) -> dict[str, dict]:
         """Checkpoint the model, optimizer and LR schedule into ``directory``; manifest entries by file name
         (rank 0; others: {}). One rank writes full weights (``model.safetensors``) and ``optimizer.pt``;
         data-parallel ranks each write their shards at once (:meth:`DataParallel.save_sharded`)."""
         if self.parallel.sharded:
-            return self.parallel.save_sharded(directory, self.model, self.optimizer,
-                                              {"scheduler": self.scheduler.state_dict()})
+            return self.parallel.save_sharded(
+                directory, self.model, self.optimizer, {"scheduler": self.scheduler.state_dict()}
+            )
         names = unique_state_names(self.model)
         weights = {name: tensor for name, tensor in self.model.state_dict().items() if name in names}
-        state = {"optimizer": self.parallel.full_optimizer_state(self.model, self.optimizer),
-                 "scheduler": self.scheduler.state_dict()}
+        state = {
+            "optimizer": self.parallel.full_optimizer_state(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+        }
         return save_module(directory, weights, state)
 
     def load(self, directory: str, entries: dict[str, dict]) -> None:
@@ -158,8 +189,11 @@ class Learner:
         if "model.safetensors" not in entries:
             state = DataParallel.load_sharded(directory, entries, self.model, self.optimizer)
         else:
-            shapes = {name: tensor.shape for name, tensor in self.model.state_dict().items()
-                      if name in unique_state_names(self.model)}
+            shapes = {
+                name: tensor.shape
+                for name, tensor in self.model.state_dict().items()
+                if name in unique_state_names(self.model)
+            }
             weights, state = load_module(directory, entries, shapes)
             self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -179,4 +213,6 @@ class Learner:
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     """Average each metric over the mini-batches that reported it."""
     names = {name for row in rows for name in row}
-    return {name: sum(row[name] for row in rows if name in row) / sum(name in row for row in rows) for name in sorted(names)}
+    return {
+        name: sum(row[name] for row in rows if name in row) / sum(name in row for row in rows) for name in sorted(names)
+    }

@@ -56,7 +56,7 @@ from tensordict import TensorDict
 
 from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.models import set_up_worker_process, load_tokenizer, local_model_dir
+from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
 from ppoflow.workers.rollout import SamplingParams, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
@@ -70,8 +70,14 @@ SEED_SPACE = 2**62
 """Request seeds stay below ``SEED_SPACE + rows`` (well inside torch's 64-bit generator seeds)."""
 
 
-def rollout_batch(token_ids: Sequence[Sequence[int]], log_probs: Sequence[Sequence[float]], *, width: int,
-                  eos_token_id: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+def rollout_batch(
+    token_ids: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    *,
+    width: int,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
     """The response fields of the step batch from per-trajectory token ids and their log-probs.
 
     Same layout as the HF engine: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
@@ -108,12 +114,22 @@ def request_seeds(seed: int, step: int, prompts: int, n: int) -> list[int]:
 
 def sampling_kwargs(sampling: SamplingParams, *, eos_token_id: int) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one request (seed aside)."""
-    common = {"max_tokens": sampling.max_new_tokens, "logprobs": 0, "stop_token_ids": [eos_token_id],
-              "ignore_eos": False, "detokenize": False}
+    common = {
+        "max_tokens": sampling.max_new_tokens,
+        "logprobs": 0,
+        "stop_token_ids": [eos_token_id],
+        "ignore_eos": False,
+        "detokenize": False,
+    }
     if sampling.greedy:  # vLLM allows only n=1 at temperature 0; generate() repeats the completion n times
         return {**common, "n": 1, "temperature": 0.0}
-    return {**common, "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1}
+    return {
+        **common,
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+    }
 
 
 def engine_kwargs(cfg: PPOConfig) -> dict:
@@ -146,8 +162,10 @@ class VLLMRolloutWorker:
         set_up_worker_process(rollout.resources)
         version = installed_vllm_version()
         if version is None or not vllm_version_supported(version):
-            raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vllm>={VLLM_MIN_VERSION} on the machine "
-                              f"that runs the rollout worker (found {version or 'none'}); install 'ppoflow[vllm]'")
+            raise ImportError(
+                f"actor_rollout_ref.rollout.name=vllm needs vllm>={VLLM_MIN_VERSION} on the machine "
+                f"that runs the rollout worker (found {version or 'none'}); install 'ppoflow[vllm]'"
+            )
         from vllm import LLM
 
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
@@ -164,14 +182,18 @@ class VLLMRolloutWorker:
 
         count = prompts.batch_size[0]
         repeated = prompts.select("prompts", "prompt_mask")[torch.arange(count).repeat_interleave(sampling.n)]
-        requests = [{"prompt_token_ids": row[mask].tolist()}
-                    for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())]
+        requests = [
+            {"prompt_token_ids": row[mask].tolist()}
+            for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())
+        ]
         kwargs = sampling_kwargs(sampling, eos_token_id=self.eos_token_id)
         if sampling.greedy:
             params = [VLLMSamplingParams(**kwargs) for _ in range(count)]
         else:
-            params = [VLLMSamplingParams(**kwargs, seed=seed)
-                      for seed in request_seeds(sampling.seed, step, count, sampling.n)]
+            params = [
+                VLLMSamplingParams(**kwargs, seed=seed)
+                for seed in request_seeds(sampling.seed, step, count, sampling.n)
+            ]
         outputs = self.llm.generate(requests, params, use_tqdm=False) if count else []
         if len(outputs) != count:
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {count} prompts")
@@ -185,12 +207,19 @@ class VLLMRolloutWorker:
             for completion in completions:
                 token_ids.append(list(completion.token_ids))
                 log_probs.append(_sampled_log_probs(completion))
-        repeated.update({
-            **rollout_batch(token_ids, log_probs, width=sampling.max_new_tokens, eos_token_id=self.eos_token_id,
-                            pad_token_id=self.pad_token_id),
-            "weight_version": torch.full((count * sampling.n,), self.weight_version, dtype=torch.int64),
-            "group_index": torch.arange(count).repeat_interleave(sampling.n),
-        })
+        repeated.update(
+            {
+                **rollout_batch(
+                    token_ids,
+                    log_probs,
+                    width=sampling.max_new_tokens,
+                    eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id,
+                ),
+                "weight_version": torch.full((count * sampling.n,), self.weight_version, dtype=torch.int64),
+                "group_index": torch.arange(count).repeat_interleave(sampling.n),
+            }
+        )
         return repeated
 
     def apply_weights(self, update: WeightUpdate) -> int:
@@ -220,7 +249,8 @@ class VLLMRolloutWorker:
 _COLLECTIVE_UNSUPPORTED = (
     "actor_rollout_ref.rollout.weight_sync.backend={backend} is not supported with rollout.name=vllm: vLLM's GPU "
     "workers are processes of the engine, outside the Ray collective group that backend broadcasts in; set "
-    "actor_rollout_ref.rollout.weight_sync.backend=object_store")
+    "actor_rollout_ref.rollout.weight_sync.backend=object_store"
+)
 
 
 def _sampled_log_probs(completion) -> list[float]:
@@ -245,14 +275,15 @@ def bucket_bytes(layout: Sequence[TensorSlot], arrays: Sequence) -> bytes:
     return b"".join(memoryview(raw).cast("B") for raw in arrays)
 
 
-def bucket_tensors(bucket: torch.Tensor, slots: Sequence[tuple[str, str, Sequence[int], int, int]]
-                   ) -> list[tuple[str, torch.Tensor]]:
+def bucket_tensors(
+    bucket: torch.Tensor, slots: Sequence[tuple[str, str, Sequence[int], int, int]]
+) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into a flat ``uint8`` bucket (on any device) for ``(name, dtype, shape,
     offset, nbytes)`` slots; a slot not aligned to its element size is copied first."""
     weights = []
     for name, dtype, shape, offset, nbytes in slots:
         torch_dtype = getattr(torch, dtype)
-        piece = bucket[offset:offset + nbytes]
+        piece = bucket[offset : offset + nbytes]
         if offset % torch_dtype.itemsize:
             piece = piece.clone()
         weights.append((name, piece.view(torch_dtype).view(tuple(shape))))
@@ -278,4 +309,3 @@ class VLLMWeightLoader:
         loaded = model.load_weights(weights=bucket_tensors(device_bucket, slots))
         torch.cuda.synchronize(self.device)
         return len(loaded) if loaded is not None else len(slots)
-

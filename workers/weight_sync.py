@@ -78,14 +78,14 @@ def pack(state: dict[str, torch.Tensor], layout: list[TensorSlot], device: torch
     """Copy the layout's tensors into one flat ``uint8`` bucket on ``device``."""
     bucket = torch.empty(bucket_size(layout), dtype=torch.uint8, device=device)
     for slot in layout:
-        bucket[slot.offset:slot.offset + slot.nbytes].copy_(state[slot.name].detach().reshape(-1).view(torch.uint8))
+        bucket[slot.offset : slot.offset + slot.nbytes].copy_(state[slot.name].detach().reshape(-1).view(torch.uint8))
     return bucket
 
 
 def unpack_into(state: dict[str, torch.Tensor], layout: list[TensorSlot], bucket: torch.Tensor) -> None:
     """Copy each slot of a packed ``bucket`` into the tensor of the same name (in place)."""
     for slot in layout:
-        source = bucket[slot.offset:slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
+        source = bucket[slot.offset : slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
         state[slot.name].copy_(source, non_blocking=True)
 
 
@@ -109,8 +109,11 @@ class WeightSender:
         with ``delta``) and its source tensors."""
         state = {name: tensor.detach() for name, tensor in weights.items()}
         if self.sync.delta:
-            state = {name: tensor for name, tensor in state.items()
-                     if name not in self.last_sent or not torch.equal(tensor, self.last_sent[name])}
+            state = {
+                name: tensor
+                for name, tensor in state.items()
+                if name not in self.last_sent or not torch.equal(tensor, self.last_sent[name])
+            }
         if self.keep_copy:
             self.last_sent.update({name: tensor.clone() for name, tensor in state.items()})
             self.last_version = version
@@ -137,8 +140,9 @@ class WeightSender:
     def _update(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
         update = WeightUpdate(version, plan_buckets(state.items(), self.sync.bucket_mb * 2**20))
         if self.sync.backend == "object_store":
-            update.payloads = [_publish([_raw_bytes(state[slot.name].cpu()) for slot in layout])
-                               for layout in update.layouts]
+            update.payloads = [
+                _publish([_raw_bytes(state[slot.name].cpu()) for slot in layout]) for layout in update.layouts
+            ]
         return update
 
 

@@ -44,8 +44,14 @@ def code_version() -> dict[str, str | None]:
         package = None
     checkout = Path(__file__).resolve().parents[2]
     try:
-        toplevel, commit = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=checkout,
-                                          capture_output=True, text=True, timeout=10, check=True).stdout.split()
+        toplevel, commit = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError, ValueError):
         commit = None
     else:  # not the commit of some repository the package happens to be installed inside
@@ -56,8 +62,12 @@ def code_version() -> dict[str, str | None]:
 def cache_overrides(directory: str, steps: int) -> list[str]:
     """The rollout-cache overrides shared by the recording and its replays."""
     key = f"skip.{ROLLOUT_STAGE}"
-    return [f"{key}.enable=true", f"{key}.action=cache", f"{key}.dump_dir={join(directory, 'cache')}",
-            f"{key}.steps=[{','.join(str(step) for step in range(1, steps + 1))}]"]
+    return [
+        f"{key}.enable=true",
+        f"{key}.action=cache",
+        f"{key}.dump_dir={join(directory, 'cache')}",
+        f"{key}.steps=[{','.join(str(step) for step in range(1, steps + 1))}]",
+    ]
 
 
 def config_name(config: str | None) -> str:
@@ -87,8 +97,10 @@ def load_baseline(directory: str) -> dict:
     fs, root = open_fs(directory)
     path = f"{root}/{BASELINE_FILE}"
     if not fs.exists(path):
-        raise ReplayError(f"no replay baseline at {join(directory, BASELINE_FILE)}; "
-                          f"record one first: ppoflow replay record --dir {directory} [key=value ...]")
+        raise ReplayError(
+            f"no replay baseline at {join(directory, BASELINE_FILE)}; "
+            f"record one first: ppoflow replay record --dir {directory} [key=value ...]"
+        )
     try:
         baseline = json.loads(fs.cat_file(path).decode())
     except ValueError as error:
@@ -100,8 +112,8 @@ def load_baseline(directory: str) -> dict:
 
 def missing_cache_steps(cfg: PPOConfig, steps: int) -> list[tuple[int, str]]:
     """``(step, reason)`` for each of steps 1..``steps`` without a valid rollout entry in ``cfg``'s cache."""
-    from ppoflow.storage.step_cache import StepCache
     from ppoflow.configs.cache_settings import run_cache_dir, storage_settings
+    from ppoflow.storage.step_cache import StepCache
 
     skip = cfg.skip[ROLLOUT_STAGE]
     cache = StepCache(run_cache_dir(skip, cfg), storage_options=storage_settings(skip))

@@ -14,8 +14,14 @@ from typing import Any
 from ppoflow.flows.replay.compare import ReplayMismatch, tolerance_for
 
 
-def check(directory: str, overrides: Sequence[str] = (), tolerances: Mapping[str, float] | None = None, *,
-          out=None, max_rows: int = 50) -> bool:
+def check(
+    directory: str,
+    overrides: Sequence[str] = (),
+    tolerances: Mapping[str, float] | None = None,
+    *,
+    out=None,
+    max_rows: int = 50,
+) -> bool:
     """Run the ``regression-replay`` flow and print its verdict (and up to ``max_rows`` mismatches);
     returns whether every step matched. A missing baseline or a bad override raises before the flow starts."""
     from ppoflow.configs import load_config
@@ -25,17 +31,25 @@ def check(directory: str, overrides: Sequence[str] = (), tolerances: Mapping[str
 
     out = out or sys.stdout
     baseline = load_baseline(directory)
-    load_config(baseline["config"], replay_overrides(normalize_url(directory), baseline, overrides,
-                                                     join(normalize_url(directory), "replays", "check")))
+    load_config(
+        baseline["config"],
+        replay_overrides(
+            normalize_url(directory), baseline, overrides, join(normalize_url(directory), "replays", "check")
+        ),
+    )
     from prefect import tags
 
     with tags("replay"):  # the check's flow run, and the training run inside it
-        state = regression_replay(directory=directory, overrides=list(overrides), tolerances=dict(tolerances or {}),
-                                  return_state=True)
+        state = regression_replay(
+            directory=directory, overrides=list(overrides), tolerances=dict(tolerances or {}), return_state=True
+        )
     if state.is_completed():
         summary = state.result()
-        print(f"replay of {summary['directory']}: all {summary['steps']} steps match the baseline "
-              f"({summary['metrics_compared']} metrics each)", file=out)
+        print(
+            f"replay of {summary['directory']}: all {summary['steps']} steps match the baseline "
+            f"({summary['metrics_compared']} metrics each)",
+            file=out,
+        )
         return True
     try:
         error = state.result(raise_on_failure=False)
@@ -52,16 +66,29 @@ def check(directory: str, overrides: Sequence[str] = (), tolerances: Mapping[str
 
 def format_table(mismatches: list[dict], tolerances: Mapping[str, float], *, max_rows: int = 50) -> str:
     """Mismatch rows as aligned text, floats in full precision."""
+
     def cell(value) -> str:
         return "-" if value is None else repr(value) if isinstance(value, float) else str(value)
 
     header = ("step", "metric", "baseline", "value", "difference", "tolerance")
-    lines = [header] + [(cell(row["step"]), row["metric"], cell(row["baseline"]), cell(row["value"]),
-                         cell(row["difference"]), cell(tolerance_for(row["metric"], tolerances)))
-                        for row in mismatches[:max_rows]]
+    lines = [header] + [
+        (
+            cell(row["step"]),
+            row["metric"],
+            cell(row["baseline"]),
+            cell(row["value"]),
+            cell(row["difference"]),
+            cell(tolerance_for(row["metric"], tolerances)),
+        )
+        for row in mismatches[:max_rows]
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(value.rjust(width) if i != 1 else value.ljust(width) for i, (value, width)
-                      in enumerate(zip(line, widths))) for line in lines]
+    text = [
+        "  ".join(
+            value.rjust(width) if i != 1 else value.ljust(width) for i, (value, width) in enumerate(zip(line, widths))
+        )
+        for line in lines
+    ]
     if len(mismatches) > max_rows:
         text.append(f"... and {len(mismatches) - max_rows} more")
     return "\n".join(text)
@@ -79,28 +106,40 @@ def parse_tolerances(words: Sequence[str]) -> dict[str, float]:
         except ValueError:
             tolerance = -1.0
         if not metric or not (tolerance >= 0):
-            raise ReplayError(f"--tolerance {word!r}: expected METRIC=VALUE with VALUE a number >= 0 "
-                              "(METRIC a name, or a prefix ending in '/')")
+            raise ReplayError(
+                f"--tolerance {word!r}: expected METRIC=VALUE with VALUE a number >= 0 "
+                "(METRIC a name, or a prefix ending in '/')"
+            )
         tolerances[metric] = tolerance
     return tolerances
 
 
 def add_commands(subparsers) -> Any:
     """Add ``replay record`` and ``replay check`` to the CLI's subparsers; returns the command handler."""
-    replay = subparsers.add_parser("replay", help="record a golden baseline of a few steps, or check the trainer "
-                                                  "against one by replaying its rollouts")
+    replay = subparsers.add_parser(
+        "replay",
+        help="record a golden baseline of a few steps, or check the trainer against one by replaying its rollouts",
+    )
     commands = replay.add_subparsers(dest="replay_command", required=True)
-    recorder = commands.add_parser("record", help="train N steps (trainer.total_training_steps) into a rollout "
-                                                  "cache and write DIR/baseline.json")
+    recorder = commands.add_parser(
+        "record", help="train N steps (trainer.total_training_steps) into a rollout cache and write DIR/baseline.json"
+    )
     recorder.add_argument("--dir", required=True, dest="directory", help="baseline folder (local path or fsspec URL)")
     recorder.add_argument("--config", default=None, help="preset name or YAML path (default: grpo_tiny)")
     recorder.add_argument("--force", action="store_true", help="replace an existing baseline and cache in DIR")
     recorder.add_argument("overrides", nargs="*", help="key=value overrides, lists as key=[1,2,3]")
-    checker = commands.add_parser("check", help="replay DIR's steps from its cache and compare every metric "
-                                                "with the baseline (exit 1 on a mismatch)")
+    checker = commands.add_parser(
+        "check",
+        help="replay DIR's steps from its cache and compare every metric with the baseline (exit 1 on a mismatch)",
+    )
     checker.add_argument("--dir", required=True, dest="directory", help="baseline folder written by replay record")
-    checker.add_argument("--tolerance", action="append", default=[], metavar="METRIC=VALUE",
-                         help="allowed absolute difference for a metric, or a prefix ending in '/' (default: exact)")
+    checker.add_argument(
+        "--tolerance",
+        action="append",
+        default=[],
+        metavar="METRIC=VALUE",
+        help="allowed absolute difference for a metric, or a prefix ending in '/' (default: exact)",
+    )
     checker.add_argument("overrides", nargs="*", help="extra key=value overrides on top of the baseline's")
     return run_command
 
@@ -115,9 +154,11 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if args.replay_command == "record":
             baseline = record(args.directory, args.config, args.overrides, force=args.force)
-            print(f"recorded {baseline['steps']} steps into {normalize_url(args.directory)} "
-                  f"(baseline.json, config {baseline['config_fingerprint'][:12]}, "
-                  f"commit {baseline['code_version']['git_commit'] or 'unknown'})")
+            print(
+                f"recorded {baseline['steps']} steps into {normalize_url(args.directory)} "
+                f"(baseline.json, config {baseline['config_fingerprint'][:12]}, "
+                f"commit {baseline['code_version']['git_commit'] or 'unknown'})"
+            )
             return 0
         return 0 if check(args.directory, args.overrides, parse_tolerances(args.tolerance)) else 1
     except (ReplayError, ConfigError) as error:

@@ -33,8 +33,13 @@ def tolerance_for(metric: str, tolerances: Mapping[str, float]) -> float:
     return float(tolerances[max(prefixes, key=len)]) if prefixes else 0.0
 
 
-def compare(baseline_rows: Sequence[Mapping], rows: Sequence[Mapping], tolerances: Mapping[str, float] | None = None,
-            *, ignored: Sequence[str] = DEFAULT_IGNORED) -> list[dict]:
+def compare(
+    baseline_rows: Sequence[Mapping],
+    rows: Sequence[Mapping],
+    tolerances: Mapping[str, float] | None = None,
+    *,
+    ignored: Sequence[str] = DEFAULT_IGNORED,
+) -> list[dict]:
     """Mismatches of ``rows`` against ``baseline_rows`` (both ``read_metrics`` rows, keyed by ``step``).
 
     For every step of the baseline and every metric of either side not under an ``ignored`` prefix, the
@@ -57,8 +62,9 @@ def compare(baseline_rows: Sequence[Mapping], rows: Sequence[Mapping], tolerance
             before, after = expected.get(name, MISSING), actual.get(name, MISSING)
             difference = _difference(before, after)
             if difference is None or difference > tolerance_for(name, tolerances):
-                mismatches.append({"step": step, "metric": name, "baseline": before, "value": after,
-                                   "difference": difference})
+                mismatches.append(
+                    {"step": step, "metric": name, "baseline": before, "value": after, "difference": difference}
+                )
     return mismatches
 
 

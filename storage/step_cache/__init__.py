@@ -30,8 +30,19 @@ from ppoflow.storage.step_cache.scan import CacheEntry, check_root, scan
 
 _LAZY = {"remap_to_prompts": "remap", "CacheCorrupt": "store", "CacheWriteError": "store", "StepCache": "store"}
 
-__all__ = ["ROLLOUT_STAGE", "CacheCorrupt", "CacheEntry", "CacheWriteError", "StepCache", "check_root", "config_dir",
-           "marker_name", "payload_name", "remap_to_prompts", "scan"]
+__all__ = [
+    "ROLLOUT_STAGE",
+    "CacheCorrupt",
+    "CacheEntry",
+    "CacheWriteError",
+    "StepCache",
+    "check_root",
+    "config_dir",
+    "marker_name",
+    "payload_name",
+    "remap_to_prompts",
+    "scan",
+]
 
 
 def __getattr__(name: str):

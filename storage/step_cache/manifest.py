@@ -26,8 +26,9 @@ SAMPLE_STAGE = "async_rollout"
 :mod:`.sample_cache`)."""
 ACTIONS = ("cache", "repeat")
 
-STEP_MARKER = MarkerFormat(version=2, fields={"stage": str, "global_steps": int, "num_trajectories": int,
-                                              "created_at": str})
+STEP_MARKER = MarkerFormat(
+    version=2, fields={"stage": str, "global_steps": int, "num_trajectories": int, "created_at": str}
+)
 """Version 2 lists the payload under ``files`` like every marker (version 1 entries read as invalid
 and are regenerated)."""
 
@@ -41,8 +42,16 @@ STEP_DIR_NAME = re.compile(r"0|-?[1-9][0-9]*")
 STAGE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def config_dir(dump_dir: str, *, experiment_name: str, project_name: str, gbs: int, n: int,
-               max_prompt_length: int, max_response_length: int) -> str:
+def config_dir(
+    dump_dir: str,
+    *,
+    experiment_name: str,
+    project_name: str,
+    gbs: int,
+    n: int,
+    max_prompt_length: int,
+    max_response_length: int,
+) -> str:
     """URL of the cache directory of one run configuration (verl's ``project_dir``)."""
     project = f"{experiment_name}_{project_name}"
     if "/" in project:
@@ -164,6 +173,7 @@ def judge(step: int, stage: str, marker: bytes | Exception | None, payload_size:
         manifest = decode_manifest(marker)
     except ValueError as error:
         return invalid(f"unreadable {marker_file}: {error}")
-    problem = manifest_mismatch(manifest, step, stage) or size_problem({payload_name(stage): payload_size},
-                                                                       manifest["files"])
+    problem = manifest_mismatch(manifest, step, stage) or size_problem(
+        {payload_name(stage): payload_size}, manifest["files"]
+    )
     return invalid(problem) if problem else StepStatus(step, True, "", nbytes)

@@ -25,7 +25,7 @@ import hashlib
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.filesystems import WritableFileSystem
@@ -81,7 +81,7 @@ class EntryCheck(BaseModel):
     requires: dict = Field(default_factory=dict)
     identity: dict = Field(default_factory=dict)
     allow_mismatch: bool = False
-    max_bytes: Optional[int] = None
+    max_bytes: int | None = None
 
     def load(self, marker: bytes) -> StageRecord:
         """The entry whose marker is ``marker``: its payload read once and verified, and matched against
@@ -106,9 +106,14 @@ class EntryCheck(BaseModel):
 def describe(manifest: dict) -> None:
     """Log what an entry holds (on the task run that replays it)."""
     versions = manifest.get("weight_version")
-    logger.info("cached %s of step %d: %d trajectories, written %s%s", manifest["stage"], manifest["global_steps"],
-                manifest["num_trajectories"], manifest["created_at"],
-                f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "")
+    logger.info(
+        "cached %s of step %d: %d trajectories, written %s%s",
+        manifest["stage"],
+        manifest["global_steps"],
+        manifest["num_trajectories"],
+        manifest["created_at"],
+        f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "",
+    )
 
 
 class ManifestSerializer(Serializer):
@@ -116,7 +121,7 @@ class ManifestSerializer(Serializer):
     ``check``, the whole entry, loaded and checked (:meth:`EntryCheck.load`)."""
 
     type: Literal["ppoflow-step-manifest"] = "ppoflow-step-manifest"
-    check: Optional[EntryCheck] = None
+    check: EntryCheck | None = None
 
     def dumps(self, obj: Any) -> bytes:
         if not isinstance(obj, StageRecord) or obj.manifest is None:
@@ -150,8 +155,7 @@ class StepCacheStorage(WritableFileSystem):
     def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
         fs, root = open_fs(self.basepath, self.settings)
         url = join(root, path)
-        write_with_retries(url, lambda: atomic_write(fs, url, content), retries=3, backoff_s=0.5,
-                           error=CacheWriteError)
+        write_with_retries(url, lambda: atomic_write(fs, url, content), retries=3, backoff_s=0.5, error=CacheWriteError)
         return url
 
     async def aread_path(self, path: str) -> bytes:
@@ -176,14 +180,18 @@ class DerivedRecords(WritableFileSystem):
 
     basepath: str
     settings: dict = Field(default_factory=dict)
-    storage_block_id: Optional[uuid.UUID] = None
-    check: Optional[EntryCheck] = None
+    storage_block_id: uuid.UUID | None = None
+    check: EntryCheck | None = None
 
     def read_path(self, path: str, _sync: bool | None = None) -> bytes:
         config_path, step, stage = parse_marker_key(path)
         StepCache(join(self.basepath, config_path), stage=stage, storage_options=self.settings).manifest(step)
-        return ResultRecordMetadata(storage_key=path, expiration=None, serializer=ManifestSerializer(check=self.check),
-                                    storage_block_id=self.storage_block_id).dump_bytes()
+        return ResultRecordMetadata(
+            storage_key=path,
+            expiration=None,
+            serializer=ManifestSerializer(check=self.check),
+            storage_block_id=self.storage_block_id,
+        ).dump_bytes()
 
     def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
         return path
@@ -204,8 +212,9 @@ class PrefectStore:
         # cache stays valid when the folder is mounted elsewhere. One block per root and options.
         name = hashlib.sha256(f"{dump_dir}|{sorted(settings.items())}".encode()).hexdigest()[:16]
         self.result_storage.save(f"ppoflow-cache-{name}", overwrite=True)
-        self.key_storage = DerivedRecords(basepath=dump_dir, settings=settings,
-                                          storage_block_id=self.result_storage._block_document_id)
+        self.key_storage = DerivedRecords(
+            basepath=dump_dir, settings=settings, storage_block_id=self.result_storage._block_document_id
+        )
 
     def task_options(self, key: str, *, check: EntryCheck | None = None) -> dict:
         """``with_options`` arguments that make a stage task a persisted Prefect cache entry at ``key``:
@@ -227,6 +236,12 @@ class PrefectStore:
         records = self.key_storage if check is None else self.key_storage.model_copy(update={"check": check})
         policy = CacheKeyFnPolicy(cache_key_fn=step_key).configure(key_storage=records)
         replay = {} if check is None else {"retries": 0}
-        return {"cache_policy": policy, "result_storage": self.result_storage,
-                "result_serializer": ManifestSerializer(), "persist_result": True, "cache_result_in_memory": False,
-                "refresh_cache": check is None, **replay}
+        return {
+            "cache_policy": policy,
+            "result_storage": self.result_storage,
+            "result_serializer": ManifestSerializer(),
+            "persist_result": True,
+            "cache_result_in_memory": False,
+            "refresh_cache": check is None,
+            **replay,
+        }

@@ -74,8 +74,19 @@ class SampleCache:
     tokenizer the rollout samples with (:func:`~ppoflow.storage.fingerprints.model_identities`);
     ``storage_options`` should carry client timeouts (:func:`~ppoflow.storage.bounded.client_timeouts`)."""
 
-    def __init__(self, root: str, *, indexes: list[int], action: str, storage_options: dict, timeout_s: float,
-                 retries: int, allow_mismatch: bool, models: dict, max_entry_bytes: int):
+    def __init__(
+        self,
+        root: str,
+        *,
+        indexes: list[int],
+        action: str,
+        storage_options: dict,
+        timeout_s: float,
+        retries: int,
+        allow_mismatch: bool,
+        models: dict,
+        max_entry_bytes: int,
+    ):
         self.indexes, self.action, self.timeout_s = frozenset(indexes), action, timeout_s
         self.allow_mismatch, self.models, self.max_entry_bytes = allow_mismatch, models, max_entry_bytes
         self.entries = StepCache(root, stage=SAMPLE_STAGE, storage_options=storage_options, write_retries=retries)
@@ -89,8 +100,11 @@ class SampleCache:
         """The recorded group that serves ``sample`` (its prompt and ``sampling``, the rollout's settings)
         under the cache's action, if any."""
         try:
-            return bounded(lambda: self._lookup(feed_index(sample), prompt_ids, sampling), timeout_s=self.timeout_s,
-                           what=f"looking up {sample} in {self.entries.root}")
+            return bounded(
+                lambda: self._lookup(feed_index(sample), prompt_ids, sampling),
+                timeout_s=self.timeout_s,
+                what=f"looking up {sample} in {self.entries.root}",
+            )
         except Exception as error:  # unreachable, stalled, or answering garbage: generate without it
             logger.warning("the sample cache cannot be read (%r); generating %s", error, sample)
             return Lookup(None, "read_failed")
@@ -101,8 +115,11 @@ class SampleCache:
         index = feed_index(sample)
         meta = {**meta, **self._requires(prompt_ids, sampling), "sample_id": sample}
         try:
-            bounded(lambda: self.entries.write(index, group, meta=meta), timeout_s=self.timeout_s,
-                    what=f"writing {self.entries.payload_url(index)}")
+            bounded(
+                lambda: self.entries.write(index, group, meta=meta),
+                timeout_s=self.timeout_s,
+                what=f"writing {self.entries.payload_url(index)}",
+            )
         except Exception as error:
             logger.warning("could not cache %s: %s", sample, error)
             return False
@@ -128,7 +145,10 @@ class SampleCache:
         other_identity = recorded_differences(requires, manifest)
         tolerated = not wrong_prompt and (not other_identity or self.allow_mismatch)
         if wrong_prompt or other_identity:
-            logger.warning("cached sample %d does not match this run (%s); %s", load_index,
-                           "; ".join(wrong_prompt + other_identity),
-                           "replaying it anyway (skip.async_rollout.allow_mismatch)" if tolerated else "generating it")
+            logger.warning(
+                "cached sample %d does not match this run (%s); %s",
+                load_index,
+                "; ".join(wrong_prompt + other_identity),
+                "replaying it anyway (skip.async_rollout.allow_mismatch)" if tolerated else "generating it",
+            )
         return Lookup(group, "hit") if tolerated else Lookup(None, "miss")

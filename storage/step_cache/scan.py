@@ -46,7 +46,7 @@ def scan(dump_dir: str, storage_options: dict | None = None, *, verify: bool = F
     the whole payload, check its sha256 and decode it, so an entry listed valid is one a run would
     replay. That costs one full read of the cache.
     """
-    from ppoflow.storage.step_cache.store import Candidate, CacheCorrupt, StepCache, judge_listed
+    from ppoflow.storage.step_cache.store import CacheCorrupt, Candidate, StepCache, judge_listed
 
     fs, root_path = open_fs(dump_dir, storage_options)
     keyed: list[tuple[str, str, Candidate]] = []
@@ -54,16 +54,18 @@ def scan(dump_dir: str, storage_options: dict | None = None, *, verify: bool = F
         if not STEP_DIR_NAME.fullmatch(step_dir):
             continue
         for stage in {stage for name in files if (stage := stage_of(name)) is not None}:
-            keyed.append((project, config, Candidate(join(root_path, project, config, step_dir), int(step_dir),
-                                                     stage, files)))
+            keyed.append(
+                (project, config, Candidate(join(root_path, project, config, step_dir), int(step_dir), stage, files))
+            )
     statuses = judge_listed(fs, [candidate for _, _, candidate in keyed])
     entries = []
     for (project, config, candidate), status in zip(keyed, statuses):
         valid, reason = status.valid, status.reason
         if verify and valid:
             try:
-                StepCache(join(dump_dir, project, config), stage=candidate.stage,
-                          storage_options=storage_options).load(status.step)
+                StepCache(join(dump_dir, project, config), stage=candidate.stage, storage_options=storage_options).load(
+                    status.step
+                )
             except CacheCorrupt as error:
                 valid, reason = False, error.reason
         entries.append(CacheEntry(project, config, candidate.stage, status.step, valid, reason, status.nbytes))

@@ -60,8 +60,11 @@ class StepDump:
             versions = result.fields["weight_version"]
             meta["weight_version"] = {"min": int(versions.min()), "max": int(versions.max())}
         try:
-            manifest = bounded(lambda: self.cache.write_payload(self.step, result.fields, meta=meta),
-                               timeout_s=self.timeout_s, what=f"writing {self.cache.payload_url(self.step)}")
+            manifest = bounded(
+                lambda: self.cache.write_payload(self.step, result.fields, meta=meta),
+                timeout_s=self.timeout_s,
+                what=f"writing {self.cache.payload_url(self.step)}",
+            )
         except Exception as error:  # CacheWriteError after its retries, a stall, a client error
             logger.warning("could not cache %s of step %d: %s", self.cache.stage, self.step, error)
             return StageRecord(result.fields, {**result.metrics, f"skip/{self.cache.stage}/dump_failed": 1.0})
@@ -80,8 +83,9 @@ class ReplayOnly:
 
     def refusal(self) -> CacheEntryRejected:
         reason = self.cache.status(self.step).reason or "it changed while being read"
-        return rejection(f"no valid {self.cache.stage} cache entry to replay at {self.cache.step_url(self.step)} "
-                         f"({reason})")
+        return rejection(
+            f"no valid {self.cache.stage} cache entry to replay at {self.cache.step_url(self.step)} ({reason})"
+        )
 
 
 def cacheable(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
@@ -97,8 +101,9 @@ def cacheable(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
         result = stage(*args, **kwargs)
         return result if dump is None else dump.write(result)
 
-    dump = inspect.Parameter("dump", inspect.Parameter.KEYWORD_ONLY, default=None,
-                             annotation="StepDump | ReplayOnly | None")
+    dump = inspect.Parameter(
+        "dump", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="StepDump | ReplayOnly | None"
+    )
     run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), dump])
     return run
 
@@ -149,15 +154,27 @@ class StageCache:
     planned step the run reached (its first call: a step's first round).
     """
 
-    def __init__(self, key: str, dump_dir: str, root: str, *, steps: list[int], action: str,
-                 storage_options: dict, timeout_s: float, retries: int, allow_mismatch: bool, max_entry_bytes: int):
+    def __init__(
+        self,
+        key: str,
+        dump_dir: str,
+        root: str,
+        *,
+        steps: list[int],
+        action: str,
+        storage_options: dict,
+        timeout_s: float,
+        retries: int,
+        allow_mismatch: bool,
+        max_entry_bytes: int,
+    ):
         self.key, self.steps, self.action = key, frozenset(steps), action
         self.timeout_s, self.allow_mismatch, self.max_entry_bytes = timeout_s, allow_mismatch, max_entry_bytes
         options = client_timeouts(dump_dir, storage_options, timeout_s=timeout_s, retries=retries)
         self.entries = StepCache(root, stage=key, storage_options=options, write_retries=retries)
         remove_stale_temp_files(*open_fs(self.entries.root, options))  # left by writes a crash interrupted
         self.dump_dir, self.storage_options = dump_dir, options
-        self.prefix = self.entries.root[len(dump_dir):].strip("/")
+        self.prefix = self.entries.root[len(dump_dir) :].strip("/")
         self.store = PrefectStore(dump_dir, options)
         self.outcomes: dict[int, StepOutcome] = {}
 
@@ -187,9 +204,16 @@ class StageCache:
 
     def check(self, plan: CachePlan, requires: dict, identity: dict) -> EntryCheck:
         """What the planned entry must pass to be replayed (see :class:`~.prefect.EntryCheck`)."""
-        return EntryCheck(root=self.entries.root, stage=self.key, step=plan.load_step, settings=self.storage_options,
-                          requires=requires, identity=identity, allow_mismatch=self.allow_mismatch,
-                          max_bytes=self.max_entry_bytes)
+        return EntryCheck(
+            root=self.entries.root,
+            stage=self.key,
+            step=plan.load_step,
+            settings=self.storage_options,
+            requires=requires,
+            identity=identity,
+            allow_mismatch=self.allow_mismatch,
+            max_bytes=self.max_entry_bytes,
+        )
 
     def note(self, step: int, outcome: str, detail: str = "") -> None:
         """Record what became of planned ``step`` (its first call only)."""
@@ -219,10 +243,18 @@ class PendingStage:
         return pending
 
 
-def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | None = None,
-                requires: dict | None = None, identity: dict | None = None,
-                fit: Callable[[TensorDict], TensorDict] | None = None, background: bool = False,
-                **kwargs) -> PendingStage:
+def start_stage(
+    cache: StageCache | None,
+    task,
+    step: int,
+    *args,
+    meta: dict | None = None,
+    requires: dict | None = None,
+    identity: dict | None = None,
+    fit: Callable[[TensorDict], TensorDict] | None = None,
+    background: bool = False,
+    **kwargs,
+) -> PendingStage:
     """Start ``task(*args, **kwargs)`` for ``step``, replaying or dumping its result as ``cache`` says.
 
     ``background`` submits the task as a Prefect future (one-step-off generation); a replay is never
@@ -243,11 +275,16 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
         extra = {**miss, **(metrics or {})}
         if plan is None:
             extra[f"skip/{cache.key}/read_failed"] = 1.0
-            return _launch(task, args, kwargs, background, lambda result: StageResult(result.fields,
-                                                                                      {**result.metrics, **extra}))
-        return _launch(task.with_options(**cache.task_options(plan)), args,
-                       {**kwargs, "dump": StepDump(cache.entries, step, meta, cache.timeout_s)}, background,
-                       lambda record: StageResult(record.fields, {**record.metrics, **extra}))
+            return _launch(
+                task, args, kwargs, background, lambda result: StageResult(result.fields, {**result.metrics, **extra})
+            )
+        return _launch(
+            task.with_options(**cache.task_options(plan)),
+            args,
+            {**kwargs, "dump": StepDump(cache.entries, step, meta, cache.timeout_s)},
+            background,
+            lambda record: StageResult(record.fields, {**record.metrics, **extra}),
+        )
 
     def unreadable(error: Exception, what: str, background: bool = False) -> PendingStage:
         """The store failed: compute without it (``skip/<key>/read_failed``)."""
@@ -256,8 +293,9 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
         return compute(background, plan=None)
 
     try:
-        plan = bounded(lambda: cache.plan(step), timeout_s=cache.timeout_s,
-                       what=f"looking up step {step} in {cache.entries.root}")
+        plan = bounded(
+            lambda: cache.plan(step), timeout_s=cache.timeout_s, what=f"looking up step {step} in {cache.entries.root}"
+        )
     except Exception as error:  # the store is unreachable, stalls or answers garbage: go on without it
         return unreadable(error, f"the {cache.key} cache cannot be read", background)
     if not plan.hit_expected:
@@ -267,17 +305,21 @@ def start_stage(cache: StageCache | None, task, step: int, *args, meta: dict | N
     def replay() -> StageResult:
         check = cache.check(plan, requires, identity)
         try:
-            record = bounded(lambda: _replay(cache, task, plan, check, args, kwargs), timeout_s=cache.timeout_s,
-                             what=f"loading step {plan.load_step} from {cache.entries.root}")
+            record = bounded(
+                lambda: _replay(cache, task, plan, check, args, kwargs),
+                timeout_s=cache.timeout_s,
+                what=f"loading step {plan.load_step} from {cache.entries.root}",
+            )
         except CacheEntryRejected as rejected:  # its task run says why; the step is computed and dumped
             cache.note(step, "rejected", rejected.reason)
             return compute(False, plan=cache.plan_dump(step), metrics={f"skip/{cache.key}/rejected": 1.0}).result()
         except Exception as error:
             return unreadable(error, f"the cached {cache.key} of step {plan.load_step} cannot be read").result()
         cache.note(step, "replayed", "" if plan.load_step == step else f"the entry of step {plan.load_step}")
-        return StageResult(fit(record.fields) if fit else record.fields,
-                           {**record.metrics, f"skip/{cache.key}/hit": 1.0,
-                            f"skip/{cache.key}/load_step": float(plan.load_step)})
+        return StageResult(
+            fit(record.fields) if fit else record.fields,
+            {**record.metrics, f"skip/{cache.key}/hit": 1.0, f"skip/{cache.key}/load_step": float(plan.load_step)},
+        )
 
     return PendingStage(replay)
 
@@ -308,5 +350,6 @@ def _replay(cache: StageCache, task, plan: CachePlan, check: EntryCheck, args, k
     tool is ``Cached`` too. The body is given :class:`ReplayOnly`, so a body Prefect runs after all (no
     valid record) refuses instead of computing, and can never overwrite the entry being replayed.
     """
-    return task.with_options(**cache.task_options(plan, check))(*args, **kwargs,
-                                                               dump=ReplayOnly(cache.entries, plan.load_step))
+    return task.with_options(**cache.task_options(plan, check))(
+        *args, **kwargs, dump=ReplayOnly(cache.entries, plan.load_step)
+    )

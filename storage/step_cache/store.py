@@ -13,18 +13,40 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from fsspec import AbstractFileSystem
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import decode_batch, encode_batch
-from ppoflow.storage.fs import (StorageError, StorageWriteError, atomic_write, files_by_directory, join,
-                                normalize_url, open_fs, remove_if_present, write_with_retries)
+from ppoflow.storage.fs import (
+    StorageError,
+    StorageWriteError,
+    atomic_write,
+    files_by_directory,
+    join,
+    normalize_url,
+    open_fs,
+    remove_if_present,
+    write_with_retries,
+)
 from ppoflow.storage.marker import file_entry, read_verified
-from ppoflow.storage.step_cache.manifest import (ACTIONS, OWN_KEYS, ROLLOUT_STAGE, STAGE_NAME, STEP_DIR_NAME,
-                                                 STEP_MARKER, StepStatus, as_step, decode_manifest, judge,
-                                                 manifest_mismatch, marker_name, payload_entry, payload_name)
+from ppoflow.storage.step_cache.manifest import (
+    ACTIONS,
+    OWN_KEYS,
+    ROLLOUT_STAGE,
+    STAGE_NAME,
+    STEP_DIR_NAME,
+    STEP_MARKER,
+    StepStatus,
+    as_step,
+    decode_manifest,
+    judge,
+    manifest_mismatch,
+    marker_name,
+    payload_entry,
+    payload_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +66,15 @@ class StepCache:
     ``write_retries + 1`` times, sleeping ``retry_backoff_s * 2**k`` after the k-th failure.
     """
 
-    def __init__(self, root: str, *, stage: str = ROLLOUT_STAGE, storage_options: dict | None = None,
-                 write_retries: int = 3, retry_backoff_s: float = 0.5):
+    def __init__(
+        self,
+        root: str,
+        *,
+        stage: str = ROLLOUT_STAGE,
+        storage_options: dict | None = None,
+        write_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+    ):
         if not STAGE_NAME.fullmatch(stage):
             raise ValueError(f"stage name {stage!r} must match {STAGE_NAME.pattern}")
         if write_retries < 0 or retry_backoff_s < 0:
@@ -89,9 +118,15 @@ class StepCache:
         if batch.batch_dims != 1:
             raise ValueError(f"a step batch has one batch dimension, got batch_size {list(batch.batch_size)}")
         data = encode_batch(batch)
-        manifest = {"format_version": STEP_MARKER.version, "files": {payload_name(self.stage): file_entry(data)},
-                    "stage": self.stage, "global_steps": step, "num_trajectories": batch.batch_size[0],
-                    "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **meta}
+        manifest = {
+            "format_version": STEP_MARKER.version,
+            "files": {payload_name(self.stage): file_entry(data)},
+            "stage": self.stage,
+            "global_steps": step,
+            "num_trajectories": batch.batch_size[0],
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            **meta,
+        }
         encode_manifest(manifest)  # a meta value that is not JSON fails here, before any write
         marker_url, payload_url = self.marker_url(step), self.payload_url(step)
 
@@ -221,8 +256,9 @@ class StepCache:
         except ValueError as error:
             raise CacheCorrupt(payload_url, f"undecodable payload: {error}") from error
         if batch.batch_size[0] != manifest["num_trajectories"]:
-            raise CacheCorrupt(payload_url, f"payload has {batch.batch_size[0]} trajectories, "
-                                            f"{manifest['num_trajectories']} recorded")
+            raise CacheCorrupt(
+                payload_url, f"payload has {batch.batch_size[0]} trajectories, {manifest['num_trajectories']} recorded"
+            )
         return batch, manifest
 
     # -- internals -------------------------------------------------------------------------
@@ -250,13 +286,16 @@ class StepCache:
 
     def _with_retries(self, url: str, write: Callable[[], None]) -> None:
         """Run ``write``, retrying failures; raise :class:`CacheWriteError` once retries are spent."""
-        write_with_retries(url, write, retries=self.write_retries, backoff_s=self.retry_backoff_s, error=CacheWriteError)
+        write_with_retries(
+            url, write, retries=self.write_retries, backoff_s=self.retry_backoff_s, error=CacheWriteError
+        )
 
 
 def encode_manifest(manifest: dict) -> bytes:
     """A manifest's bytes: the marker as Prefect persists it (see :mod:`.prefect`)."""
-    return STEP_MARKER.encode(manifest["files"], **{key: value for key, value in manifest.items()
-                                                   if key not in ("format_version", "files")})
+    return STEP_MARKER.encode(
+        manifest["files"], **{key: value for key, value in manifest.items() if key not in ("format_version", "files")}
+    )
 
 
 @dataclass(frozen=True)
@@ -271,12 +310,20 @@ class Candidate:
 
 def judge_listed(fs: AbstractFileSystem, candidates: list[Candidate]) -> list[StepStatus]:
     """Statuses of listed ``candidates``, reading all their markers in one (concurrent on S3) call."""
-    marker_paths = [join(candidate.step_path, marker_name(candidate.stage))
-                    for candidate in candidates if marker_name(candidate.stage) in candidate.files]
+    marker_paths = [
+        join(candidate.step_path, marker_name(candidate.stage))
+        for candidate in candidates
+        if marker_name(candidate.stage) in candidate.files
+    ]
     # cat_ranges, unlike cat, reads the paths literally (no glob expansion of "[", "*", "?"), and
     # start=0 makes s3fs send one ranged GET per marker instead of a HEAD (for its size) and a GET.
     contents = iter(fs.cat_ranges(marker_paths, 0, None, on_error="return") if marker_paths else [])
-    return [judge(candidate.step, candidate.stage,
-                  next(contents) if marker_name(candidate.stage) in candidate.files else None,
-                  candidate.files.get(payload_name(candidate.stage)))
-            for candidate in candidates]
+    return [
+        judge(
+            candidate.step,
+            candidate.stage,
+            next(contents) if marker_name(candidate.stage) in candidate.files else None,
+            candidate.files.get(payload_name(candidate.stage)),
+        )
+        for candidate in candidates
+    ]
