@@ -1,17 +1,10 @@
 """Advantage estimators for RL post-training, with verl's semantics.
 
-Every estimator takes per-token tensors of shape ``[batch, response_len]`` and returns
-``(advantages, returns)`` of the same shape.  Outcome estimators (GRPO, RLOO, REINFORCE++-baseline)
-reduce the token-level rewards to one score per sequence, ``s_i = sum_t r_{i,t}``, compare it with
-the other samples of the same prompt (same id in ``index``) and broadcast the result over the
-response tokens.  The masked statistics are :mod:`ppoflow.algorithms.masked` (verl's).
-
-Deliberate deviations from verl:
-
-* ``index`` is an int64 tensor of group ids (verl takes a numpy array of uid strings); groups are
-  computed with tensor ops instead of a Python dict, with the same arithmetic.
-* Only the estimators listed in :data:`ADVANTAGE_ESTIMATORS` exist; the dispatcher raises ``ValueError``
-  for any other name, listing the known ones.
+Every estimator takes per-token tensors of shape ``[batch, response_len]`` and returns ``(advantages, returns)``
+of the same shape. Outcome estimators (GRPO, RLOO, REINFORCE++-baseline) reduce the token-level rewards to one
+score per sequence, compare it with the other samples of the same prompt (same id in ``index``) and broadcast the
+result over the response tokens; the masked statistics are :mod:`ppoflow.algorithms.masked`. The known names are
+:data:`ADVANTAGE_ESTIMATORS`. Deviations from verl: docs/architecture.md#the-algorithms-and-where-they-differ-from-verl.
 """
 
 from __future__ import annotations

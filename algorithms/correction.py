@@ -1,19 +1,11 @@
 """Rollout correction: importance-sampling weights and rejection masks for off-policy rollouts.
 
-The rollout engine (e.g. vLLM) samples with ``rollout_log_prob`` while the trainer recomputes
-``old_log_prob`` for the same tokens; the two differ (precision, kernels, stale weights).  Following
-verl's ``rollout_corr_helper``, the per-token log-ratio is ``log r = old_log_prob - rollout_log_prob``
-(the log of pi_train / pi_rollout) and:
-
-* :func:`compute_rollout_is_weights` turns it into IS weights that multiply the PPO loss, either per
-  token or per sequence (``exp`` of the masked sum, broadcast), truncated at an upper bound (TIS) or
-  zeroed outside ``[lo, hi]`` (IcePop), always detached;
-* :func:`compute_rejection_mask` zeroes the ``response_mask`` of tokens or whole sequences whose
-  divergence estimate is out of bounds.
-
-Deliberate deviations from verl: only a minimal set of metrics is returned (all under the
-``rollout_corr/`` prefix), with max/min taken over the applied weights; the rejection thresholds may
-also be given as a list; an all-masked batch raises ``ValueError`` in the IS metrics as in verl.
+The rollout engine samples with ``rollout_log_prob`` while the trainer recomputes ``old_log_prob``; following verl's
+``rollout_corr_helper``, :func:`compute_rollout_is_weights` turns ``log r = old_log_prob - rollout_log_prob`` into
+detached IS weights on the PPO loss (per token or per sequence; TIS truncation or IcePop zeroing), and
+:func:`compute_rejection_mask` zeroes the ``response_mask`` of tokens or sequences out of bounds. Metrics are
+under ``rollout_corr/``. Details and deviations from verl:
+docs/architecture.md#the-algorithms-and-where-they-differ-from-verl.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """KL estimators, KL-coefficient controllers and the in-reward KL penalty, with verl's semantics.
 
-The per-token estimators are Schulman's (http://joschu.net/blog/kl-approx.html), applied to
-``x = log_prob - ref_log_prob``: k1 = x, k2 = x^2 / 2, k3 = e^{-x} + x - 1 (with verl's clamps), plus
-``abs`` = |x|.  A ``+`` suffix keeps the forward value of the base estimator but back-propagates the
-gradient of k2 (a straight-through estimator), because k1 and k3 are unbiased for the KL value but not
-for its gradient.
-
-Deliberate deviations from verl:
-
-* An unknown estimator name raises ``ValueError`` listing the accepted names (verl raises a bare
-  ``NotImplementedError``); ``full`` still raises ``NotImplementedError``.
-* An invalid controller (``horizon <= 0``, ``target_kl <= 0``, an unknown kind) raises ``ValueError``
-  instead of an assertion or ``NotImplementedError``.
-* The controllers have ``state_dict``/``load_state_dict`` so the coefficient survives a resume.
+The per-token estimators (k1, k2, k3, ``abs``, and the straight-through ``+`` variants) are Schulman's, applied to
+``x = log_prob - ref_log_prob``; the controllers (fixed, adaptive) keep the coefficient across a resume through
+``state_dict``/``load_state_dict``. The formulas and the deviations from verl:
+docs/architecture.md#the-algorithms-and-where-they-differ-from-verl.
 """
 
 from __future__ import annotations

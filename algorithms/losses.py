@@ -1,22 +1,10 @@
 """Loss aggregation, the PPO policy and value losses, and logit helpers, with verl's semantics.
 
-All per-token tensors are ``[batch, response_len]``.  :func:`agg_loss` reduces a per-token loss
-matrix to a scalar; its ``num_tokens``/``num_seqs`` are the normalisers of the whole mini-batch, so
-that the losses of its micro-batches, summed (or their gradients accumulated), equal the loss of the
-full mini-batch.  The entropy bonus is ``pg_loss - entropy_coeff * agg_loss(entropy_from_logits(...))``
-with the same mode and normalisers; the caller composes it.
-
-Deliberate deviations from verl:
-
-* No ``dp_size`` argument: the caller passes global normalisers (verl's ``batch_num_tokens`` and
-  ``global_batch_size``) directly, which is verl's formula with ``dp_size=1``.  The ``token-sum`` mode
-  is not offered.
-* ``clip_ratio_c <= 1`` raises ``ValueError`` (verl asserts).
-* The policy-loss metrics are detached tensors under plain names (``pg_clipfrac``, ``ppo_kl``,
-  ``pg_clipfrac_lower``); verl returns Python floats under ``actor/...``.
-* ``compute_policy_loss`` and ``compute_value_loss`` accept an optional ``loss_scale_factor`` that is
-  forwarded to :func:`agg_loss` (verl reads it from the actor config), so Dr.GRPO's constant can reach
-  the ``seq-mean-token-sum-norm`` mode.
+All per-token tensors are ``[batch, response_len]``. :func:`agg_loss` reduces a per-token loss matrix to a scalar
+with the normalisers (``num_tokens``/``num_seqs``) of the whole mini-batch, so that its micro-batches' losses,
+summed, equal the mini-batch's; the caller composes the entropy bonus with the same mode and normalisers.
+:func:`compute_policy_loss` and :func:`compute_value_loss` are verl's clipped losses. Deviations from verl:
+docs/architecture.md#the-algorithms-and-where-they-differ-from-verl.
 """
 
 from __future__ import annotations

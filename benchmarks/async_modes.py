@@ -1,22 +1,11 @@
 """Trained samples per second of the four trainer modes on one long-tailed workload, in one run.
 
-The workload: the 10.5M-parameter Llama of ``workloads.py``'s ``larger`` workload, randomly initialised
-and trained with a learning rate too small to change it, so that its responses keep the spread of a
-random model's (it ends a response with probability about 1/32 per token: lengths from 1 to the
-112-token budget, the longest of a batch several times the median) and every mode sees the same
-workload. A step is 4 prompts x 3 samples, the size at which generating a batch costs about as much as
-training on it on a CPU (a decode step costs nearly the same for 12 sequences as for 32, the update
-grows with the tokens). The rollout service (one replica) generates, with one CPU of its own; the actor
-has one. Each mode trains ``--steps`` steps through Prefect and Ray as ``ppoflow train`` runs it;
-separate_async runs twice, with one update per weight push and with ``parameter_sync_step=2`` (two
-2-prompt updates per step).
-
-Reported per mode: trained samples per second (prompt groups x n over the summed ``timing_s/step`` of
-all steps but the first two), its ratio to ``sync`` measured in the same run, the median time a step
-waited for generation (``timing_s/gen``) and spent updating the actor (``timing_s/update_actor`` plus
-``timing_s/old_log_prob``), the mean and maximum response length, and the staleness of the trained samples
-(``training/off_policy/trajectory_staleness``: how many weight updates behind the newest weights they were
-sampled with).
+A randomly initialised 10.5M-parameter Llama (``workloads.py``'s ``larger``), trained with a learning rate too small
+to change it, so its response lengths keep a random model's long tail; 4 prompts x 3 samples a step, the rollout
+service (one replica) and the actor on one CPU each. Each mode trains ``--steps`` steps as ``ppoflow train`` runs it
+(separate_async also with ``parameter_sync_step=2``); reported per mode: trained samples/s and the ratio to sync,
+the waits for generation, the update time, response lengths and staleness.
+Method and figures: docs/benchmarks.md#trainer-modes-on-a-long-tail.
 
     python benchmarks/async_modes.py [--steps 12]
 """

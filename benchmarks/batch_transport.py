@@ -1,17 +1,10 @@
 """What it costs a step batch to cross between the driver and a Ray worker, as plain values or pickled
 as a TensorDict.
 
-Every stage that runs on a worker sends the step's batch there or gets it back, through Ray, which
-pickles it. ppoflow sends it as plain values (:mod:`ppoflow.workers.transport`: numpy buffers and
-lists); the baseline is Ray's default, the TensorDict pickled as it is. Both echo the same batch through
-one Ray actor (driver -> worker -> driver: two crossings, each a pickle and an unpickle), alternating
-the ways in rounds so that a drift of the machine's speed hits each alike. A third way is tensordict's own
-answer to slow pickling, ``TensorDict.consolidate()`` (every tensor packed into one storage before it is
-sent; each side consolidates what it sends, timed). Two batches with
-the step batch's fields (storage/batch.py): the demo's (16 prompts x 8 samples, 8 prompt and 3 response
-tokens) and a larger one (64 prompts x 16 samples, 256 prompt and 512 response tokens). Reported: the
-median round trip per batch and way, the ratio plain / baseline, the round trip of a call carrying no
-batch (Ray's own cost), and the machine's load.
+Echoes the same batch through one Ray actor (driver -> worker -> driver) three ways, alternating in rounds: plain
+values (:mod:`ppoflow.workers.transport`), the TensorDict pickled as it is (Ray's default, the baseline) and
+``TensorDict.consolidate()``; on the demo's batch and a larger one (64 prompts x 16 samples, 256 + 512 tokens).
+Method and figures: docs/benchmarks.md#a-batchs-trip-to-a-worker-and-back.
 
     python benchmarks/batch_transport.py [--rounds 4] [--trips 25]
 """

@@ -1,20 +1,11 @@
 """Continuous batching (workers/serving.py) against static batching on a long-tailed batch of requests.
 
-Workload: ``--requests`` prompts (8-16 random tokens) on a random-init Llama (hidden 256, 4 layers,
-built into a scratch folder), each with its own response budget drawn from a seeded long-tailed
-distribution between 4 and 96 tokens (most short, a few long). EOS is ignored on both sides, so every
-request generates exactly its budget and both ways produce the same useful tokens; sampling is plain
-(temperature 1, no top-k/top-p) with a KV cache on both sides.
-
-* static      - ``model.generate`` on batches of ``--batch-size`` requests in arrival order, each batch
-                running until its longest budget (``min_new_tokens`` = ``max_new_tokens`` = that budget):
-                the rows past their own budget are wasted work;
-* continuous  - ``ContinuousBatchingEngine`` with ``max_num_seqs = --batch-size``, every request submitted
-                at once and stepped on this thread: a finished row's slot takes the next request.
-
-Reported per way: useful tokens per second (median of ``--repeats`` runs, the two ways alternating),
-its ratio to static, the forwards that sampled tokens (one token per row each) and the share of their
-``batch size`` slots that produced a useful token; with the machine's load average.
+``--requests`` prompts (8-16 random tokens) on a random-init Llama (hidden 256, 4 layers), each with a seeded
+long-tailed budget of 4-96 tokens, EOS ignored so both ways produce the same useful tokens (plain sampling, KV
+cache on both). Static: ``model.generate`` on ``--batch-size`` batches, each run to its longest budget;
+continuous: ``ContinuousBatchingEngine`` with ``max_num_seqs = --batch-size``. Reported: useful tokens/s (median of
+``--repeats``, alternating), the ratio to static, sampling forwards and the share of useful slots.
+Method and figures: docs/benchmarks.md#continuous-batching.
 
     python benchmarks/continuous_batching.py [--requests 64] [--batch-size 16] [--repeats 5]
 """

@@ -1,14 +1,10 @@
 """A step's forward passes side by side against one after another.
 
-With a critic and KL terms (GAE, ``use_kl_loss``, a KL penalty in the reward) a step makes three forward
-passes on three workers - ``old_log_prob`` (actor), ``ref_log_prob`` (reference), ``values`` (critic) -
-that read the same batch and none another's result. ppoflow submits their task runs together, so the
-workers compute at the same time (``Stages.call_together``); the baseline calls them one after another,
-as ppoflow did before. Both run ``ppoflow train``'s way (Prefect and Ray, sync) on the demo workload with
-those terms, against a Prefect server of the benchmark's own, alternating twice (baseline, side by side,
-baseline, side by side) so that a drift of the machine's speed hits both. Reported: the median step, its
-ratio to the baseline's, each pass's median ``timing_s`` (from its submission to its end, so side by
-side they overlap), and the machine's load.
+With a critic and KL terms a step makes three forward passes (``old_log_prob``, ``ref_log_prob``, ``values``) on
+three workers; ppoflow submits them together (``Stages.call_together``), the baseline one after another. Both run
+``ppoflow train``'s way on the demo with those terms, against a Prefect server of the benchmark's own, alternating
+twice. Reported: the median step, its ratio to the baseline, each pass's median ``timing_s`` and the load.
+Method and figures: docs/benchmarks.md#a-steps-forward-passes-side-by-side.
 
     python benchmarks/forward_passes.py [--steps 30] [--warmup 5]
 """

@@ -1,17 +1,10 @@
 """Generation speed of the transformers engine: ppoflow's ``sample_responses`` against ``model.generate``
 called directly, on the same model and prompts, in one process.
 
-Reported per variant: generated tokens per second (tokens up to and including each response's EOS) and
-the ratio to ``model.generate`` with its default dynamic KV cache:
-
-* generate             - ``model.generate`` as a user would call it (sampling, KV cache);
-* generate, no cache   - the same without the KV cache (``use_cache=False``), what the cache saves;
-* generate, static     - ``cache_implementation="static"``, the pre-allocated cache;
-* generate, compiled   - the static cache with the decode step compiled by ``torch.compile`` (transformers'
-                         ``compile_config``; it compiles only on accelerators unless told to, as here);
-* ppoflow              - ``sample_responses``: the same call plus a logits processor that records each
-                         sampled token's log-prob (one step's log-softmax kept at a time), and the step
-                         batch around it.
+Variants: ``model.generate`` (dynamic KV cache; the baseline), without the cache, with the static cache, with the
+static cache and a ``torch.compile``d decode step (forced on the CPU too), and ppoflow's ``sample_responses`` (the
+same call plus a logits processor that keeps each sampled token's log-prob). Reported: generated tokens/s (up to
+and including EOS) and the ratio to the baseline. Method and figures: docs/benchmarks.md#generation-speed.
 
     python benchmarks/generation.py [--repeats 9] [--workload demo|larger]
 """

@@ -1,13 +1,9 @@
 """What Prefect and Ray cost per PPO step, measured against the same step run bare.
 
-The same steps (same config, seed and prompts) run four ways, all in this process:
-
-* bare            — the workers are plain objects and the stages are the tasks' plain functions;
-* ray             — the workers are Ray actors, the stages plain functions;
-* prefect         — in-process workers, every stage a Prefect task run inside a flow;
-* prefect + ray   — what ``ppoflow train`` does.
-
-For each workload it reports the median step time after a warm-up and the ratio to bare.
+The same steps (same config, seed and prompts) run four ways in this process: ``bare`` (plain objects and
+functions), ``ray`` (Ray actors, plain functions), ``prefect`` (in-process workers, Prefect task runs) and
+``prefect + ray`` (what ``ppoflow train`` does). Reported per workload: the median step after a warm-up and the
+ratio to bare. Figures: docs/benchmarks.md#orchestration-overhead.
 
     python benchmarks/orchestration_overhead.py [--steps 30] [--workload demo|larger|all]
 """

@@ -1,12 +1,9 @@
 """Rollout replicas: generation throughput of 1 and 2 replicas behind the load balancer, trainer idle.
 
-The rollout service (``actor_rollout_ref.rollout.mode=async``) serves generation from
-``rollout.num_replicas`` Ray actors (workers/rollout_service.py), each a continuous-batching engine on
-``rollout.resources`` (one CPU, one thread here). This sends the long-tailed request set of
-``benchmarks/continuous_batching.py`` (same model recipe, prompts and budgets) through the
-:class:`LoadBalancer` to 1 and then 2 replicas, all requests at once, and reports useful tokens per
-second (median of ``--repeats``), the ratio to one replica, and the machine's load average. On a
-machine with 2 cores the second replica can at best double the throughput when nothing else runs.
+Sends the long-tailed request set of ``benchmarks/continuous_batching.py`` through the :class:`LoadBalancer` to 1
+and then 2 ``RolloutReplica`` actors (one CPU and one thread each), all requests at once, and reports useful
+tokens/s (median of ``--repeats``), the ratio to one replica and the load. On 2 cores the ceiling is 2x.
+Figures: docs/benchmarks.md#rollout-replicas.
 
     python benchmarks/replicas.py [--requests 64] [--max-num-seqs 16] [--repeats 3]
 """

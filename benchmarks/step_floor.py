@@ -1,40 +1,11 @@
 """How far a ppoflow step is from the floor: a single-process GRPO loop on the same model, data and batch.
 
-The floor is the loop one would write by hand for this workload (as in nanochat's or CleanRL's scripts):
-``model.generate`` samples rollout.n responses per prompt, the copy task's scorer scores them, GRPO
-advantages, one forward/backward with ppoflow's clipped policy loss (on-policy, so the old log-probs are
-the detached new ones), one AdamW step. No Ray, no Prefect, no step batch, no weight copy.
-
-ppoflow then runs the same config (same model file, data, batch, sampling and optimizer) in each way
-it can run, and the report gives each one's median step time as a ratio to the floor, with the median
-of each stage's ``timing_s/*`` and the machine's load average:
-
-* bare              - ``train(cfg, orchestrated=False)``'s steps: in-process workers, plain functions;
-* ray               - the workers in Ray actors, the stages plain functions;
-* prefect+ray       - what ``ppoflow train`` does (sync);
-* one_step_off      - the same with ``trainer.mode=one_step_off``;
-* prefect+ray+tags  - prefect+ray with ``trainer.task_run_tags=true`` (Prefect then acquires tag
-                      concurrency slots from its server before each task run; see docs/ui.md);
-* prefect+ray against Prefect's default server - the same as prefect+ray, against a server started
-                      without ppoflow's task-run recorder settings (``ppoflow server`` sets them; the
-                      other ways run against such a server);
-* task runs alone   - Prefect's own share: per step as many task runs as prefect+ray made, named as
-                      its stage runs, each doing nothing (no model, no Ray, no batch);
-* a progress update per step, alone - one update of a Prefect progress artifact per step and nothing
-                      else: what ``ppoflow train`` paid per step before it updated the run's progress at
-                      most once a second (the other ways, like the benchmark's loop, publish none).
-
-The Prefect ways also report how many task runs a step made, read back from the server. The last line
-adds the task runs alone to the floor: what a step that keeps a task run per stage cannot go below
-while Prefect's client works in the flow's thread between the stages; and it gives the server's CPU per
-task run beyond what it spends idle (its CPU in the bare way, which makes no task runs but is counted
-over the same settling waits, :data:`SERVER_SETTLE_S`).
-
-Medians hide stalls, so the table also gives each way's mean and slowest step. And since on a small
-machine every process competes for the same cores, it gives the CPU time each process spent per step
-over the timed steps: this process (the driver: the flow, Prefect's client, the stages that run here),
-Ray's worker processes (the models, and Ray's agents) and the Prefect server, which the benchmark starts
-for itself (SQLite, on 127.0.0.1) so that its share can be read.
+The floor is the loop one would write by hand (``model.generate``, the copy scorer, GRPO advantages, one
+forward/backward with ppoflow's clipped loss, one AdamW step; no Ray, no Prefect). ppoflow then runs the same config
+each way it can (bare, ray, prefect+ray, one_step_off, tagged task runs, Prefect's default server) plus two pieces
+alone (no-op task runs, a progress update per step); each way's median, mean and slowest step against the floor,
+the task runs per step, and the CPU per step of the driver, Ray's workers and the benchmark's own Prefect server.
+What each way is and how the CPU is counted (:data:`SERVER_SETTLE_S`): docs/benchmarks.md#a-step-against-the-floor.
 
     python benchmarks/step_floor.py [--steps 30] [--warmup 5]
 """

@@ -1,13 +1,9 @@
 """Tool use on the CPU: the vault task (ppoflow/data/vault.py) trained with the tool and without it.
 
-For each seed, two runs of the ``vault_tool`` preset as ``ppoflow train`` runs it (Prefect, Ray, the
-rollout service): ``tool`` - ``tool_agent`` with the ``vault`` tool, as the preset says; ``no tool`` -
-``single_turn_agent`` and no tools, so the model has to know the codes. Both start from the same
-randomly initialised model (built with the seed) and see the same prompts (the preset's mix of vault
-rows and copy rows). The table gives, per run, the greedy validation reward on vault keys after each
-quarter of the run (the untrained model's, before step 1, is in the run's log: it cannot know a code),
-the mean training reward and exact-answer rate of the first and last 10 steps, and the share of
-trajectories that called the tool (``agent/tool_call_ratio``) in them.
+For each seed, two runs of the ``vault_tool`` preset as ``ppoflow train`` runs it, from the same random-init model
+and prompts: ``tool`` (``tool_agent`` with the ``vault`` tool) and ``no tool`` (``single_turn_agent``, no tools).
+Reported per run: greedy validation reward on vault keys after each quarter, training reward, exact-answer rate
+and tool-call share (``agent/tool_call_ratio``) over the first and last 10 steps. Figures: docs/benchmarks.md#tool-use.
 
     python benchmarks/tool_use.py [--seeds 0 1 2] [--steps 500] [--set key=value ...]
 """

@@ -1,16 +1,12 @@
 """Generation throughput of the vLLM rollout engine against the transformers one (same model, prompts and
-sampling settings, one GPU), and the time each engine takes to take in the model's full state dict from
-``ActorWorker.prepare_weights`` (the object-store weight_sync path, in-process: no Ray in the timings).
+sampling, one GPU), and the time each takes in the full state dict from ``ActorWorker.prepare_weights``.
+
+Without ``--model`` a random-init Llama of ``--size`` with the demo's tokenizer (random EOS, so both engines see one
+length distribution); ``--model`` takes any local Hugging Face causal LM. Throughput counts valid response tokens
+per second of ``generate`` after a warm-up. Needs a CUDA GPU and ``ppoflow[vllm]``. Details: docs/benchmarks.md#vllm.
 
     python benchmarks/vllm_vs_hf.py [--size 100M | --model PATH] [--dtype bfloat16] [--prompts 128] [--n 4]
                                     [--max-new-tokens 256] [--repeats 3] [--gpu-memory-utilization 0.5]
-
-Without ``--model`` a random-init Llama of ``--size`` is built with the demo's 32-character tokenizer;
-its responses end at a random EOS, so both engines see the same length distribution. Throughput counts
-valid response tokens (``response_mask``) per second of ``generate``, after one warm-up call; a batch
-on the transformers engine runs until its longest response ends, which is part of what it costs.
-``--model`` takes any local Hugging Face causal LM (mind the transformers engine's logits: rows x
-tokens x vocab floats). Needs a CUDA GPU and ``ppoflow[vllm]``.
 """
 
 from __future__ import annotations

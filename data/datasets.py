@@ -3,13 +3,11 @@ and a resumable, epoch-crossing prompt loader.
 
 A row follows verl's layout::
 
-    {"data_source": "synthetic/copy",
-     "prompt": [{"role": "user", "content": "60>"}],      # chat messages, or a plain string
-     "reward_model": {"style": "rule", "ground_truth": "60"},
-     "extra_info": {"split": "train", "index": 0}}
+    {"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": "60>"}],  # or a plain string
+     "reward_model": {"style": "rule", "ground_truth": "60"}, "extra_info": {"split": "train", "index": 0}}
 
-Chat-message prompts go through the tokenizer's chat template (with the generation prompt); plain
-strings are tokenized as they are.
+Chat-message prompts go through the tokenizer's chat template (with the generation prompt); plain strings are
+tokenized as they are. Details: docs/configuration.md#models-data-rewards-resources.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The synthetic ``vault`` task: a task a tiny model can solve with a tool and hardly without one.
 
-Every key (``digits`` digits) opens a vault holding a code (as many digits), drawn once from a fixed
-seeded shuffle: nothing about a key tells its code, so without help a model can only memorise the
-table entry by entry. The prompt is the key followed by ``>`` (``37>``) and the answer is the code
-followed by EOS. The ``vault`` tool returns the code of the prompt's key; the dataset fixes the key
-for it (``extra_info.tools_kwargs``, verl's per-row tool arguments), so a call is just ``?`` in the
-``question_mark`` tool format, and the model then has to copy the answer it was given:
-
-    37>  ?  =58>  58</s>        (prompt, call, the tool's answer (masked), the model's answer)
-
-With ``data.synthetic.copy_share`` some train rows are copy rows: a vault row up to the tool's answer,
-with random digits for the answer (``37>?=58>`` -> ``58``), answered without tools. Reading the tool's
-answer is copying it, a skill the model has to learn somewhere, and a copy row teaches it in the very
-context where a vault row needs it (docs/benchmarks.md compares it with bare ``=58>`` copy rows); the
-random digits teach copying, not the vault's codes. ``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml``
-declares the tool.
+Every key (``digits`` digits) opens a vault holding a code drawn once from a fixed seeded shuffle, so nothing about
+a key tells its code. The prompt is the key and ``>`` (``37>``), the answer the code and EOS; the ``vault`` tool
+returns the code of the row's key (fixed by ``extra_info.tools_kwargs``), so a call is just ``?`` in the
+``question_mark`` format: ``37>  ?  =58>  58</s>``. With ``data.synthetic.copy_share`` some train rows are copy
+rows (``37>?=58>`` -> random digits, no tools), which teach reading the tool's answer in the context a vault row
+needs it. ``configs/vault_tool.yaml`` trains it; ``configs/tools/vault.yaml`` declares the tool.
+Details: docs/rollout_service.md#a-tool-task-on-the-cpu.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Prefect artifacts of a training run: what the UI shows about a run without opening its run directory.
 
 Keys are unique per run - ``<slug>-<flow run name>-<what>``, the slug from ``trainer.project_name`` and
-``trainer.experiment_name`` - so runs never overwrite each other's:
-
-* ``...-progress``: percent of the steps done, updated in place after a step at most once a second
-  (:data:`PROGRESS_INTERVAL_S`) and after the last step;
-* ``...-metrics``: a table with one row per step and a readable subset of the metrics: rewards, losses,
-  per-step staleness, the agent loops' turns and tool calls, each stage's timing (to 3 digits);
-* ``...-summary``: a compact page: headline metrics, the reward curve (training score, and validation
-  from step 0 on), where the run directory, checkpoint, final model and caches are, what the step
-  cache replayed;
-* ``...-config``: the run's whole config, as YAML, apart from the summary it would drown;
-* ``...-staleness``: the trained samples by staleness (weight updates behind the weights they trained),
-  as a table with bars: what one_step_off and the async modes trade for speed (not published when
-  every sample was on-policy).
-
-``<slug>-latest`` gets a new version for every run, naming that run and its artifact keys: the latest
-run of an experiment is one click from the Artifacts page.
-
-The reward curve is also written as ``reward_curve.png`` to the run directory (any fsspec URL), since it
-is useful without Prefect. Outside a flow run (the bare benchmark baseline) nothing is published.
+``trainer.experiment_name`` - for ``-progress`` (updated at most once a second, :data:`PROGRESS_INTERVAL_S`, and
+after the last step), ``-metrics`` (a row per step), ``-summary``, ``-config`` and ``-staleness`` (only when some
+sample was off-policy); ``<slug>-latest`` gets a version per run naming that run's keys. The reward curve is also
+written as ``reward_curve.png`` to the run directory (any fsspec URL). Outside a flow run nothing is published.
+Details: docs/ui.md, docs/deployments.md#artifacts.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """verl's V1 async trainer modes: the rollout generates without waiting for the trainer, and the trainer
 takes its batches from a staleness-bounded replay buffer (:mod:`ppoflow.storage.replay_buffer`).
 
-Prompts are fed one at a time (feed order: verl's sample ids ``sample_{epoch}_{index}``, which are the
-prompts' uids here) to the rollout service, whose agent-loop workers return each prompt's group as it
-finishes; the buffer takes the finished groups in, and each step's ``sample`` stage takes the oldest
-ones, evicting (``drop``) or waiting for (``wait``) groups older than
-``trainer.v1.sampler.max_off_policy_threshold`` steps. ``num_warmup_batches`` batches are fed before
-the first step and one more at every step, so generation runs that far ahead of training.
-
-* ``colocate_async`` - rollout and training share the machine: when the step's batch is sampled, the
-  replicas abort what they are generating and sleep while the actor trains (partial rollout); when the
-  new weights are loaded they wake, and the aborted requests resume from their partial output with the
-  new weights, so one trajectory may span weight versions (``weight_version`` .. ``max_weight_version``).
-* ``separate_async`` - the replicas have resources of their own and never stop; the weights are pushed
-  once per step, after ``parameter_sync_step`` mini-batch updates, each on a batch sampled on its own,
-  all with the old log-probs of the weights the step started with (decoupled PPO) unless bypass mode.
+Prompts are fed one at a time in feed order (uids ``sample_{epoch}_{index}``) to the rollout service, whose
+agent-loop workers return each prompt's group as it finishes; ``num_warmup_batches`` batches are fed ahead.
+``colocate_async`` aborts and sleeps the replicas while the actor trains and resumes the aborted requests with the
+new weights (partial rollout); ``separate_async`` never stops the replicas and pushes weights once per step, after
+``parameter_sync_step`` updates (decoupled PPO). Details: docs/async_modes.md.
 """
 
 from __future__ import annotations

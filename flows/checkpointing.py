@@ -1,14 +1,10 @@
 """Checkpointing a run and resuming it (the storage side is :mod:`ppoflow.storage.checkpoint`).
 
-A checkpoint holds everything the next steps depend on: the actor's (and critic's) weights and optimizer
-state, which the workers write themselves, and the states of the trainer and of its mode
-(``state_dict()``), of which this module knows nothing but their shape: JSON, except that a batch in them
-(one_step_off's batch generated for the next step) is written as safetensors beside the JSON. Sampling
-seeds depend only on ``(seed, step)``, so a resumed run reproduces an uninterrupted one.
-
-Resuming finds the newest state that is whole (:func:`restore_newest`): every file of a checkpoint is
-verified before any of it is loaded, and a damaged checkpoint is skipped, with a warning, for the next
-older one.
+A checkpoint holds the actor's (and critic's) weights and optimizer state, written by the workers, and the
+``state_dict()`` of the trainer and its mode, known here only by its shape: JSON, with any batch in it (one_step_off's
+batch generated for the next step) as safetensors beside the JSON. Sampling seeds depend only on ``(seed, step)``, so
+a resumed run reproduces an uninterrupted one. :func:`restore_newest` verifies every file before loading any and
+skips a damaged checkpoint, with a warning, for the next older one. Details: docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The ``ppoflow`` command line.
+"""The ``ppoflow`` command line: ``train``, ``config``, ``cache ls|show|rm``, ``server``, ``build-tiny-model``.
 
-``ppoflow train [--config NAME_OR_PATH] [key=value ...]`` runs the training flow (with no arguments:
-the tiny GRPO demo). ``ppoflow config`` prints the merged, validated config or the key reference.
-``ppoflow cache ls|show|rm DUMP_DIR`` inspects step caches. ``ppoflow server [ARGS]`` starts a Prefect
-server set up for training runs (:data:`SERVER_ENV`). ``ppoflow build-tiny-model DIR`` writes the demo's
-random-init model and tokenizer.
-
-A user error (a bad value, file, module or location) ends with exit code 2 and a message naming the key
-or file, before Prefect or Ray start (``train`` runs :func:`~ppoflow.flows.preflight.preflight` first);
-``ppoflow --debug ...`` (or ``PPOFLOW_DEBUG=1``) shows its traceback too. Ctrl-C or SIGTERM stops a
-``train`` cleanly (:func:`_train`): exit 130 / 143 and one line naming the checkpoint a rerun resumes from.
-Nothing but argparse is imported before a command runs, so ``ppoflow --help`` answers at once.
+``ppoflow train [--config NAME_OR_PATH] [key=value ...]`` runs the training flow (no arguments: the tiny GRPO demo);
+``ppoflow server`` starts a Prefect server set up for training runs (:data:`SERVER_ENV`). A user error ends with exit
+code 2 and a message naming the key or file, before Prefect or Ray start (``train`` runs
+:func:`~ppoflow.flows.preflight.preflight` first); ``--debug`` (or ``PPOFLOW_DEBUG=1``) adds the traceback. Ctrl-C or
+SIGTERM stops ``train`` cleanly (:func:`_train`: exit 130 / 143). Nothing but argparse is imported before a command
+runs, so ``ppoflow --help`` answers at once. Details: docs/reliability.md, docs/configuration.md.
 """
 
 from __future__ import annotations

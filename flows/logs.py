@@ -1,16 +1,10 @@
 """What a run tells its user, said once on the console and kept in the Prefect UI's logs.
 
-A *note* is a line a user follows the run by: a start-up phase and how long it took, a validation
-result with sample completions, a checkpoint written, a resume, where the reward curve went. The
-console prints it once, above the progress bar (:func:`note`); the ``ppoflow.run`` logger carries it
-to the flow run's logs in the UI.
-
-Inside a flow run, :func:`logs_to_prefect` sends every record of the ``ppoflow`` loggers from INFO up
-(notes, the step cache's replays and writes, warnings, errors) to Prefect's API, attached to the task
-run it was logged in (a cache hit's note lands on its task run) or else to the flow run. The console
-keeps showing what it showed without it: notes, and warnings and errors through the root logger's
-handlers. Prefect's own "Finished in state Completed()" line per task run is left out of both (one
-per stage per step would bury the progress bar); task states still reach the UI as states.
+A *note* (:func:`note`) is a line a user follows the run by (start-up phases, validation results, checkpoints,
+resumes); the console prints it once, above the progress bar, and the ``ppoflow.run`` logger carries it to the flow
+run's logs. Inside a flow run :func:`logs_to_prefect` sends every ``ppoflow`` record from INFO up to Prefect's API,
+attached to the task run it was logged in or else to the flow run; the console shows what it showed without it.
+Prefect's per-task "Finished in state Completed()" line is left out of both. Details: docs/ui.md.
 """
 
 from __future__ import annotations

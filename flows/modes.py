@@ -1,25 +1,12 @@
 """Trainer modes: who generates when, and when the new weights reach the rollout worker.
 
-The training loop (:func:`ppoflow.flows.train.train_steps`) is the same for every mode; it calls the
-mode's hooks (verl's V1 trainer lifecycle) around the PPO step::
-
-    on_init_end, on_train_begin
-    per step:  on_step_begin -> (on_sample_begin -> sample -> on_sample_end -> PPO update) x updates_per_step
-               -> on_step_end
-               on_validate_begin -> validation -> on_validate_end      (on validation steps)
-    on_train_end
-
-``sample`` (stage 1) waits for the step's generation wherever it was started, checks that a restarted
-rollout worker did not sample it with other weights, and records the step's staleness. A mode decides
-only where generation is started (:meth:`TrainerMode.launch`) and where weights are pushed
-(:meth:`TrainerMode.push_weights`). A new mode is a subclass registered by name::
-
-    @register_trainer("my_mode")
-    class MyMode(TrainerMode): ...
-
-and chosen with ``trainer.mode=my_mode`` (or verl's ``trainer.v1.trainer_mode``); a file of such classes
-named by ``trainer.v1.trainer_module`` is imported first. The async modes live in
-:mod:`ppoflow.flows.async_modes`.
+The training loop (:func:`ppoflow.flows.train.train_steps`) is the same for every mode and calls the mode's hooks
+(verl's V1 trainer lifecycle) around the PPO step. A mode decides only where generation is started
+(:meth:`TrainerMode.launch`) and where weights are pushed (:meth:`TrainerMode.push_weights`); ``sample`` waits for the
+step's generation, checks that a restarted rollout worker did not sample it with other weights, and records
+staleness. A new mode is a subclass registered with ``@register_trainer("my_mode")``, chosen with
+``trainer.mode`` (or ``trainer.v1.trainer_mode``; ``trainer.v1.trainer_module`` names a file of such classes).
+The async modes live in :mod:`ppoflow.flows.async_modes`. Details: docs/architecture.md#trainer-modes-and-their-hooks.
 """
 
 from __future__ import annotations

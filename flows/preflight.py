@@ -1,18 +1,11 @@
 """The checks of a run that need I/O but neither Ray nor a model: run before either starts.
 
-:func:`~ppoflow.configs.load_config` checks the values and how they relate; :func:`preflight` checks what
-they point at: the run directory and every enabled step cache can be written (within a bounded time, with
-the configured storage options and the credentials of the environment), a checkpoint to resume from is
-complete, the Ray cluster to join answers, every model directory holds a loadable model config and
-tokenizer whose context fits prompt + response, every data file reads, has verl's columns and tokenizes,
-every data source has a scorer, a custom scorer scores the first training row (in a child process, with a
-deadline), and every tool's function imports and takes its schema's arguments. Every problem found is collected into one
-:class:`~ppoflow.configs.ConfigError`, so one run lists them all. ``ppoflow train`` calls it before
-Prefect starts; :func:`~ppoflow.flows.run.start_run` calls it first, so a run started from the UI or a
-deployment fails with the same messages.
-
-What a run will build or generate (``model.build``, ``data.synthetic``) is not there yet: only its recipe
-is checked here, except the first synthetic training row, generated in memory for the scorer.
+:func:`~ppoflow.configs.load_config` checks the values; :func:`preflight` checks what they point at (run directory
+and step caches writable within a deadline, the checkpoint to resume from, the Ray cluster, model directories and
+tokenizers, data files, scorers - a custom one called once in a child process - and tool functions) and collects
+every problem into one :class:`~ppoflow.configs.ConfigError`. ``ppoflow train`` calls it before Prefect starts;
+:func:`~ppoflow.flows.run.start_run` calls it first, so a UI or deployment run fails with the same messages. What a
+run will build or generate is checked by its recipe only. Details: docs/reliability.md (Bad input fails first).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The PPO/GRPO training flow.
 
-One step is the algorithm, stage by stage (``tasks/`` declares each stage once)::
-
-    1. generate      sample rollout.n responses per prompt              (rollout worker)
-    2. reward        score each response, on its last token             (driver)
-    3. old_log_prob  log-probs of the pre-update policy                 (actor worker; an on-policy
-                     update takes its own, detached, and this pass is skipped)
-       ref_log_prob  log-probs of the reference policy, for KL terms    (ref worker, when needed)
-       values        V(s_t) for GAE                                     (critic worker, when needed)
-    4. advantage     KL-penalised rewards, then the advantage estimator (driver)
-    5. update        critic, then actor: PPO epochs over mini-batches   (critic / actor workers)
-    6. weight_sync   the rollout worker takes the new actor weights
-
-Stage 3's passes read the same batch and not each other's results, so they are submitted together and
-computed side by side on their workers. Stages 2-5 are :func:`ppo_update`. When 1 and 6 happen is the
-trainer mode's business (:mod:`ppoflow.flows.modes`): ``sync`` generates, trains, then pushes the
-weights; ``one_step_off`` pushes the weights and starts the next step's generation before training on
-this one, so generation overlaps training. A non-finite reward, advantage, loss or gradient fails the run or
-drops the step's update (``trainer.nonfinite``). Every stage is a Prefect task whose heavy work runs in a
-long-lived Ray actor; :func:`train` runs the same steps without Prefect or Ray when asked (the overhead
-benchmark's baseline).
+One step is the algorithm stage by stage (``tasks/`` declares each stage once): 1 generate, 2 reward, 3 the forward
+passes (``old_log_prob``, ``ref_log_prob``, ``values``, submitted together), 4 advantage, 5 update, 6 weight_sync.
+Stages 2-5 are :func:`ppo_update`; when 1 and 6 happen is the trainer mode's business (:mod:`ppoflow.flows.modes`).
+Every stage is a Prefect task whose heavy work runs in a long-lived Ray actor; :func:`train` runs the same steps
+without Prefect or Ray when asked (the overhead benchmark's baseline). A non-finite value fails the run or drops the
+step's update (``trainer.nonfinite``). Details: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The training engine's GPU check: FSDP2 with bf16 mixed precision against float32, and update throughput.
 
-Runs ppoflow's own actor worker in this process - no Ray, no Prefect, as the GPU machines we are lent have
-neither - as rank 0 of a process group of one (NCCL on CUDA; gloo on a CPU, a smoke run of the same code):
-the model is sharded with ``fully_shard`` exactly as a rank of a Ray worker group shards it.
-
-For each precision (float32, then ``fsdp_config.mixed_precision.param_dtype=bfloat16``) from the same
-random-init Llama and the same batch: the response log-probs, then one PPO update's loss and entropy (with
-old log-probs a little off the current ones, so the loss depends on the model), then ``--updates`` timed
-updates. Prints one JSON line; exits 1 when bf16 is further from float32 than the stated tolerances.
+Runs ppoflow's actor worker in this process (no Ray, no Prefect) as rank 0 of a one-rank process group (NCCL on
+CUDA; gloo on a CPU), sharded with ``fully_shard`` as a Ray rank shards it, and compares float32 with bf16 from the
+same weights and batch: log-probs, one update's loss and entropy, then ``--updates`` timed updates. Prints one JSON
+line; exits 1 past the tolerances. Needs ``pip install --no-deps -e .`` plus pydantic, omegaconf, tensordict, fsspec
+and safetensors. Details: docs/scale_out.md#on-a-gpu.
 
     python scripts/fsdp_check.py                   # on a GPU machine (about a minute on an H200)
     python scripts/fsdp_check.py --smoke           # a tiny CPU run of the same code
-
-Needs ppoflow's Python dependencies (no Ray, Prefect or vLLM): ``pip install --no-deps -e .`` plus
-pydantic, omegaconf, tensordict, fsspec and safetensors.
 """
 
 from __future__ import annotations

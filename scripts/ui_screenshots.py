@@ -1,20 +1,10 @@
 """Screenshots of the Prefect UI showing a short ppoflow run, each checked to show what it says it shows.
 
-Starts ``ppoflow server`` (UI on) with a PREFECT_HOME of its own, trains 4 steps that dump their
-rollouts, replays them in a second run (cache hits), registers the deployments, and drives headless
-Chromium (the distribution's package: ``apt-get install chromium``) over its DevTools protocol: every
-page is opened, the tab it is meant to show is selected and checked, then it is saved (a page that
-shows something else stops the script)::
-
-    run.png         the replay's flow run page (timeline, logs)
-    task_runs.png   its Task Runs tab, named and tagged by stage and step
-    cached.png      a replayed generate task run: Cached, its cache key, the entry it loaded
-    task_inputs.png a generate task run's inputs: where its prompts came from, its step and settings
-    artifacts.png   the first run's summary artifact
-    deployment.png  the ppo-train deployment's run form
-
-It also prints the Task Runs tab's time to rows (navigation to the first task-run row in the page).
-``--time-to-rows URL`` only measures that, for a flow run page of a server already running::
+Starts ``ppoflow server`` with a PREFECT_HOME of its own, trains 4 steps that dump their rollouts, replays them,
+registers the deployments, and drives headless Chromium over its DevTools protocol: each page's tab is selected,
+checked, then saved as ``run.png``, ``task_runs.png``, ``cached.png``, ``task_inputs.png``, ``artifacts.png`` and
+``deployment.png``. It also prints the Task Runs tab's time to rows; ``--time-to-rows URL`` only measures that.
+Details: docs/ui.md.
 
     scripts/ui_screenshots.sh [OUT_DIR]        (default: docs/images/ui)
     scripts/ui_screenshots.sh --time-to-rows http://127.0.0.1:4200/runs/flow-run/<id> [--repeat 3]

@@ -1,44 +1,11 @@
 """The step batch: one TensorDict per training step, its schema, and its safe byte encoding.
 
-Every stage reads and extends the same batch, and the rollout cache stores it, so its fields are
-fixed here. ``N`` is the number of trajectories (prompts x ``rollout.n``), ``P`` the padded prompt
-length and ``R`` the padded response length of the step.
-
-Written by the rollout (the part the rollout cache persists):
-
-============================  ==========  ========  ============================================
-field                         dtype       shape     meaning
-============================  ==========  ========  ============================================
-``prompts``                   int64       [N, P]    prompt token ids, left-padded
-``prompt_mask``               bool        [N, P]    True on real prompt tokens
-``responses``                 int64       [N, R]    sampled token ids, right-padded
-``response_mask``             bool        [N, R]    True up to and including the first EOS
-``rollout_log_probs``         float32     [N, R]    log-prob of each sampled token under the
-                                                    sampling policy (logits / temperature)
-``weight_version``            int64       [N]       actor update count of the weights that
-                                                    generated the sample
-``group_index``               int64       [N]       position of the sample's prompt in the step
-                                                    (samples of one prompt share it)
-``turn_ids``                  int64       [N, R]    rollout.mode=async only: k on the tokens of the
-                                                    model's k-th turn, -k on the k-th tool answer
-                                                    (response_mask False there), 0 on padding
-``num_turns``, ``tool_calls`` int64       [N]       rollout.mode=async only: turns taken (model
-                                                    turns and tool answers), tool calls made
-``uid``                       str         [N]       prompt uid (verl's group key)
-``data_source``               str         [N]       dataset name; selects the reward scorer
-``ground_truth``              JSON value  [N]       ``reward_model.ground_truth`` of the row
-                                                    (tuples come back from storage as lists)
-============================  ==========  ========  ============================================
-
-Added by later stages: ``token_level_scores`` / ``token_level_rewards`` (reward, [N, R]),
-``old_log_probs``, ``ref_log_probs``, ``values`` (forward passes, [N, R]), ``advantages`` and
-``returns`` ([N, R]).
-
-The encoding is safetensors: tensors are raw little-endian buffers, and the non-tensor columns and
-the batch size travel as JSON in the safetensors header. Decoding never unpickles anything, so a
-cache read from shared storage cannot execute code.
-
-Every stage returns a :class:`StageResult`: the fields it adds to the batch and its metrics.
+Every stage reads and extends the same batch, and the rollout cache stores it, so its fields are fixed here:
+the rollout writes ``prompts``, ``prompt_mask``, ``responses``, ``response_mask``, ``rollout_log_probs``,
+``weight_version``, ``group_index`` (``turn_ids``, ``num_turns``, ``tool_calls`` with the rollout service) and the
+per-prompt ``uid``, ``data_source``, ``ground_truth``; later stages add the rest. The encoding is safetensors, the
+non-tensor columns and batch size as JSON in its header: decoding never unpickles anything. Every stage returns a
+:class:`StageResult`. The field table (dtypes, shapes, meanings): docs/architecture.md#the-step-batch-and-its-metrics.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Atomic, resumable checkpoints under ``trainer.default_local_dir`` (any fsspec URL).
 
-Layout (verl's ``global_step_{N}`` directories)::
-
-    {run_dir}/global_step_{N}/actor/model.safetensors      weights (safetensors: nothing is unpickled)
-                              actor/optimizer.pt          optimizer + LR schedule (torch.load(weights_only=True))
-                              critic/...                  the same, when a critic runs
-                              rollout_in_flight.safetensors  one_step_off: the batch generated for step N+1
-                              trainer_state.json          step, dataloader position, KL controller, ...
-                              checkpoint.json             commit marker, written LAST: every file's size and sha256
-    {run_dir}/latest_checkpointed_iteration.txt           verl's pointer, informational
-
-``checkpoint.json`` is a commit marker (:mod:`ppoflow.storage.marker`, the same primitive as the step
-cache's): a directory is *complete* only when it exists and every file it lists has the listed size;
-loading also checks the sha256. An incomplete directory (a crash mid-save) is never chosen for resuming,
-and whatever else a run directory holds (a stray file named like a checkpoint, a marker of the wrong
-shape or of another step) is skipped, never an error; a skipped ``global_step_N`` directory gets a
-warning naming it and why. :func:`complete_checkpoints` lists what is left, newest first, so that a
-resume can fall back to an older checkpoint when a newer one fails :func:`verify_checkpoint` (a file
-whose bytes changed after it was committed).
+verl's ``global_step_{N}`` directories hold the weights (safetensors), the optimizer state
+(``torch.load(weights_only=True)``), the trainer state (JSON) and, written last, ``checkpoint.json``: a commit
+marker (:mod:`ppoflow.storage.marker`) listing every file's size and sha256. An incomplete or malformed directory is
+never chosen for resuming, and a skipped ``global_step_N`` gets a warning saying why; :func:`complete_checkpoints`
+lists what is left, newest first, so a resume falls back when :func:`verify_checkpoint` fails.
+The layout: docs/reliability.md#nothing-is-lost-and-resume-finds-the-newest-valid-state.
 """
 
 from __future__ import annotations

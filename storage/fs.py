@@ -1,22 +1,10 @@
 """Small fsspec helpers shared by the rollout cache and checkpoints.
 
-Why they exist:
-
-* Local paths are normalised once (``~`` expanded, made absolute) so that a relative ``dump_dir``
-  does not silently change meaning with the process's working directory, as it does in verl.
-* s3fs caches directory listings per filesystem instance; a key written by another process can
-  then stay invisible. :func:`open_fs` turns that cache off for S3 unless the caller asks for it.
-* ``LocalFileSystem`` writes straight into the target file, so a crash (or a concurrent reader)
-  can see half a file. :func:`atomic_write` makes local writes atomic; an object-store PUT already is.
-* Every payload read back is checked against its recorded sha256; :func:`read_with_sha256` hashes
-  while it reads, so the check costs little beyond the read itself.
-* s3fs turns ``find(maxdepth=...)`` into one LIST request per directory; :func:`files_by_directory`
-  lists a whole tree with one paginated recursive listing instead.
-* A process killed between :func:`atomic_write`'s write and its rename leaves the temp file behind;
-  :func:`remove_stale_temp_files` removes those, but only old ones, never a live writer's.
-* A local path can name what no read or write of it should meet: a symlink loop, a dangling symlink, a
-  FIFO (whose read blocks until someone writes) or another special file. :func:`path_problem` says which,
-  in one sentence, for the readers of every path key to report before they open it.
+Local paths are normalised once; :func:`open_fs` turns off s3fs's listing cache; :func:`atomic_write` makes local
+writes atomic and :func:`remove_stale_temp_files` cleans up after interrupted ones; :func:`read_with_sha256` hashes
+while it reads; :func:`files_by_directory` lists a tree with one recursive listing; :func:`path_problem` names a path
+no read or write should meet (symlink loop, dangling symlink, FIFO, special file). Why each exists:
+docs/step_cache.md#where-it-lives.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Commit markers: how a group of files becomes valid together, for the step cache and for checkpoints.
 
-A writer writes its files first (each atomically, see :func:`storage.fs.atomic_write`) and then one
-small JSON *marker* that lists every file with its size and sha256. Whatever a crash interrupts, a
-reader sees either no marker (nothing valid) or a marker whose files are all there: the marker is the
-commit. Readers trust nothing the marker does not vouch for:
-
-* :meth:`MarkerFormat.decode` checks the marker's shape (its format version, its typed fields, every
-  file entry) before any field is used, so a hand-edited or foreign file is rejected with a reason;
-* :func:`size_problem` is the cheap check (sizes only, from a listing) used to choose among entries;
-* :func:`read_verified` reads one listed file and checks its size before reading and its sha256 while
-  reading, so a swapped, truncated or oversized file is refused without being decoded or held whole.
+A writer writes its files first (each atomically, see :func:`storage.fs.atomic_write`) and then one small JSON
+*marker* listing every file with its size and sha256: a reader sees either no marker or one whose files are all
+there. :meth:`MarkerFormat.decode` checks the marker's shape before any field is used, :func:`size_problem` is the
+cheap size-only check, and :func:`read_verified` checks a listed file's size before reading and its sha256 while
+reading. Details: docs/step_cache.md#where-it-lives.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """The staleness-bounded replay buffer of verl's V1 trainer (``ReplayBufferAsync``), as a small in-process store.
 
-In the async trainer modes rollout keeps generating while the actor trains, so a prompt group can finish
-several weight updates after it was submitted. The buffer holds the submitted prompts and the finished
-groups between the rollout and the trainer, and bounds how stale a sampled group may be. It keeps verl's
-TransferQueue storage model:
-
-* a prompt is keyed ``{uid}`` and tagged with its ``status`` (``pending`` | ``running`` | ``finished`` |
-  ``failure``), its ``dispatch_step`` (the training step it was submitted at; verl's prompt ``global_steps``)
-  and its ``partition`` (``"train"`` or ``"val"``);
-* a finished prompt's trajectories are keyed ``{uid}_{session}_0`` (session = sample number 0..n-1), each
-  one row of the group's :class:`TensorDict`, every field the rollout produced kept.
-
-The *span* of a group sampled at step ``s`` is ``s - dispatch_step + 1``: how many training steps its
-generation may have straddled. ``trainer.v1.sampler.max_off_policy_strategy`` says what bounds it:
-
-* ``drop`` (verl's default): a finished train group whose span exceeds ``max_off_policy_threshold`` is
-  evicted (a span equal to the threshold is kept) and a fresh prompt is submitted in its place;
-* ``wait``: nothing is dropped; instead sampling waits while any in-flight train prompt has a span of at
-  least the threshold, so that the oldest work lands before the policy moves further away from it.
-
-Failed groups are evicted (and replaced) under both strategies. The ``val`` partition never evicts for
-staleness. :meth:`ReplayBuffer.save` and :meth:`ReplayBuffer.load` carry the buffer across a restart with
-the storage layer's commit-marker protocol (:mod:`ppoflow.storage.marker`): safetensors payloads checked
-by size and sha256, nothing unpickled.
-
-The buffer is not thread-safe: completions arrive through the ``poll`` hook that :meth:`ReplayBuffer.sample`
-calls on the sampling thread (or between samples, on that same thread).
+It holds the submitted prompts (keyed ``{uid}``, tagged ``status``, ``dispatch_step``, ``partition``) and the
+finished groups (``{uid}_{session}_0``) between the rollout and the trainer of the async modes, and bounds how stale
+a sampled group may be: its *span* ``s - dispatch_step + 1`` against ``max_off_policy_threshold``, with the
+``drop`` or ``wait`` strategy. :meth:`ReplayBuffer.save` / :meth:`ReplayBuffer.load` use the commit-marker protocol
+(nothing unpickled). Not thread-safe: completions arrive through the ``poll`` hook on the sampling thread.
+Details: docs/async_modes.md#the-replay-buffer.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The run directory's lock: one run at a time writes a run directory (local or ``s3://``).
 
-A run claims ``{run_dir}/run.lock`` at start and removes it when it ends. The file says who owns the
-directory (:class:`Owner`: host, pid and that process's start time, flow run, start and heartbeat) as JSON
-of a fixed shape, checked before any field is used; it is never unpickled. Claiming is one atomic create:
-an ``O_EXCL`` open locally, a conditional PUT (``If-None-Match: *``) on S3, so of runs started together
-exactly one wins. A lock whose owner is gone is *stale* and taken over, with a warning: on the owner's host
-when its pid no longer runs the process that claimed it (pids are reused, so its start time is compared
-too); from another host when its heartbeat, refreshed by a daemon thread while the owner lives, is older
-than ``stale_after_s``; and a lock file that is not an owner record at all. Replacing a lock (a takeover,
-a heartbeat) is a compare-and-swap: locally under an ``flock`` of the directory, on S3 a PUT with
-``If-Match`` its ETag; other filesystems get a plain overwrite there.
+A run claims ``{run_dir}/run.lock`` at start and removes it when it ends; the file is a JSON :class:`Owner` record
+(host, pid and its start time, flow run, start, heartbeat) checked before use, never unpickled. Claiming is one
+atomic create (``O_EXCL`` locally, ``If-None-Match: *`` on S3); a stale lock (dead owner pid, old heartbeat past
+``stale_after_s``, or not an owner record) is taken over with a warning, by compare-and-swap (``flock`` locally,
+``If-Match`` on S3). Details: docs/reliability.md (A run directory is owned by one run at a time).
 """
 
 from __future__ import annotations

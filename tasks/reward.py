@@ -1,14 +1,11 @@
 """Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer).
 
-The score is placed on the response's last valid token (verl's ``token_level_scores``); everything
-else is zero. Scoring runs in the flow, or - for scorers slow enough to be worth a Prefect task's
-overhead inside a Ray worker (sandboxed code execution, remote judges; docs/benchmarks.md) - in chunks
-as Prefect tasks on Ray workers through prefect-ray's ``RayTaskRunner`` (``reward_model.reward_manager=ray``).
-A scorer that fails (:class:`~ppoflow.algorithms.scoring.ScorerFailed`: it raised, returned no score, ended
-its process, passed ``custom_reward_function.timeout_s`` with ``on_timeout=fail``) fails the stage at once,
-naming the scorer, the response's prompt (its uid: ``{step}-{i}`` in training, ``val-{row}`` in validation), its
-data source and the task run (``reward[step=12]``): user code fails the same way every time, so only other
-failures are retried. With ``on_timeout=score``, ``reward/scorer_timeouts`` counts the step's timed-out calls.
+The score goes on the response's last valid token (verl's ``token_level_scores``), zero elsewhere. Scoring runs in
+the flow or, with ``reward_model.reward_manager=ray``, in chunks as Prefect tasks on Ray workers (prefect-ray's
+``RayTaskRunner``, for slow scorers). A :class:`~ppoflow.algorithms.scoring.ScorerFailed` fails the stage at once,
+never retried, naming the scorer, the prompt uid (``{step}-{i}``, ``val-{row}``), its data source and the task run;
+with ``on_timeout=score``, ``reward/scorer_timeouts`` counts timed-out calls.
+Details: docs/configuration.md#models-data-rewards-resources, docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Task runs whose every input says something in the Prefect UI.
 
-Prefect records a task run's inputs as links only: an argument another task run returned links to that
-run, and anything else - a step number, a flag, a config - is recorded as an empty list (Prefect 3.9's
-``collect_task_run_inputs`` leaves constants to a TODO), which the UI's Task inputs tab shows as
-``"step": []``. A :class:`RecordedTask` records each such argument as Prefect's own ``constant`` input
-instead, whose ``type`` field names it compactly (:func:`describe`): ``"int 12"``, ``"TensorDict of 128"``,
-``"SamplingParams"``. Arguments that link keep their links only - except to the start-up's task runs
-(``load_data``, ``start_workers``), whose workers, tokenizer and data every stage takes: only the first
-task run taking one of their results links to it, later ones record it as a constant naming its origin
-(``"Workers from start_workers"``), so the run graph holds a step's own data flow, O(steps) edges, and the
-Task inputs tab still says where each input came from. Everything else about the run is Prefect's: the
-call and the submission go through Prefect's own engine and task runner.
+Prefect records a task run's inputs as links only, and a constant argument as an empty list; a
+:class:`RecordedTask` records each such argument as Prefect's own ``constant`` input whose ``type`` names it
+(:func:`describe`: ``"int 12"``, ``"TensorDict of 128"``). Only the first task run taking a result of the start-up
+(``load_data``, ``start_workers``) links to it; later ones record a constant naming its origin, so the run graph
+holds O(steps) edges. Calls and submissions go through Prefect's own engine. Details: docs/ui.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Agent loops: how one trajectory is produced from one prompt, turn by turn (verl's AgentLoop).
 
-A loop is an object with ``async run(sampling, **row) -> AgentLoopOutput``. It asks the rollout
-service for tokens (:class:`LLMClient`: request-level ``generate`` on a replica, the turns of one
-session kept on one replica), and for tools (:class:`ppoflow.workers.tools.ToolRunner`), and returns
-the trajectory as token ids with a response mask: 1 on the tokens the model sampled (trained on), 0 on
-tokens it did not (tool answers), so every loss, KL and advantage ignores the latter.
-
-Loops are registered by name with :func:`register`; two are built in - ``single_turn_agent`` (one
-generation, what the static rollout does) and ``tool_agent`` (generate, call a tool, append its
-answer, continue) - and more are declared in a YAML file of ``{name, _target_}`` entries
-(``actor_rollout_ref.rollout.agent.agent_loop_config_path``). Many loops run at once on one asyncio
-event loop (:class:`ppoflow.workers.rollout_service.AgentLoopWorker`), so while one waits for a replica
-or a tool, the others go on.
-
-:func:`outputs_to_batch` pads the outputs into the rollout part of the step batch
-(:mod:`ppoflow.storage.batch`), with ``turn_ids`` (which turn each response token belongs to: ``k``
-for the model's k-th turn, ``-k`` for the k-th tool answer, 0 for padding), ``num_turns`` and
-``tool_calls``.
+A loop is an object with ``async run(sampling, **row) -> AgentLoopOutput``: it asks the rollout service for tokens
+(:class:`LLMClient`, one session's turns on one replica) and for tools (:class:`ppoflow.workers.tools.ToolRunner`),
+and returns token ids with a response mask (1 on sampled tokens, 0 on tool answers). Loops are registered with
+:func:`register` (built in: ``single_turn_agent``, ``tool_agent``) or declared in YAML; many run on one asyncio
+event loop. :func:`outputs_to_batch` pads the outputs into the rollout part of the step batch, with ``turn_ids``,
+``num_turns`` and ``tool_calls``. Details: docs/rollout_service.md#agent-loops.
 """
 
 from __future__ import annotations

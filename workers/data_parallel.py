@@ -1,25 +1,11 @@
 """Data-parallel training ranks: a training role (actor, reference, critic) run as W Ray actors joined in
 one torch.distributed process group, the model sharded over them with FSDP2.
 
-Every rank receives the whole step batch (one object in Ray's store, read by reference) and works out
-its own rows itself, so the driver never cuts batches up and no rank needs to be told which rows are its:
-
-* :func:`balanced_partition` is verl's ``balance_batch``: equal row counts per rank with the tokens
-  balanced between them, deterministic, so every rank computes the same split from the same rows.
-* Losses are normalised by the token and sequence counts of the *global* mini-batch (verl's
-  ``agg_loss`` with ``dp_size``), and FSDP2 is told to sum gradients rather than average them, so an
-  update does not depend on W beyond floating-point reordering.
-* Metrics are sums of per-micro-batch parts already weighted by the global mini-batch
-  (:class:`~ppoflow.workers.training.Learner`), so summing them over ranks gives W=1's values.
-* Outputs (log-probs, values) and full weights are gathered on rank 0, which returns them; the other
-  ranks return None. Weight sync and the Hugging Face export take the full state dict.
-* Checkpoints are written by every rank in parallel, each its own shards (:meth:`DataParallel.save_sharded`:
-  ``torch.distributed.checkpoint`` with its safetensors storage, which pickles nothing), and read back
-  with any number of ranks: DCP reshards on load.
-
-A role run as one rank (no :class:`RankInfo`, as :func:`~ppoflow.workers.group.start_workers` starts it)
-has no process group and trains unsharded: the same code, no collectives. A :class:`RankInfo` of world
-size 1 still joins a group and shards: the GPU check runs FSDP2 that way, without Ray.
+Every rank receives the whole step batch and takes its own rows (:func:`balanced_partition`, verl's
+``balance_batch``); losses use the global mini-batch's normalisers and FSDP2 sums gradients, so an update does not
+depend on W. Outputs and full weights are gathered on rank 0; checkpoints are written by every rank in parallel
+(:meth:`DataParallel.save_sharded`, DCP with its safetensors storage) and reshard on load. Without a
+:class:`RankInfo` a role trains unsharded; one of world size 1 still shards (the GPU check). Details: docs/scale_out.md.
 """
 
 from __future__ import annotations

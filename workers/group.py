@@ -1,17 +1,10 @@
 """Starting the run's workers, and the small interface the Prefect tasks use to call them.
 
-Each role (rollout, actor, and when the config needs them ref and critic) is a long-lived Ray actor
-that reserves the role's ``resources`` from config (a colocated rollout is the actor's own). With
-W = ``PPOConfig.data_parallel_size`` > 1 each training role (actor, ref, critic) is W actors instead, one
-per data-parallel rank (:mod:`ppoflow.workers.data_parallel`), placed in one Ray placement group of W
-bundles: bundle i holds rank i of every training role, as verl colocates its roles on a resource pool.
-Tasks never touch Ray directly: they call ``role.submit("method", ...)``, which returns a reference,
-and ``workers.get(reference)``; a batch that several roles read is placed once with ``workers.put``
-and handed over by reference, so it is copied into Ray's object store once, not once per role.
-
-:func:`start_local_workers` builds the same roles as plain objects in this process, with the same
-interface; the overhead benchmark runs the very same step through it to measure what Ray and
-Prefect cost.
+Each role (rollout, actor, and when needed ref and critic) is a long-lived Ray actor on the role's ``resources``;
+with W = ``PPOConfig.data_parallel_size`` > 1 each training role is W actors in one placement group
+(:mod:`ppoflow.workers.data_parallel`). Tasks call ``role.submit("method", ...)`` and ``workers.get(reference)``; a
+batch several roles read is placed once with ``workers.put``. :func:`start_local_workers` builds the same roles as
+plain objects in this process (the overhead benchmark's baseline). Details: docs/architecture.md#workers.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The rollout as a service (``actor_rollout_ref.rollout.mode=async``): replicas, a load balancer, and
 the agent-loop workers that call them (verl's V1 rollout: LLM server replicas + AgentLoop workers).
 
-* :class:`RolloutReplica` - a Ray actor holding a copy of the policy and a continuous-batching engine
-  (:mod:`ppoflow.workers.serving`): ``generate(request_id, prompt_ids, sampling)`` returns the tokens
-  and their log-probs; requests in flight are decoded together, a finished one frees its slot at once.
-* :class:`LoadBalancer` - sends a request to the replica with the fewest requests in flight, keeps the
-  turns of one session (trajectory) on one replica, and retries a request elsewhere when its replica
-  dies (Ray restarts it; a restarted replica serves its initial weights, which the trainer detects from
-  the weight versions it stamps and repairs by re-syncing and generating again).
-* :class:`AgentLoopWorker` - an asyncio Ray actor that runs the agent loops of its share of a prompt
-  batch concurrently and pads their trajectories into the rollout part of the step batch.
-* :class:`RolloutService` - the rollout role the tasks call (``workers.rollout``): ``generate`` splits a
-  prompt batch over the agent workers, ``apply_weights`` reaches every replica.
+:class:`RolloutReplica` (a Ray actor with a continuous-batching engine, :mod:`ppoflow.workers.serving`),
+:class:`LoadBalancer` (fewest in flight, sticky per session, retries on a dead replica), :class:`AgentLoopWorker`
+(an asyncio Ray actor running its share of the agent loops) and :class:`RolloutService` (the rollout role the tasks
+call: ``generate``, ``apply_weights``). Details: docs/rollout_service.md.
 """
 
 from __future__ import annotations

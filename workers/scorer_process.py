@@ -1,16 +1,12 @@
 """Custom reward scorers in a process of their own: a scorer that ends its process (``os._exit``, a crash)
 is reported as such, and one that hangs is killed at its deadline; neither ends nor hangs the trainer.
 
-A :class:`ScorerProcess` is called like the scorer it runs (verl's ``compute_score`` arguments) and scores
-exactly as calling the scorer in the trainer would: the child calls it and converts what it returned with
-:func:`~ppoflow.algorithms.scoring.as_score`, the function in-process scoring uses, and the floats travel
-back as JSON, which round-trips every float. The child is a sandbox process of :mod:`ppoflow.workers.tools`
-(spawned, ended with its parent, JSON on its pipe), started on the first call and kept for the next ones;
-one that died or passed ``custom_reward_function.timeout_s`` (a warning every few seconds while a call
-lasts, as for storage stalls) is killed and replaced on the next call, and the call fails
-(:class:`ScorerTimedOut`) or scores ``timeout_score`` (``on_timeout``). A ScorerProcess pickles as its
-settings (the reward chunks of ``reward_model.reward_manager=ray`` take it to Ray workers), and each process
-that unpickles one keeps one child per scorer. Built-in scorers stay in the trainer: they are ppoflow's own.
+A :class:`ScorerProcess` is called like the scorer it runs and scores exactly as in-process scoring would (the child
+converts with :func:`~ppoflow.algorithms.scoring.as_score`; floats return as JSON). The child is a sandbox process of
+:mod:`ppoflow.workers.tools`, kept between calls and replaced after it died or passed
+``custom_reward_function.timeout_s`` (:class:`ScorerTimedOut`, or ``timeout_score``). It pickles as its settings, so
+Ray reward chunks can take it. Built-in scorers stay in the trainer.
+Details: docs/reliability.md#a-custom-scorer-has-a-deadline.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """A continuous-batching generation engine for a transformers causal LM: request-level generation for
 agent loops (verl's V1 / AgentLoop design), which call a rollout replica per sample and per turn.
 
-A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and
-their log-probabilities. The engine keeps every request in flight in one batch: each :meth:`step
-<ContinuousBatchingEngine.step>` admits waiting requests into free slots (one forward prefills their
-prompts but the last token into the KV cache), runs ONE decode forward for all running sequences (it
-feeds each its newest token: a joining request's last prompt token, so every token is sampled from
-this forward), samples one token per sequence, and drops the sequences that finished, so a finished
-sequence frees its slot for the next request at the next step instead of idling until the longest
-sequence of a static batch is done.
-
-The KV cache is a transformers ``DynamicCache`` on a shared time axis with left padding: every running
-row's newest token sits at the last column, a row's own tokens are the last ``cached_length`` columns
-and the columns before them are masked padding. Joining rows are left-padded into the batch, finished
-rows are index-selected out, and leading columns that no running row uses are dropped. Position ids
-come from each row's own length, so rotary positions match an unpadded run of the same prompt. This
-needs full-attention cache layers (``DynamicLayer``); models with sliding-window, linear-attention or
-shared-KV layers are refused at construction.
-
-Sampling is per request and reproducible: each request owns a ``torch.Generator`` seeded with its
-seed and draws one uniform number per token from it, so its tokens depend only on its prompt, seed and
-weights, not on what else is batched with it. Log-probs follow :func:`workers.rollout.sample_responses`
-(verl's convention): ``log_softmax(logits / temperature)`` at the sampled token, top-k/top-p not
-folded in, temperature 1 for greedy requests.
-
-No Ray here: a Ray actor wraps the engine (``submit`` from its event loop, ``start`` for the stepping
-thread, ``paused`` around in-place weight loads).
+A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and log-probs. Each
+:meth:`step <ContinuousBatchingEngine.step>` admits waiting requests into free slots, runs one decode forward for
+all running sequences and drops the finished ones, so a finished sequence frees its slot at once. Sampling is per
+request and reproducible (a seeded ``torch.Generator`` per request); log-probs follow
+:func:`workers.rollout.sample_responses`. No Ray here: a Ray actor wraps the engine.
+The KV-cache layout and sampling details: docs/rollout_service.md#the-engine.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Declaring tools for multi-turn agent loops: the YAML file that names them, read into :class:`ToolSpec`.
 
-:func:`load_tool_config` reads the file named by ``actor_rollout_ref.rollout.multi_turn.tool_config_path``
-(verl's layout, except that a tool is a Python function instead of a class)::
-
-    tools:
-      - function: "my_pkg.my_module:lookup"   # or "tools.py:lookup", relative to this file's folder
-        config: {timeout_s: 2.0, memory_mb: 512, max_output_chars: 256}   # optional; these are the defaults
-        tool_schema:                            # OpenAI function schema, as in verl
-          type: function
-          function:
-            name: lookup
-            description: "Look a key up."
-            parameters: {type: object, properties: {key: {type: string}}, required: [key]}
-
-It validates the file (keys, schemas, limits, function paths) but never imports a tool's module: that would
-run user code in the trainer. Tool code runs only in the sandbox processes of
-:class:`ppoflow.workers.tools.ToolRunner`, whose :meth:`~ppoflow.workers.tools.ToolRunner.check` reports the
-functions that cannot be imported.
+:func:`load_tool_config` reads the file named by ``actor_rollout_ref.rollout.multi_turn.tool_config_path`` (verl's
+layout, except that a tool is a Python function, ``"pkg.module:fn"`` or ``"tools.py:fn"`` relative to the file,
+with optional ``config`` limits and an OpenAI ``tool_schema``). It validates keys, schemas, limits and function
+paths but never imports a tool's module: tool code runs only in the sandbox processes of
+:class:`ppoflow.workers.tools.ToolRunner`, whose :meth:`~ppoflow.workers.tools.ToolRunner.check` reports functions
+that cannot be imported. The file format: docs/rollout_service.md#tools.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Running tools for multi-turn agent loops: each call in a sandbox process, bounded in time and memory.
 
-The agent loop (:mod:`workers.agent_loop`) parses a tool call out of a model turn and appends the tool's
-answer to the trajectory; the tools are declared in YAML and read by :mod:`workers.tool_config`.
-:class:`ToolRunner` runs the calls in separate processes (``spawn``: the caller may be a multi-threaded Ray
-actor, which must not ``fork``). Each process imports the tool functions once, when it starts, and runs
-every call under resource limits. Whatever goes wrong (bad arguments, a tool that raises, hangs, eats
-memory or kills its process) becomes an error observation for the model, never an exception or a hang
-in the trainer; a process that timed out or died is killed and replaced by a fresh one. The same process
-machinery runs custom reward scorers (:mod:`ppoflow.workers.scorer_process`).
-
-How a tool process is confined:
-
-* The trainer kills it (SIGKILL) when a call passes its ``timeout_s``.
-* Before each call its soft RLIMIT_AS is set to its current address space plus the tool's ``memory_mb``,
-  so a runaway allocation raises ``MemoryError`` in the tool instead of exhausting the machine; its soft
-  RLIMIT_CPU is set generously above the CPU time it has used (see :func:`cpu_budget_s`).
-* A watcher thread ends it when the trainer's process ends, even while a tool is stuck.
-* ``spawn`` starts a fresh interpreter that inherits none of the trainer's open files or sockets beyond
-  stdin/stdout/stderr and its own pipe; messages on that pipe are JSON, not pickles, so that nothing a
-  tool writes into it can run code in the trainer when the trainer reads it.
-
-As with any ``spawn`` process, the caller's ``__main__`` module is imported again in each tool process
-(under ``if __name__ == "__main__":`` guards), as multiprocessing does for every spawned process. Every
-tool process imports this module, so it imports nothing heavy at module level.
+:class:`ToolRunner` runs the calls of :mod:`workers.agent_loop` in ``spawn``ed processes (the caller may be a
+multi-threaded Ray actor) that import the tool functions once and run every call under resource limits; whatever
+goes wrong becomes an error observation for the model, never an exception or a hang in the trainer, and a process
+that timed out or died is replaced. The same machinery runs custom scorers (:mod:`ppoflow.workers.scorer_process`).
+Every tool process imports this module, so it imports nothing heavy at module level.
+How a tool process is confined: docs/rollout_service.md#tools.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """How step batches cross between the run's processes (the driver and its Ray workers).
 
-Ray pickles what a call sends and returns. A TensorDict pickled as it is costs several times what its
-bytes do (every non-tensor value is an object of its own, every tensor goes through torch's storage
-pickling; docs/benchmarks.md), and a step's batch crosses on every stage that runs on a worker. So
-every process of a run registers :func:`send_batches_as_plain_values` with Ray: a batch travels as
-:func:`~ppoflow.storage.batch.plain_batch`'s plain values (numpy buffers, lists) and is rebuilt on
-arrival. (tensordict's ``consolidate()``, which packs the tensors into one storage before pickling, is
-slower still on these batches: it too handles each per-prompt value on its own; docs/benchmarks.md.)
-Ray keeps serializers per process, which is why the driver (``start_workers``) and each worker
-(``set_up_worker_process``) call it.
-
-This is Ray's own channel between processes of one run, which pickles anyway; nothing read from
-storage comes this way (caches and checkpoints use :func:`~ppoflow.storage.batch.decode_batch`).
+Ray pickles what a call sends, and a TensorDict pickled as it is costs several times its bytes, so every process of
+a run registers :func:`send_batches_as_plain_values` with Ray: a batch travels as
+:func:`~ppoflow.storage.batch.plain_batch`'s plain values (numpy buffers, lists) and is rebuilt on arrival. Ray keeps
+serializers per process, so the driver (``start_workers``) and each worker (``set_up_worker_process``) call it.
+Nothing read from storage comes this way (storage uses :func:`~ppoflow.storage.batch.decode_batch`).
+Figures: docs/benchmarks.md#a-batchs-trip-to-a-worker-and-back.
 """
 
 from __future__ import annotations

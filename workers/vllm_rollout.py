@@ -1,49 +1,12 @@
 """The vLLM rollout engine: the same contract as :class:`workers.rollout.HFRolloutWorker`, on GPUs.
 
-``actor_rollout_ref.rollout.name=vllm`` selects :class:`VLLMRolloutWorker` in :mod:`workers.group`. It
-serves ``generate``, ``apply_weights`` and ``join_weight_group`` exactly like the transformers engine,
-so the flow, the rollout cache and the trainers cannot tell the two apart. vLLM is an optional extra
-(``pip install 'ppoflow[vllm]'``) and is imported only when an engine is built: this module imports on
-a CPU machine without it, and the config loader rejects ``rollout.name=vllm`` there (see
-:func:`ppoflow.configs.rules.cross_field_errors`).
-
-How the engine is driven (written against vLLM's offline ``LLM`` API):
-
-* **Prompts** go in as token ids (``{"prompt_token_ids": [...]}``, left padding stripped), one request
-  per prompt; outputs come back in request order, so rows are prompt-major like the HF engine's.
-* **Sampling**: ``temperature``, ``top_p``, ``top_k`` (``-1``/``0`` = off, sent as ``-1``, which every
-  vLLM release accepts as "disabled") and ``max_tokens = data.max_response_length``. Sampling asks for
-  ``n`` completions per request; greedy asks for one (vLLM rejects ``n > 1`` at temperature 0) and
-  repeats it ``n`` times, which is what greedy decoding of ``n`` copies gives. Generation stops at the
-  tokenizer's EOS only (``stop_token_ids=[eos]``, ``generation_config="vllm"`` so a checkpoint's
-  ``generation_config.json`` adds neither stop tokens nor sampling defaults), as the HF engine does.
-* **Seeds**: every call derives ``base = step_seed(rollout.seed, step)`` like the HF engine, and prompt
-  ``p`` gets the request seed ``base + p * n``; vLLM gives the ``j``-th of a request's ``n`` samples the
-  seed ``request seed + j``, so trajectory row ``r`` is sampled with its own generator seeded
-  ``base + r``. A replayed or resumed step therefore samples the same tokens (vLLM's per-request
-  generators do not depend on what else is in the batch).
-* **Log-probs**: the engine runs with ``logprobs_mode="processed_logprobs"`` and each request asks for
-  ``logprobs=0`` (the sampled token only). ``processed_logprobs`` are ``log_softmax`` of the logits after
-  vLLM's sampling-time processing, i.e. divided by the temperature, which is exactly the quantity the
-  HF engine returns and the actor recomputes, ``log softmax(logits / temperature)``, whenever top-k and
-  top-p are off (``top_k: -1``, ``top_p: 1.0``, the defaults and the usual RL setting). With top-k/top-p
-  on, vLLM's value is under the truncated, renormalised distribution (never below the HF engine's);
-  the rollout-correction metrics then see that gap. Greedy requests run at temperature 0, where vLLM
-  applies no scaling: equal to the HF engine's when the configured temperature is 0 or 1.
-  (``raw_logprobs``, vLLM's default, is before temperature scaling, so it is not used.)
-* **Weights**: ``apply_weights`` pushes a :class:`~workers.weight_sync.WeightUpdate` bucket by bucket
-  through ``LLM.collective_rpc`` into :class:`VLLMWeightLoader`, the ``worker_extension_cls`` mixed into
-  every vLLM GPU worker. A bucket travels as one ``bytes`` object in its packed layout (the actor's
-  object-store buckets are per-tensor byte arrays, joined here); the worker copies it to its GPU once,
-  views each slot as its tensor and calls the model's own ``load_weights`` with ``(name, tensor)``
-  pairs (vLLM's loader renames and fuses Hugging Face names, e.g. ``q/k/v_proj`` into ``qkv_proj``,
-  and with tensor parallelism each worker keeps its own shard of the full tensors it is sent). The
-  prefix cache is then reset, so no KV block computed under the old weights is reused, and the new
-  version is stamped on what follows. Only the ``object_store`` backend is supported: the engine's GPU
-  workers are processes of vLLM's own, outside the Ray collective group the ``nccl``/``gloo``
-  backends broadcast in. Quantized checkpoints are not handled (no ``process_weights_after_loading``).
-
-The conversion of the engine's token lists into the batch is the pure function :func:`rollout_batch`.
+``actor_rollout_ref.rollout.name=vllm`` selects :class:`VLLMRolloutWorker` in :mod:`workers.group`; it serves
+``generate``, ``apply_weights`` and ``join_weight_group`` like the transformers engine, so nothing else can tell
+them apart. vLLM is an optional extra (``ppoflow[vllm]``) imported only when an engine is built, so this module
+imports on a CPU machine; the config loader rejects ``rollout.name=vllm`` there
+(:func:`ppoflow.configs.rules.cross_field_errors`). Weights load through :class:`VLLMWeightLoader`, the
+``worker_extension_cls``; the batch conversion is the pure function :func:`rollout_batch`.
+How it drives vLLM's ``LLM`` API (prompts, sampling, seeds, log-probs, weights): docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Moving the actor's weights into the rollout worker (the ``weight_sync`` stage).
 
-Per-tensor transfers are the known slow path (many small messages), so tensors are packed into flat
-``uint8`` buckets of at most ``weight_sync.bucket_mb`` MiB, described by :class:`TensorSlot` layouts:
-
-* ``object_store`` — the actor writes each bucket (one object holding its tensors' raw bytes) into
-  Ray's shared-memory object store itself and returns only references; the rollout worker maps the
-  bytes without copying and copies them into its parameters: one copy in, one copy out, and the
-  weights never pass through the driver.
-* ``nccl`` / ``gloo`` — the actor and the rollout worker join one Ray collective group
-  (``ray.util.collective``); each sync the actor broadcasts its buckets and the rollout receives
-  them into buffers on its own device (GPU to GPU with NCCL; gloo does the same on CPUs).
-* ``delta`` — the actor keeps a copy of what it last sent and packs only tensors whose values
-  changed (frozen layers, adapters); the first sync sends everything.
-* When generation runs ahead of training (one_step_off), the actor also keeps that copy, so a rollout
-  worker restarted after a crash can be given the very weights its lost batch was started with.
-
-The same code runs in-process (no Ray): then a bucket is handed over as a tensor.
+Tensors are packed into flat ``uint8`` buckets of at most ``weight_sync.bucket_mb`` MiB (:class:`TensorSlot`
+layouts), moved by the ``object_store`` backend (through Ray's shared memory, never the driver) or ``nccl`` /
+``gloo`` (a Ray collective group); ``delta`` sends only tensors that changed. With one_step_off the actor keeps a
+copy of what it sent, so a restarted rollout worker can get the weights its lost batch was started with. In-process
+(no Ray) a bucket is handed over as a tensor. Details: docs/architecture.md#weight-sync.
 """
 
 from __future__ import annotations

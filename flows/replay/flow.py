@@ -1,23 +1,12 @@
 """The regression replay flow: record a golden baseline of a few training steps, then re-check it from the
 rollout cache.
 
-``ppoflow replay record --dir DIR [--config NAME] [key=value ...]`` trains ``trainer.total_training_steps``
-steps with the rollout cache in ``cache`` mode and writes, under ``DIR``::
-
-    DIR/cache/          the step cache (skip.rollout.dump_dir): every step's rollout, as generated
-    DIR/record/         the recording run's directory (metrics.jsonl, final policy)
-    DIR/baseline.json   the golden baseline: per-step metrics, config fingerprint, code version
-
-``ppoflow replay check --dir DIR [--tolerance METRIC=VALUE ...] [key=value ...]`` runs the
-``regression-replay`` flow: the same training (the baseline's config and overrides, plus any extra
-overrides) with every rollout replayed from ``DIR/cache`` - no generation - into ``DIR/replays/<time>``,
-then compares every per-step metric with the baseline. Comparisons are exact unless a tolerance is
-given (by metric name, or by a prefix ending in ``/``); timings, throughput, cache flags and staleness
-(:data:`DEFAULT_IGNORED`) are never compared. On a CPU a replay reproduces the recording bit for bit, so
-any difference means the trainer changed. A mismatch fails the flow run, makes the CLI exit 1, and is
-listed in the table artifact ``regression-replay-<slug>`` (one version per check of the same DIR).
-
-Validation is turned off in both runs (``trainer.test_freq=-1``): it generates, and a replay must not.
+``ppoflow replay record --dir DIR`` trains with the rollout cache in ``cache`` mode and writes ``DIR/cache/``,
+``DIR/record/`` and ``DIR/baseline.json``; ``ppoflow replay check --dir DIR [--tolerance METRIC=VALUE ...]`` runs
+the ``regression-replay`` flow: the same training with every rollout replayed into ``DIR/replays/<time>``, then
+every per-step metric compared with the baseline (exact unless a tolerance names it or its ``prefix/``; the
+:data:`DEFAULT_IGNORED` metrics never). A mismatch fails the flow run, makes the CLI exit 1 and is listed in the
+artifact ``regression-replay-<slug>``. Validation is off in both runs. Details: docs/deployments.md#regression-replay.
 """
 
 from __future__ import annotations

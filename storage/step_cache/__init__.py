@@ -1,26 +1,11 @@
 """The step cache: a stage's result per training step on any fsspec storage, replayed as Prefect
 task-result caching (verl's SkipManager ``cache`` and ``repeat``, made safe).
 
-One home, in the order a reader meets it:
-
-* :mod:`.manifest` - the layout (verl's ``{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out../{step}/``)
-  and the commit marker of an entry, as pure functions;
-* :mod:`.store` - :class:`StepCache`, one stage's entries: atomic writes, cheap validity, ``cache`` /
-  ``repeat`` resolution over valid entries only, verified loads (size, sha256, safetensors; nothing is
-  unpickled);
-* :mod:`.scan` - every entry under a root, for the CLI and the regression replay;
-* :mod:`.remap` - fitting a cached rollout onto this step's prompts (verl's V1 uid remap);
-* :mod:`.prefect` - what Prefect persists (the marker, through :class:`ManifestSerializer`) and how
-  its record of an entry is derived from the marker, never read from the cache;
-* :mod:`.stage_cache` - calling a stage through its cache (:func:`start_stage`): the rules, applied
-  from outside the stage's body;
-* :mod:`.sample_cache` - the same entries one prompt's group at a time, keyed by feed order (verl's
-  ``skip.async_rollout``), read and written by the rollout service's agent-loop workers.
-
-This package exports the storage side only; the Prefect side (:mod:`.prefect`, :mod:`.stage_cache`) is
-imported from its modules, so that the workers, which read the layout's names through the config, never
-pay for importing Prefect. The store and the remap load on first use: the config reads the layout's names
-from :mod:`.manifest`, and ``ppoflow config`` must not pay for the torch that the payloads' codec imports.
+Modules in reading order: :mod:`.manifest` (layout, marker), :mod:`.store` (:class:`StepCache`), :mod:`.scan`,
+:mod:`.remap`, :mod:`.prefect`, :mod:`.stage_cache` and :mod:`.sample_cache` (verl's ``skip.async_rollout``).
+This package exports the storage side only; the Prefect side is imported from its modules, so the workers never
+pay for importing Prefect, and the store and remap load on first use, so ``ppoflow config`` never pays for torch.
+The tour: docs/step_cache.md#where-it-lives.
 """
 
 import importlib

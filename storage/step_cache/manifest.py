@@ -1,14 +1,10 @@
 """The step cache's layout on storage and its commit marker (the *manifest*), as pure functions.
 
-Layout (verl's): ``{dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{P}_out{R}/{step}/`` holding, per
-stage, a payload ``{stage}.safetensors`` and a marker written last: ``meta.json`` for the ``rollout``
-stage (verl's name), ``{stage}.meta.json`` for the others. A step directory counts only if its name is
-the canonical decimal spelling of an integer (``7``, ``-3``, ``0``; not ``007``, ``+7`` or `` 7``):
-verl's ``int()`` leniency would let ``007`` stand for step 7 while a lookup of 7 reads ``7/``.
-
-The manifest is a :class:`~ppoflow.storage.marker.MarkerFormat` marker listing the payload with its
-size and sha256, plus the stage, the step, the number of trajectories, when it was written, and free
-metadata (the settings the entry was sampled with, its weight versions, the stage's metrics).
+Layout (verl's): ``{dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{P}_out{R}/{step}/`` holding, per stage,
+``{stage}.safetensors`` and a marker written last (``meta.json`` for ``rollout``, ``{stage}.meta.json`` otherwise);
+a step directory counts only if its name is the canonical decimal spelling of an integer (not ``007``, ``+7``).
+The manifest is a :class:`~ppoflow.storage.marker.MarkerFormat` marker listing the payload's size and sha256, plus
+stage, step, trajectory count, write time and free metadata. Details: docs/step_cache.md#how-it-works.
 """
 
 from __future__ import annotations

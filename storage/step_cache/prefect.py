@@ -1,22 +1,11 @@
 """The step cache as Prefect task-result caching: what Prefect stores, reads and deserializes.
 
-A cached stage task runs with a cache policy whose key is the entry's marker path relative to
-``dump_dir`` and whose result storage is ``dump_dir`` itself (:class:`StepCacheStorage`). The record
-Prefect persists is a :class:`StageRecord`, serialized by :class:`ManifestSerializer` as the entry's
-marker and nothing else: tensors never enter a Prefect record, and the marker is written after the
-task body wrote the payload, so it commits the entry.
-
-Prefect's own record of an entry (its metadata: which serializer to use, which file holds the result)
-is *derived* from the marker rather than stored (:class:`DerivedRecords`, the policy's
-``key_storage``). A stored record would let anyone who can write into a shared cache folder or bucket
-name the pickle serializer and a file of their choice, and every later run replaying from it would
-unpickle that file. Here the serializer (JSON manifests only) and the file read are fixed by this
-code, and an entry whose marker does not validate does not exist for Prefect.
-
-Reading a replay's record back *is* loading the entry (:class:`EntryCheck`): the payload is read once,
-its size and sha256 checked, decoded, and matched against what this run requires, all before Prefect
-names the task run ``Cached``. An entry failing any of it raises :class:`CacheEntryRejected` there, so
-its task run ends ``Failed`` with the reason in its logs, and is never reported as replayed.
+A cached stage task's cache key is the entry's marker path relative to ``dump_dir``, its result storage
+``dump_dir`` itself (:class:`StepCacheStorage`); the record Prefect persists is a :class:`StageRecord` serialized by
+:class:`ManifestSerializer` as the entry's marker only. Prefect's metadata for an entry is derived from the marker
+(:class:`DerivedRecords`), never stored, so nothing in a shared cache can choose a serializer. Reading a replay's
+record back is loading the entry (:class:`EntryCheck`); a failing entry raises :class:`CacheEntryRejected`, so its
+task run ends ``Failed``. Details: docs/step_cache.md (Prefect caching, Security).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """verl's ``skip.async_rollout``: the rollout service's trajectories cached one prompt at a time, as each
 prompt's group finishes.
 
-The unit is verl's: one prompt and its ``n`` trajectories (multi-turn ones with their masks and turns,
-their tool errors, and their scores when the rollout scored them), keyed by the prompt's place in the
-feed order - verl's sample id ``sample_{epoch}_{index}``, ``index`` counting the prompts fed since the
-run began, from 1, so it is the same in a resumed run. ``skip.async_rollout.steps`` lists the indexes
-that may be cached (verl's meaning of ``steps`` for this key).
-
-An entry is a :class:`~.store.StepCache` entry of stage ``async_rollout`` at "step" ``index`` under the
-run's ``GBS1`` configuration directory (one prompt per entry), so it has the step cache's guarantees:
-payload first and checksummed marker last, loads verified by size and sha256 that decode safetensors
-only (nothing read can choose how it is decoded or run code), ``cache`` and ``repeat`` over valid
-entries only. An entry must also have been sampled the way this run samples (the sampling settings, the
-model, the tokenizer; ``allow_mismatch`` replays it anyway) and, for ``cache``, from the same prompt; a
-``repeat`` replays another prompt's group as it was recorded (verl's implicit remap).
-
-The agent-loop workers write each group as soon as it finishes, so a step a crash interrupted keeps its
-finished groups, and a step whose groups are partly cached generates only the rest. Every storage call
-is bounded by ``timeout_s``: storage that fails or stalls costs a warning and a recomputation.
+An entry is one prompt's ``n`` trajectories, keyed by the prompt's feed index (verl's ``sample_{epoch}_{index}``,
+counted from 1 over the run, so a resumed run finds it), stored as a :class:`~.store.StepCache` entry of stage
+``async_rollout`` under the run's ``GBS1`` directory, with the step cache's guarantees. ``cache`` needs the same
+sampling, model, tokenizer and prompt; ``repeat`` replays another prompt's group. The agent-loop workers write each
+group as it finishes; every storage call is bounded by ``timeout_s``.
+Details: docs/step_cache.md#per-sample-skipasync_rollout.
 """
 
 from __future__ import annotations

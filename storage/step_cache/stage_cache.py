@@ -1,22 +1,11 @@
 """Calling a stage through its step cache: the rules, applied from outside the stage's body.
 
-The rules (verl's, plus the safety verl lacks) in the order they apply:
-
-1. a step outside ``skip.<stage>.steps`` (or a stage without a cache) just runs the task;
-2. otherwise :meth:`StageCache.plan` picks the entry to replay (``cache``: this step's committed one;
-   ``repeat``: this step's valid one, else the nearest valid one below, else above);
-3. with an entry, the task is called with that entry's key and an :class:`~.prefect.EntryCheck`: Prefect
-   reads the record, which loads and checksums the tensors and matches what the entry recorded against
-   what the caller ``requires`` (the input a stage was computed from; the model, tokenizer and sampling
-   settings a rollout was sampled with). Only then is the task run ``Cached``; a rollout is then fitted
-   onto this step's prompts (``fit``). An entry that fails is *rejected*: its task run ends ``Failed``
-   (:class:`~.prefect.CacheEntryRejected`, the reason in its logs);
-4. without an entry, or after a rejection, the task runs with ``refresh_cache`` and its result is dumped
-   at this step: the stage function writes the payload through the ``dump`` parameter that
-   :func:`cacheable` gives it, and Prefect commits the marker after the task.
-
-What became of each planned step (replayed, rejected and why, missing, unreadable) is kept in
-:attr:`StageCache.outcomes`, for the run's report.
+:meth:`StageCache.plan` picks the entry to replay (``cache``: this step's; ``repeat``: the nearest valid one); the
+task is then called with that entry's key and an :class:`~.prefect.EntryCheck` that loads, checksums and matches
+it against what the caller ``requires`` before the run is ``Cached`` (a rollout is then fitted onto this step's
+prompts); a rejected or missing entry runs the task with ``refresh_cache`` and dumps its result through the
+``dump`` parameter :func:`cacheable` gives it. What became of each planned step is kept in
+:attr:`StageCache.outcomes` for the run's report. Details: docs/step_cache.md#how-it-works.
 """
 
 from __future__ import annotations
