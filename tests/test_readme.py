@@ -1,5 +1,6 @@
 """The README and docs/ stay true: the config reference in docs/configuration.md is the one the schema
-generates, and every relative link in README.md and docs/*.md points at a file (and heading) that exists."""
+generates, every relative link in README.md and docs/*.md points at a file (and heading) that exists, and the
+step's diagram and stage table are drawn once (others link to them)."""
 
 import re
 from pathlib import Path
@@ -65,3 +66,15 @@ def test_the_link_check_catches_what_it_should():
         "models-data-rewards",
         "ppoflow-serve--now",
     }
+
+
+@pytest.mark.parametrize(
+    ("what", "first_line", "home"),
+    [
+        ("the step's diagram", "ppoflow train / Prefect deployment / UI run", "README.md"),
+        ("the stage table", "1. generate      sample rollout.n responses per prompt", "docs/architecture.md"),
+    ],
+)
+def test_drawn_once(what, first_line, home):
+    pages = [str(page.relative_to(ROOT)) for page in PAGES if first_line in page.read_text()]
+    assert pages == [home], f"{what} is drawn in {pages}; keep it in {home} and link to it"
