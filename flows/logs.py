@@ -56,11 +56,12 @@ def run_failures() -> tuple[type[Exception], ...]:
 
 
 def _without_user_error_traceback(record: logging.LogRecord) -> bool:
-    """Keep the record, without its traceback when its exception is the user's input (a ConfigError) or a
-    run failure whose message says it all (:func:`run_failures`)."""
+    """Keep the record, without its traceback when its exception is the user's input (a ConfigError), a
+    run failure whose message says it all (:func:`run_failures`) or a rejected cache entry (its reason)."""
     from ppoflow.configs import ConfigError
+    from ppoflow.storage.step_cache.prefect import CacheEntryRejected
 
-    if record.exc_info and isinstance(record.exc_info[1], (ConfigError, *run_failures())):
+    if record.exc_info and isinstance(record.exc_info[1], (ConfigError, CacheEntryRejected, *run_failures())):
         record.exc_info = record.exc_text = None
     return True
 
@@ -68,8 +69,9 @@ def _without_user_error_traceback(record: logging.LogRecord) -> bool:
 def hide_user_error_tracebacks() -> None:
     """Prefect logs a failed task or flow run's exception with its traceback. A :class:`ConfigError` raised
     inside a run (a role asking for more than the Ray cluster has, say) is bad input, not a bug, and a run
-    failure (:func:`run_failures`) says where it arose: their lines keep the message and drop the traceback,
-    as ``ppoflow train`` reports bad input found before Prefect starts. Idempotent."""
+    failure (:func:`run_failures`) says where it arose, and a rejected cache entry's reason is the whole story
+    (the stage is recomputed): their lines keep the message and drop the traceback, as ``ppoflow train``
+    reports bad input found before Prefect starts. Idempotent."""
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)
         if _without_user_error_traceback not in logger.filters:
