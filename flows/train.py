@@ -359,18 +359,37 @@ def ppo_train(
         ],
     )
     get_run_logger().info("run directory %s", cfg.trainer.default_local_dir)
+    tag_flow_run(run_tags(config, cfg))
     cancellation.watch(prefect_flow_run.id)
     # the caller's tags are the flow run's: a tagged task run costs the server a request (trainer.task_run_tags)
     with logs_to_prefect(), TagsContext(current_tags=set()):
         return train(cfg)
 
 
+def run_tags(config: str | None, cfg: PPOConfig) -> list[str]:
+    """The tags that tell a run apart in the runs list: ``experiment:``, ``preset:`` and ``mode:``."""
+    trainer = cfg.trainer
+    return [f"experiment:{trainer.experiment_name}", f"preset:{preset_tag(config)}", f"mode:{trainer.mode}"]
+
+
+def tag_flow_run(tags: list[str]) -> None:
+    """Add ``tags`` to the current flow run if it was created without them (a run from a deployment or the
+    UI's form: :func:`run_ppo_train` creates its runs tagged): one request to the server, a warning if it fails."""
+    missing = set(tags) - set(prefect_flow_run.tags)
+    if not missing or prefect_flow_run.id is None:
+        return
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(prefect_flow_run.id, tags=sorted(set(prefect_flow_run.tags) | missing))
+    except Exception as error:  # the run goes on untagged
+        logger.warning("could not tag the flow run %s: %r", prefect_flow_run.id, error)
+
+
 def run_ppo_train(config: str, overrides: list[str], cfg: PPOConfig, *tags: str, return_state: bool = False):
     """Call :func:`ppo_train` on ``config`` + ``overrides`` (``cfg``, as loaded from them) so that its flow run
     tells what it is: the Parameters show the effective typed fields, and the run is created tagged
-    ``experiment:``, ``preset:``, ``mode:`` and ``tags`` (``record``, ``replay``) - no request of its own."""
-    trainer = cfg.trainer
-    with prefect_tags(
-        f"experiment:{trainer.experiment_name}", f"preset:{preset_tag(config)}", f"mode:{trainer.mode}", *tags
-    ):
+    :func:`run_tags` and ``tags`` (``record``, ``replay``) - no request of its own."""
+    with prefect_tags(*run_tags(config, cfg), *tags):
         return ppo_train(config=config, overrides=list(overrides), **typed_fields(cfg), return_state=return_state)

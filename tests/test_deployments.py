@@ -116,6 +116,10 @@ def test_served_deployments_run_with_ui_parameters(prefect_api, ray_local, small
             },
         )
         assert run.state.is_completed(), run.state
+        with client() as api:  # a run from the form tags itself as a CLI run is created tagged
+            assert {"experiment:from-the-ui", "preset:grpo_tiny", "mode:one_step_off"} <= set(
+                api.read_flow_run(run.id).tags
+            )
         keys = artifact_keys(run.id)  # <project>-<experiment>-<flow run name>-<what>, and the experiment's -latest
         assert "ppoflow-from-the-ui-latest" in keys
         for what in ("progress", "metrics", "summary", "config"):

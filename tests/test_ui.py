@@ -79,6 +79,14 @@ def replay(golden, prefect_server, tmp_path_factory):
         return dump, flow_run_id, runs, logs(flow_run_id), artifacts(flow_run_id)
 
 
+def test_a_flow_run_started_without_its_tags_gets_them(prefect_api, golden):
+    """The golden run calls the flow directly, as a deployment's run does, so it was created untagged: the
+    flow tags itself with the experiment, preset and mode (one request)."""
+    with get_client(sync_client=True) as client:
+        tags = set(client.read_flow_run(golden.flow_run_id).tags)
+    assert {"experiment:grpo_tiny", "preset:grpo_tiny", "mode:sync"} <= tags
+
+
 def test_task_runs_are_named_and_tagged_for_their_stage_and_step(prefect_api, golden):
     runs = task_runs(golden.flow_run_id, 2 + 4 * 4 + 2 * 2)  # start-up, 4 stages x 4 steps, 2 validations
     names = [run.name for run in runs]
