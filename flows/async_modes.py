@@ -110,13 +110,14 @@ class AsyncTrainer(TrainerMode):
             except ScorerFailed as failure:  # the user's scorer: never retried, the run fails naming it
                 raise getattr(failure, "cause", failure) from None  # as raised in the worker, without Ray's trace
             except Exception as error:  # the group's generation failed (a worker died, a loop raised)
-                logger.warning("generating prompt %s failed: %r", uid, error)
+                reason = repr(getattr(error, "cause", None) or error)  # a loop's own error, without Ray's trace
+                logger.warning("generating prompt %s failed: %s", uid, reason)
                 self.failed_in_a_row += 1
                 if self.failed_in_a_row >= FAILED_GROUPS_IN_A_ROW * self.batch_size:
                     raise RolloutFailing(
-                        f"the last {self.failed_in_a_row} prompt groups generated all failed, the last with {error!r}"
-                    ) from error
-                self.buffer.fail(uid, repr(error))
+                        f"the last {self.failed_in_a_row} prompt groups generated all failed, the last with {reason}"
+                    ) from None
+                self.buffer.fail(uid, reason)
 
     # -- the lifecycle ---------------------------------------------------------------------------------
 

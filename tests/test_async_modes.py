@@ -474,3 +474,44 @@ def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(
         state.result()
     generate = task_runs_by_name(state.state_details.flow_run_id, ["generate[step=1]"])["generate[step=1]"]
     assert generate.state.is_failed() and generate.run_count == 1
+
+
+BROKEN_LOOP = """
+from ppoflow.workers.agent_loop import AgentLoop
+
+class Broken(AgentLoop):
+    async def run(self, sampling, **row):
+        raise RuntimeError("the loop is broken")
+"""
+
+
+def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_model, tmp_path):
+    """An agent loop that raises on every prompt: the buffer evicts and refills each failed group, until two
+    batches' worth have failed in a row; then the run stops with one line and exit 1, naming the last error."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "broken_loops.py").write_text(BROKEN_LOOP)
+    (tmp_path / "loops.yaml").write_text("- name: broken_agent\n  _target_: broken_loops.Broken\n")
+    words = [
+        "trainer.v1.trainer_mode=colocate_async",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path}/loops.yaml",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=broken_agent",
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "ppoflow: the run failed: the last 8 prompt groups generated all failed, the last with "
+        "RuntimeError('the loop is broken')"
+    ), done.stderr[-3000:]
