@@ -16,12 +16,16 @@ from ppoflow.storage.step_cache.prefect import CacheEntryRejected
 
 def logged(error: Exception, caplog) -> logging.LogRecord:
     """The record ``prefect.task_runs`` logs for ``error`` (with its exc_info), after the filters."""
+    from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
+
     logger = logging.getLogger("prefect.task_runs")
     try:
         raise error
     except Exception:
-        with caplog.at_level(logging.ERROR, logger="prefect.task_runs"):
-            logger.error("Task run failed with exception: %r", error, exc_info=sys.exc_info())
+        # outside a flow run, Prefect's API handler on this logger would warn that it has nowhere to send it
+        with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):
+            with caplog.at_level(logging.ERROR, logger="prefect.task_runs"):
+                logger.error("Task run failed with exception: %r", error, exc_info=sys.exc_info())
     return caplog.records[-1]
 
 
