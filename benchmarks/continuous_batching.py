@@ -67,7 +67,14 @@ def main() -> None:
                 seed=0,
             ),
         )
-        spec = ModelConfig(path=scratch, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+        spec = ModelConfig(
+            path=scratch,
+            tokenizer_path=None,
+            trust_remote_code=False,
+            dtype="float32",
+            enable_gradient_checkpointing=False,
+            build=None,
+        )
         tokenizer = load_tokenizer(spec)
         model = load_causal_lm(spec).eval()
     characters = range(len(TINY_SPECIAL_TOKENS), len(TINY_SPECIAL_TOKENS) + len(TINY_CHARACTERS))

@@ -133,6 +133,11 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(description="Tokenizer directory; null = `path`.")
     trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+    enable_gradient_checkpointing: bool = Field(
+        description="Recompute each decoder layer's activations in the backward pass of the role's updates instead "
+        "of keeping them (actor, critic): activation memory of about one layer instead of all, for about one more "
+        "forward pass. No effect on roles that do not train (ref, rollout)."
+    )
     build: TinyModelConfig | None = Field(
         description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "
         "the console. A recipe belongs to the path it was written for: a `key=value` override of this "

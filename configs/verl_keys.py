@@ -96,9 +96,7 @@ UNSUPPORTED: dict[str, str] = {
     "data.image_key": _MULTIMODAL,
     "data.video_key": _MULTIMODAL,
     # model
-    f"{MODEL}.enable_gradient_checkpointing": _PLANNED_MODEL,
     f"{MODEL}.use_remove_padding": _PLANNED_MODEL,
-    "critic.model.enable_gradient_checkpointing": _PLANNED_MODEL,
     "critic.model.use_remove_padding": _PLANNED_MODEL,
     f"{MODEL}.enable_activation_offload": "not supported: activations stay on the device",
     f"{MODEL}.use_liger": "not supported: models run on plain transformers kernels",

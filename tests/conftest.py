@@ -292,3 +292,12 @@ def prefect_settings(url: str):
     from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     return temporary_settings(updates={PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
+def model_config(path):
+    """A model section (``ModelConfig``) for ``path`` as the defaults have it (float32, no checkpointing, no build
+    recipe)."""
+    from ppoflow.configs.schema import ModelConfig
+
+    return ModelConfig(path=str(path), tokenizer_path=None, trust_remote_code=False, dtype="float32",
+                       enable_gradient_checkpointing=False, build=None)  # fmt: skip

@@ -100,13 +100,11 @@ def settings(**changes) -> AgentSettings:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    from ppoflow.configs.schema import ModelConfig
     from ppoflow.workers.models import load_causal_lm, load_tokenizer
+    from tests.conftest import model_config
 
-    model_config = ModelConfig(
-        path=str(tiny_model), tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None
-    )
-    return load_causal_lm(model_config).eval(), load_tokenizer(model_config)
+    spec = model_config(tiny_model)
+    return load_causal_lm(spec).eval(), load_tokenizer(spec)
 
 
 def test_single_turn_trajectory_is_the_engines_sample(tiny):

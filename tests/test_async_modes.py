@@ -431,6 +431,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """A custom scorer that passes the preflight's call, then does ``then`` on every call."""
 
 
+@pytest.mark.slow  # ~40 s of a CLI run each, these three
 def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server, tiny_model, tmp_path):
     """A custom scorer failing in the rollout service (async scoring) fails the run with one line and exit 1,
     instead of failing group after group that the buffer would refill for ever."""
@@ -452,6 +453,7 @@ def test_an_async_run_whose_scorer_fails_stops_at_once_naming_it(prefect_server,
     assert f"the custom scorer '{tmp_path}/scorer.py:compute_score' raised RuntimeError: the judge is down" in last
 
 
+@pytest.mark.slow
 def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(
     prefect_api, ray_local, tiny_model, tmp_path
 ):
@@ -485,6 +487,7 @@ class Broken(AgentLoop):
 """
 
 
+@pytest.mark.slow
 def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_model, tmp_path):
     """An agent loop that raises on every prompt: the buffer evicts and refills each failed group, until two
     batches' worth have failed in a row; then the run stops with one line and exit 1, naming the last error."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ppoflow.configs import ConfigError
-from ppoflow.configs.schema import DataConfig, ModelConfig, SyntheticDataConfig
+from ppoflow.configs.schema import DataConfig, SyntheticDataConfig
 from ppoflow.data.datasets import (
     PromptDataset,
     PromptLoader,
@@ -22,6 +22,7 @@ from ppoflow.data.datasets import (
     write_synthetic_dataset,
 )
 from ppoflow.storage.batch import non_tensor_column
+from tests.conftest import model_config
 
 # The tiny character tokenizer (workers/models.py): <pad>=0 <s>=1 </s>=2 <unk>=3, then one id per
 # character of "0123456789+-=>:,|?abcdefghij" from 4: digit d -> 4 + d, '>' -> 17, ':' -> 18, '|' -> 20, 'a' -> 22.
@@ -67,9 +68,7 @@ def chat_row(content: str, truth, source: str = "synthetic/copy") -> dict:
 def tokenizer(tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    return load_tokenizer(
-        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
-    )
+    return load_tokenizer(model_config(tiny_model))
 
 
 # ---------------------------------------------------------------------------------- synthetic
@@ -301,9 +300,7 @@ def test_load_prompt_dataset_chat_and_plain_prompts(tmp_path, tokenizer):
 def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    tokenizer = load_tokenizer(
-        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
-    )
+    tokenizer = load_tokenizer(model_config(tiny_model))
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
     )

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from ppoflow.configs.schema import ModelConfig
 from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, sample_next_tokens
+from tests.conftest import model_config
 
 CPU = torch.device("cpu")
 PROMPTS = ["1+2=", "abc", "7", "12345678+9=", "a:b|c?", "99-3=>", "0,1,2,3,4,5,6,7,8,9,", "j"]
@@ -25,9 +25,7 @@ def model(tiny_model):
     position would reproduce too; these weights make every continuation depend on the whole context."""
     from ppoflow.workers.models import load_causal_lm
 
-    model = load_causal_lm(
-        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
-    ).eval()
+    model = load_causal_lm(model_config(tiny_model)).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -40,9 +38,7 @@ def model(tiny_model):
 def tokenizer(tiny_model):
     from ppoflow.workers.models import load_tokenizer
 
-    return load_tokenizer(
-        ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
-    )
+    return load_tokenizer(model_config(tiny_model))
 
 
 @pytest.fixture(scope="module")

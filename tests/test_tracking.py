@@ -3,9 +3,9 @@
 import fsspec
 import torch
 
-from ppoflow.configs.schema import ModelConfig
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.workers.models import load_causal_lm, load_tokenizer
+from tests.conftest import model_config
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
@@ -29,10 +29,8 @@ def test_models_load_from_an_fsspec_url(tiny_model):
     fs = fsspec.filesystem("memory")
     for path in fsspec.filesystem("file").ls(tiny_model):
         fs.pipe_file(f"/models/tiny/{path.rsplit('/', 1)[-1]}", open(path, "rb").read())
-    remote = ModelConfig(
-        path="memory://models/tiny", tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None
-    )
-    local = ModelConfig(path=tiny_model, tokenizer_path=None, trust_remote_code=False, dtype="float32", build=None)
+    remote = model_config("memory://models/tiny")
+    local = model_config(tiny_model)
     assert load_tokenizer(remote)("12>")["input_ids"] == load_tokenizer(local)("12>")["input_ids"]
     for (name, a), (_, b) in zip(
         load_causal_lm(remote).state_dict().items(), load_causal_lm(local).state_dict().items()

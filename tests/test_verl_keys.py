@@ -55,7 +55,7 @@ def test_every_entry_is_answered_in_one_round():
         ),
         ("reward_model.enable=false", "verl's key, not supported until reward models land"),
         ("trainer.device=cuda", "verl's key, not supported: the device follows the resources"),
-        ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "verl's key, planned, not supported yet"),
+        ("actor_rollout_ref.model.use_remove_padding=True", "verl's key, planned, not supported yet"),
     ],
 )
 def test_the_command_line_answers_verls_keys_by_meaning(capsys, word, answer):

@@ -164,6 +164,50 @@ def test_micro_batching_does_not_change_the_update(tiny_overrides, prompts):
         torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=1e-5)
 
 
+def kept_for_backward(run, *args, **kwargs) -> tuple[object, int]:
+    """``run(*args, **kwargs)``'s result and the elements of the tensors autograd kept for the backward pass
+    meanwhile (those a checkpointed layer recomputes are kept by the checkpoint instead, and not counted)."""
+    kept = [0]
+
+    def pack(tensor):
+        kept[0] += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run(*args, **kwargs)
+    return result, kept[0]
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_gradient_checkpointing_recomputes_and_changes_nothing_else(tiny_overrides, prompts, role):
+    """``enable_gradient_checkpointing``: the update's losses, gradient norm and new weights equal those without
+    it (fp32, atol 1e-6 / rtol 1e-5: the recomputation is the same arithmetic), while autograd keeps less than
+    half as much for the backward pass (the decoder layers' activations are recomputed instead)."""
+    results = []
+    for enabled in ("false", "true"):
+        cfg = load_config(
+            "grpo_tiny",
+            tiny_overrides
+            + ["algorithm.adv_estimator=gae", f"actor_rollout_ref.model.enable_gradient_checkpointing={enabled}"],
+        )
+        assert cfg.critic.model.enable_gradient_checkpointing == (enabled == "true")  # follows the actor's
+        actor = ActorWorker(cfg)
+        batch = _trainable_batch(cfg, prompts, actor)
+        worker = actor if role == "actor" else CriticWorker(cfg)
+        if role == "critic":
+            batch["values"] = worker.compute_values(batch)["values"]
+            batch["returns"] = torch.ones_like(batch["values"]) * batch["response_mask"]
+        result, kept = kept_for_backward(worker.update, batch, step=1)
+        metrics = result.metrics if role == "actor" else result
+        results.append((metrics, {name: t.clone() for name, t in worker.model.state_dict().items()}, kept))
+    (plain, plain_weights, plain_kept), (checkpointed, checkpointed_weights, checkpointed_kept) = results
+    for name in ["actor/pg_loss", "actor/grad_norm"] if role == "actor" else ["critic/vf_loss", "critic/grad_norm"]:
+        assert checkpointed[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-6), name
+    for name, tensor in plain_weights.items():
+        torch.testing.assert_close(checkpointed_weights[name], tensor, atol=1e-6, rtol=1e-5)
+    assert checkpointed_kept < 0.5 * plain_kept  # the decoder layers' activations are not kept
+
+
 def test_an_on_policy_update_takes_its_own_log_probs_as_the_old_ones(tiny_overrides, prompts):
     """One epoch over one mini-batch: the update without ``old_log_probs`` equals the update after a
     separate old_log_prob pass (up to floating-point reordering) and returns that pass's log-probs."""

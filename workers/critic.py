@@ -11,7 +11,7 @@ from ppoflow.algorithms.losses import compute_value_loss
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
-from ppoflow.workers.models import load_value_model, set_up_worker_process
+from ppoflow.workers.models import load_value_model, set_up_worker_process, with_gradient_checkpointing
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
@@ -27,9 +27,10 @@ class CriticWorker:
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
         self.seed = cfg.data.seed
-        self.model = self.parallel.shard(
-            load_value_model(critic.model, seed=cfg.data.seed).to(self.device), critic.fsdp_config
+        model = with_gradient_checkpointing(
+            load_value_model(critic.model, seed=cfg.data.seed), critic.model.enable_gradient_checkpointing
         )
+        self.model = self.parallel.shard(model.to(self.device), critic.fsdp_config)
         self.learner = Learner(
             self.model,
             critic.optim,

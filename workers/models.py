@@ -244,6 +244,19 @@ def load_causal_lm(model: ModelConfig):
     )
 
 
+def with_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+    """``model``, recomputing its decoder layers' activations in the backward pass when ``enabled``
+    (``enable_gradient_checkpointing``): transformers' non-reentrant checkpointing, which FSDP2 and inputs
+    that need no gradient both work with. Only a training forward pass checkpoints."""
+    if enabled:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name for it
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def load_value_model(model: ModelConfig, *, seed: int):
     """Load ``model.path`` with a fresh scalar head per token (verl's critic: token classification, 1 label),
     initialised from ``seed``: every data-parallel rank must start from the same weights (FSDP2 shards what

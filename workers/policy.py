@@ -17,7 +17,13 @@ from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_fro
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.storage.batch import StageResult
 from ppoflow.workers.data_parallel import DataParallel, RankInfo
-from ppoflow.workers.models import load_causal_lm, load_tokenizer, save_pretrained, set_up_worker_process
+from ppoflow.workers.models import (
+    load_causal_lm,
+    load_tokenizer,
+    save_pretrained,
+    set_up_worker_process,
+    with_gradient_checkpointing,
+)
 from ppoflow.workers.rollout import SamplingParams, sample_responses
 from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
@@ -35,15 +41,15 @@ class PolicyModel:
         micro_batch_size: int | None,
         engine: TrainingEngineConfig,
         ranks: RankInfo | None,
+        gradient_checkpointing: bool = False,
     ):
         self.device = set_up_worker_process(resources)
         self.parallel = DataParallel.join(ranks, self.device)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size
-        self.model = self.parallel.shard(
-            load_causal_lm(cfg.actor_rollout_ref.model).to(self.device), engine.fsdp_config
-        )
+        model = with_gradient_checkpointing(load_causal_lm(cfg.actor_rollout_ref.model), gradient_checkpointing)
+        self.model = self.parallel.shard(model.to(self.device), engine.fsdp_config)
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict | None:
         """Per-token ``log_probs`` of the responses, [N, R]; no gradient. Each rank computes its rows;
@@ -88,6 +94,7 @@ class ActorWorker(PolicyModel):
             micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
             engine=actor,
             ranks=ranks,
+            gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         )
         self.cfg = actor
         self.model_config = cfg.actor_rollout_ref.model
