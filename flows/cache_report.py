@@ -13,25 +13,15 @@ happen for a reason to act on) and returns the lines of the summary artifact's "
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.bounded import bounded
 from ppoflow.storage.step_cache import scan
+from ppoflow.storage.step_cache.manifest import shape_values
 from ppoflow.storage.step_cache.stage_cache import OUTCOMES, StageCache, StepOutcome
 
 logger = logging.getLogger(__name__)
-
-SHAPE = re.compile(r"GBS(\d+)_N(\d+)_in(\d+)_out(\d+)")
-SHAPE_KEYS = (
-    "data.gen_batch_size",
-    "actor_rollout_ref.rollout.n",
-    "data.max_prompt_length",
-    "data.max_response_length",
-)
-"""The config keys a configuration directory's name is made of, in its order (``GBS`` is
-``data.gen_batch_size``, which defaults to ``data.train_batch_size``)."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +119,15 @@ def config_differences(here: str, there: str, *, experiment: str, project: str) 
             differences.append(
                 f"trainer.experiment_name and project_name make {there_project!r} there, {here_project!r} here"
             )
-    here_values, there_values = SHAPE.fullmatch(here_shape), SHAPE.fullmatch(there_shape)
+    here_values, there_values = shape_values(here_shape), shape_values(there_shape)
     if here_values is None or there_values is None:
         if there_shape != here_shape:
             differences.append(f"the shape is {there_shape!r} there, {here_shape!r} here")
         return differences
     differences += [
-        f"{key} is {value} there, {own} here"
-        for key, own, value in zip(SHAPE_KEYS, here_values.groups(), there_values.groups())
-        if own != value
+        f"{key} is {there_values[key]} there, {own} here"
+        for key, own in here_values.items()
+        if own != there_values[key]
     ]
     return differences
 

@@ -56,6 +56,23 @@ def config_dir(
     return join(normalize_url(dump_dir), project, config)
 
 
+SHAPE_KEYS = (
+    "data.gen_batch_size",
+    "actor_rollout_ref.rollout.n",
+    "data.max_prompt_length",
+    "data.max_response_length",
+)
+"""The config keys the shape part of :func:`config_dir`'s name is made of, in its order (``GBS`` is
+``data.gen_batch_size``, which defaults to ``data.train_batch_size``)."""
+_SHAPE = re.compile(r"GBS(\d+)_N(\d+)_in(\d+)_out(\d+)")
+
+
+def shape_values(shape: str) -> dict[str, int] | None:
+    """:data:`SHAPE_KEYS` and their values in the shape part of a :func:`config_dir` name; None for another name."""
+    match = _SHAPE.fullmatch(shape)
+    return None if match is None else dict(zip(SHAPE_KEYS, map(int, match.groups())))
+
+
 def payload_name(stage: str) -> str:
     """File name of a stage's payload inside a step directory."""
     return f"{stage}{_PAYLOAD_SUFFIX}"
