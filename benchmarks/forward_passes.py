@@ -1,7 +1,7 @@
 """A step's forward passes side by side against one after another.
 
 With a critic and KL terms a step makes three forward passes (``old_log_prob``, ``ref_log_prob``, ``values``) on
-three workers; ppoflow submits them together (``Stages.call_together``), the baseline one after another. Both run
+three workers; ppoflow submits them together (``Stages.together``), the baseline one after another. Both run
 ``ppoflow train``'s way on the demo with those terms, against a Prefect server of the benchmark's own, alternating
 twice. Reported: the median step, its ratio to the baseline, each pass's median ``timing_s`` and the load.
 Method and figures: docs/benchmarks.md#a-steps-forward-passes-side-by-side.
@@ -44,9 +44,9 @@ def main() -> None:
     class OneAfterAnother(Stages):
         """The baseline: each pass awaited before the next is started."""
 
-        def call_together(self, step, calls):
-            for name, stage_args in calls.items():
-                self.call(name, step, *stage_args)
+        def together(self, step, calls):
+            for call in calls:
+                self._call(step, call)
 
     start_local_ray()
     rows: dict[str, list[dict[str, float]]] = {"one after another": [], "side by side": []}

@@ -35,7 +35,7 @@ def main() -> None:
     from ppoflow.configs import load_config
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
     from ppoflow.workers.models import ensure_model, load_causal_lm, load_tokenizer, set_up_worker_process
-    from ppoflow.workers.rollout import SamplingParams, sample_responses
+    from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = load_config(

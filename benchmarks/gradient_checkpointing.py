@@ -31,7 +31,7 @@ def measure(layers: int, length: int, batch: int, checkpointing: bool) -> dict[s
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ppoflow.workers.models import with_gradient_checkpointing
-    from ppoflow.workers.training import response_logits
+    from ppoflow.workers.training.learner import response_logits
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, num_hidden_layers=layers, max_position_embeddings=length))

@@ -96,9 +96,10 @@ def main() -> None:
     from ppoflow.configs.rules import installed_vllm_version
     from ppoflow.configs.schema import TinyModelConfig
     from ppoflow.workers.models import build_tiny_model, load_tokenizer
-    from ppoflow.workers.policy import ActorWorker
-    from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
-    from ppoflow.workers.vllm_rollout import VLLMRolloutWorker
+    from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
+    from ppoflow.workers.rollout.sampling import SamplingParams
+    from ppoflow.workers.rollout.vllm_worker import VLLMRolloutWorker
+    from ppoflow.workers.training.policy import ActorWorker
 
     if not torch.cuda.is_available() or installed_vllm_version() is None:
         sys.exit("needs a CUDA GPU and vllm (pip install 'ppoflow[vllm]')")

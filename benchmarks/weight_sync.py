@@ -55,7 +55,7 @@ def ray_sync(cfg, repeats: int, change: str) -> float:
     import ray
 
     from ppoflow.tasks.weight_sync import weight_sync
-    from ppoflow.workers.group import start_workers
+    from ppoflow.workers.launcher import start_workers
 
     workers = start_workers(cfg)
     collective = cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"

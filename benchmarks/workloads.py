@@ -69,15 +69,16 @@ def ppoflow_steps(
 
     from ppoflow.flows.logs import logs_to_prefect
     from ppoflow.flows.modes import make_trainer
+    from ppoflow.flows.run import start_run
     from ppoflow.flows.stages import Stages
     from ppoflow.flows.state import TrainerState
-    from ppoflow.flows.train import start_run, train_steps
+    from ppoflow.flows.step import train_steps
 
     run = start_run(cfg, orchestrated=ray_workers)
     run = dataclasses.replace(
         run,
         stages=(stages_type or Stages)(
-            run.workers, run.stages.caches, orchestrated=prefect_tasks, tags=run.stages.tags
+            run.workers, run.stages.caches, orchestrated=prefect_tasks, rollout=run.stages.rollout, tags=run.stages.tags
         ),
     )
     state = TrainerState(cfg, len(run.train_set))

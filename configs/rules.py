@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from ppoflow.configs.modes import mode_errors, needs_of
+from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 
@@ -113,7 +115,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead",
                 )
             )
-    errors += _resource_errors(cfg) + _data_parallel_errors(cfg) + _correction_errors(cfg)
+    errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg)
     if (
         cfg.skip.get("advantage")
         and cfg.skip["advantage"].enable
@@ -131,58 +133,16 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors += _vllm_errors(cfg)
     if rollout.mode == "async":
         errors += _rollout_service_errors(cfg)
-    if cfg.trainer.mode in ASYNC_MODES:
-        errors += _async_mode_errors(cfg)
+    errors += mode_errors(cfg)
     if cfg.actor_rollout_ref.hybrid_engine:
         errors += _colocation_errors(cfg)
-    return errors
-
-
-ASYNC_MODES = ("colocate_async", "separate_async")
-"""verl's V1 async trainer modes: a replay buffer between a continuous rollout and the trainer."""
-
-
-def _async_mode_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """What the V1 async modes need: the rollout service, and for separate_async verl's batch arithmetic
-    (a config error here, an assert in verl)."""
-    errors, mode = [], cfg.trainer.mode
-    if cfg.actor_rollout_ref.rollout.mode != "async":
-        errors.append(
-            (
-                "trainer.mode",
-                f"{mode} streams prompts through the rollout service; set actor_rollout_ref.rollout.mode=async",
-            )
-        )
-    if mode == "separate_async":
-        sync_step = cfg.trainer.v1.separate_async.parameter_sync_step
-        mini_batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        if cfg.data.train_batch_size != sync_step * mini_batch:
-            errors.append(
-                (
-                    "trainer.v1.separate_async.parameter_sync_step",
-                    f"separate_async trains parameter_sync_step ({sync_step}) mini-batches of "
-                    f"ppo_mini_batch_size ({mini_batch}) prompts per step, so data.train_batch_size "
-                    f"({cfg.data.train_batch_size}) must be {sync_step * mini_batch}: set "
-                    f"parameter_sync_step={cfg.data.train_batch_size // mini_batch} or "
-                    f"ppo_mini_batch_size={cfg.data.train_batch_size // sync_step}",
-                )
-            )
-    step_cache = cfg.skip.get("rollout")
-    if step_cache is not None and step_cache.enable:
-        errors.append(
-            (
-                "skip.rollout.enable",
-                f"{mode} has no generate stage per step to cache; its samples are "
-                "cached one prompt at a time with skip.async_rollout",
-            )
-        )
     return errors
 
 
 def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     """What ``actor_rollout_ref.hybrid_engine=true`` (one worker for actor and rollout) cannot combine with."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.hybrid_engine"
-    if cfg.trainer.mode != "sync":
+    if not needs_of(cfg.trainer.mode).on_policy:
         return [
             (
                 key,
@@ -258,7 +218,7 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
 
 VLLM_MIN_VERSION = "0.10.2"
 """Oldest vLLM the vllm engine runs on: its ``logprobs_mode`` engine argument (log-probs after temperature
-scaling, see :mod:`ppoflow.workers.vllm_rollout`) first shipped in 0.10.2."""
+scaling, see :mod:`ppoflow.workers.rollout.vllm_worker`) first shipped in 0.10.2."""
 
 
 def installed_vllm_version() -> str | None:
@@ -336,129 +296,6 @@ def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                 f"{rollout.weight_sync.backend} is not supported with "
                 "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
                 "use object_store",
-            )
-        )
-    return errors
-
-
-def _ranks_text(cfg: PPOConfig) -> str:
-    """How ``PPOConfig.data_parallel_size`` came about, e.g.
-    ``W = 2 from trainer.nnodes=1 x trainer.n_gpus_per_node=2``."""
-    trainer = cfg.trainer
-    per_node = (
-        f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
-        if trainer.n_gpus_per_node > 0
-        else f"trainer.n_cpu_ranks_per_node={trainer.n_cpu_ranks_per_node}"
-    )
-    return f"W = {cfg.data_parallel_size} from trainer.nnodes={trainer.nnodes} x {per_node}"
-
-
-def _data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """What running each training role as W = ``data_parallel_size`` ranks needs: a rollout of its own, mini-batches
-    that split evenly over the ranks, and offloading only from GPUs."""
-    errors: list[tuple[str, str]] = []
-    arr, ranks = cfg.actor_rollout_ref, cfg.data_parallel_size
-    if ranks > 1 and arr.hybrid_engine:
-        errors.append(
-            (
-                "actor_rollout_ref.hybrid_engine",
-                f"a colocated rollout needs one training rank, but the "
-                f"training roles run as {ranks} ranks ({_ranks_text(cfg)}); use hybrid_engine=false (a "
-                "separate rollout) or null",
-            )
-        )
-    minis = {"actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size}
-    if cfg.use_critic:
-        minis["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size
-    for key, prompts in minis.items():
-        trajectories = prompts * arr.rollout.n
-        if trajectories % ranks:
-            errors.append(
-                (
-                    key,
-                    f"mini-batches of {prompts} x rollout.n={arr.rollout.n} = {trajectories} trajectories "
-                    f"cannot be split evenly over {ranks} training ranks ({_ranks_text(cfg)})",
-                )
-            )
-    if cfg.trainer.n_gpus_per_node == 0:
-        roles = {"actor_rollout_ref.actor": arr.actor}
-        if cfg.use_reference:
-            roles["actor_rollout_ref.ref"] = arr.ref
-        if cfg.use_critic:
-            roles["critic"] = cfg.critic
-        for key, role in roles.items():
-            if role.fsdp_config.offload_policy:
-                errors.append(
-                    (
-                        f"{key}.fsdp_config.offload_policy",
-                        "offloading moves GPU memory to the CPU, but the "
-                        "training pool is on CPUs (trainer.n_gpus_per_node=0); set offload_policy=false",
-                    )
-                )
-    return errors
-
-
-def _resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """verl's pool rules: training roles fit the trainer pool, the rollout fits its own pool."""
-    errors: list[tuple[str, str]] = []
-    arr = cfg.actor_rollout_ref
-    trainer_gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    rollout_gpus = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
-    training_roles = {"actor_rollout_ref.actor": arr.actor.resources}
-    if cfg.use_reference:
-        training_roles["actor_rollout_ref.ref"] = arr.ref.resources
-    if cfg.use_critic:
-        training_roles["critic"] = cfg.critic.resources
-    ranks = cfg.data_parallel_size  # every training role runs as this many ranks, each reserving its resources
-    wanted = ranks * sum(resources.num_gpus for resources in training_roles.values())
-    if wanted > trainer_gpus:
-        errors.append(
-            (
-                "trainer.n_gpus_per_node",
-                f"the training roles reserve {wanted:g} GPUs ({ranks} rank"
-                f"{'s' if ranks > 1 else ''} x "
-                f"({' + '.join(f'{k}.resources.num_gpus={r.num_gpus:g}' for k, r in training_roles.items())})) "
-                f"but the training pool has trainer.nnodes * trainer.n_gpus_per_node = {trainer_gpus}",
-            )
-        )
-    replicas = arr.rollout.num_replicas if arr.rollout.mode == "async" else 1  # each on rollout.resources
-    if replicas * arr.rollout.resources.num_gpus > rollout_gpus:
-        reserved = f"actor_rollout_ref.rollout.resources.num_gpus={arr.rollout.resources.num_gpus:g}"
-        if replicas > 1:
-            reserved = (
-                f"rollout.mode=async: num_replicas={replicas} x {reserved} = "
-                f"{replicas * arr.rollout.resources.num_gpus:g} GPUs"
-            )
-        errors.append(
-            (
-                "rollout.n_gpus_per_node",
-                f"{reserved} exceeds the rollout pool rollout.nnodes * rollout.n_gpus_per_node = {rollout_gpus}",
-            )
-        )
-    if trainer_gpus and trainer_gpus % arr.rollout.n and (arr.rollout.n * cfg.data.train_batch_size) % trainer_gpus:
-        errors.append(
-            (
-                "actor_rollout_ref.rollout.n",
-                f"with {trainer_gpus} training GPUs, rollout.n={arr.rollout.n} "
-                "must divide the GPU count, or rollout.n * data.train_batch_size must be divisible by it",
-            )
-        )
-    if cfg.trainer.mode == "one_step_off" and (trainer_gpus > 0) != (rollout_gpus > 0):
-        errors.append(
-            (
-                "rollout.n_gpus_per_node",
-                "one_step_off needs both pools on GPUs or both on CPUs "
-                f"(training pool {trainer_gpus} GPUs, rollout pool {rollout_gpus})",
-            )
-        )
-    if arr.rollout.weight_sync.backend == "nccl" and not (
-        arr.actor.resources.num_gpus and arr.rollout.resources.num_gpus
-    ):
-        errors.append(
-            (
-                "actor_rollout_ref.rollout.weight_sync.backend",
-                "nccl moves weights between GPUs; the actor and the rollout both need resources.num_gpus > 0 "
-                "(use object_store or gloo on CPUs)",
             )
         )
     return errors

@@ -1,5 +1,5 @@
-"""verl's V1 async trainer modes: the rollout generates without waiting for the trainer, and the trainer
-takes its batches from a staleness-bounded replay buffer (:mod:`ppoflow.storage.replay_buffer`).
+"""The streaming family, verl's V1 async trainer modes: the rollout generates without waiting for the trainer,
+and the trainer takes its batches from a staleness-bounded replay buffer (:mod:`ppoflow.storage.replay_buffer`).
 
 Prompts are fed one at a time in feed order (uids ``sample_{epoch}_{index}``) to the rollout service, whose
 agent-loop workers return each prompt's group as it finishes; ``num_warmup_batches`` batches are fed ahead.
@@ -14,15 +14,17 @@ import logging
 from typing import ClassVar
 
 from ppoflow.algorithms.scoring import ScorerFailed
-from ppoflow.configs.stages import SAMPLE_CACHE_KEY, STAGE_NAMES
+from ppoflow.algorithms.user_code import import_module
+from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 from ppoflow.flows.modes import TrainerMode, register_trainer
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
-from ppoflow.storage.replay_buffer import load_sampler
+from ppoflow.storage.replay_buffer import ReplayBuffer
 from ppoflow.storage.step_cache.sample_cache import feed_index, sample_id
-from ppoflow.workers.rollout_service import RolloutFailing
+from ppoflow.tasks.stages import WEIGHT_SYNC
+from ppoflow.workers.service.rollout_service import RolloutFailing
 
 FAILED_GROUPS_IN_A_ROW = 2
 """Batches' worth of prompt groups whose generation may fail one after another (none finishing between them)
@@ -30,12 +32,11 @@ before the run stops: past that the rollout is broken, and feeding fresh prompts
 
 logger = logging.getLogger(__name__)
 
-SAMPLE, WEIGHT_SYNC = STAGE_NAMES["sample"], STAGE_NAMES["weight_sync"]
 
-
-class AsyncTrainer(TrainerMode):
-    """What both async modes share: feeding prompts to the rollout service, taking finished groups into the
-    replay buffer, and sampling each step's batch from it."""
+class StreamingTrainer(TrainerMode):
+    """The streaming family: feeding prompts to the rollout service, taking finished groups into the replay
+    buffer, and sampling each step's batch from it. Nothing starts at ``on_sample_begin``: the rollout was fed
+    in ``on_step_begin`` and generates on its own."""
 
     settings_key: ClassVar[str]
     """The mode's section under ``trainer.v1`` (``num_warmup_batches``, ...)."""
@@ -156,13 +157,10 @@ class AsyncTrainer(TrainerMode):
         self.dispatch_step = step.step
         self.feed(self.run.cfg.data.train_batch_size)
 
-    def on_sample_begin(self, step: StepData) -> None:
-        """Nothing to start: the rollout was fed in ``on_step_begin`` and generates on its own."""
-
     def sample(self, step: StepData) -> None:
         """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
-        result = self.run.stages.run(
-            SAMPLE.name, self.buffer, step.step, self.batch_size, self.poll, self.replayable, label=step.label
+        result = self.run.stages.sample(
+            step, buffer=self.buffer, batch_size=self.batch_size, poll=self.poll, in_order=self.replayable
         )
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
@@ -197,7 +195,7 @@ class AsyncTrainer(TrainerMode):
 
 
 @register_trainer("colocate_async")
-class ColocateAsyncTrainer(AsyncTrainer):
+class ColocateAsyncTrainer(StreamingTrainer):
     """Rollout and training take turns on shared resources, with partial rollout (see the module docstring)."""
 
     settings_key = "colocate_async"
@@ -216,7 +214,7 @@ class ColocateAsyncTrainer(AsyncTrainer):
 
 
 @register_trainer("separate_async")
-class SeparateAsyncTrainer(AsyncTrainer):
+class SeparateAsyncTrainer(StreamingTrainer):
     """The rollout generates without pause on resources of its own; the weights are pushed once per step."""
 
     settings_key = "separate_async"
@@ -235,9 +233,38 @@ class SeparateAsyncTrainer(AsyncTrainer):
         """Before a step's first update, keep the actor's weights: every round's old log-probs come from
         them (decoupled PPO, verl's version-aware ``_compute_old_log_prob``)."""
         if step.round == 0 and self.updates_per_step > 1:
-            self.run.workers.get(self.run.workers.actor.submit("snapshot_weights"))
+            self.run.workers.actor.snapshot_weights()
+        if step.round > 0:
+            step.old_policy = "step_start"
 
     def on_step_end(self, step: StepData) -> None:
         """Push the step's weights; the replicas load them between two decoding steps and go on."""
         with step.timed(WEIGHT_SYNC.timing):
             self.push_weights()
+
+
+def load_sampler(path: str | None, name: str | None) -> type[ReplayBuffer]:
+    """The sampler class of ``trainer.v1.sampler.custom_sampler``: :class:`ReplayBuffer` when ``path`` and
+    ``name`` are both None, else the class ``name`` of the Python file (or importable module) ``path``.
+
+    The file is imported under a fresh module name (:func:`ppoflow.algorithms.user_code.import_module`, the
+    project's one way of importing user code). The class must subclass :class:`ReplayBuffer`; as in verl it
+    is built with the base keyword arguments only (``pad_token_id``, ``max_off_policy_threshold``,
+    ``max_off_policy_strategy``, ``refill``). A file that is missing or fails to import, a missing class, or
+    one that is not a subclass raises ``ValueError`` naming the config key.
+    """
+    key = "trainer.v1.sampler.custom_sampler"
+    if path is None and name is None:
+        return ReplayBuffer
+    if not path or not name:
+        raise ValueError(f"{key}.path and {key}.name must be set together, got path={path!r}, name={name!r}")
+    try:
+        module = import_module(path)
+    except ValueError as error:
+        raise ValueError(f"{key}.path={path!r}: {error}") from None
+    sampler = getattr(module, name, None)
+    if sampler is None:
+        raise ValueError(f"{key}.name={name!r}: {path} defines no such class")
+    if not (isinstance(sampler, type) and issubclass(sampler, ReplayBuffer)):
+        raise ValueError(f"{key}.name={name!r} in {path} is not a subclass of {ReplayBuffer.__module__}.ReplayBuffer")
+    return sampler

@@ -16,10 +16,10 @@ import logging
 from dataclasses import dataclass
 
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.flows.cached_stages.planning import OUTCOMES, StageCache, StepOutcome
 from ppoflow.storage.bounded import bounded
 from ppoflow.storage.step_cache import scan
 from ppoflow.storage.step_cache.manifest import shape_values
-from ppoflow.storage.step_cache.stage_cache import OUTCOMES, StageCache, StepOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from ppoflow.storage.checkpoint import (
     write_file,
 )
 from ppoflow.storage.fs import join, open_fs, remove_stale_temp_files
-from ppoflow.workers.group import Workers
+from ppoflow.workers.roles import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +47,12 @@ class Restored(NamedTuple):
 def save_checkpoint(cfg: PPOConfig, workers: Workers, step: int, states: dict[str, dict]) -> str:
     """Write the workers' weights and optimizers, then ``states`` (``{part: state_dict}``), then commit."""
     directory = step_url(cfg.trainer.default_local_dir, step)
-    files = {
-        f"actor/{name}": entry
-        for name, entry in workers.get(workers.actor.submit("save_checkpoint", join(directory, "actor"))).items()
-    }
+    files = {f"actor/{name}": entry for name, entry in workers.actor.save_checkpoint(join(directory, "actor")).items()}
     if cfg.use_critic:
         files.update(
             {
                 f"critic/{name}": entry
-                for name, entry in workers.get(
-                    workers.critic.submit("save_checkpoint", join(directory, "critic"))
-                ).items()
+                for name, entry in workers.critic.save_checkpoint(join(directory, "critic")).items()
             }
         )
     saved = {}
@@ -84,11 +79,9 @@ def restore_checkpoint(cfg: PPOConfig, workers: Workers, directory: str) -> tupl
     trainer, mode = parts.get("trainer"), parts.get("mode")
     if not (isinstance(trainer, dict) and type(trainer.get("weight_version")) is int and isinstance(mode, dict)):
         raise CheckpointError(join(directory, "trainer_state.json"), "does not hold a trainer state and a mode state")
-    workers.get(
-        workers.actor.submit("load_checkpoint", join(directory, "actor"), entries("actor"), trainer["weight_version"])
-    )
+    workers.actor.load_checkpoint(join(directory, "actor"), entries("actor"), weight_version=trainer["weight_version"])
     if cfg.use_critic:
-        workers.get(workers.critic.submit("load_checkpoint", join(directory, "critic"), entries("critic")))
+        workers.critic.load_checkpoint(join(directory, "critic"), entries("critic"))
     return step, parts
 
 

@@ -19,7 +19,7 @@ from prefect.schedules import Cron
 from ppoflow.configs import load_config
 from ppoflow.flows.replay import regression_replay
 from ppoflow.flows.replay.baseline import BASELINE_FILE
-from ppoflow.flows.train import ppo_train, typed_fields
+from ppoflow.flows.train import check_mode, ppo_train, typed_fields
 from ppoflow.storage.fs import open_fs
 
 NIGHTLY = "0 3 * * *"
@@ -30,8 +30,12 @@ def form_defaults(preset: str = DEFAULT_PRESET) -> dict:
     """The ``ppo-train`` deployment's parameters: the preset and the values its typed fields take in it.
 
     Prefect's run form starts from a deployment's parameters (never from the flow's signature), so
-    these are what makes the form show the values a run will use instead of blank fields."""
-    return {"config": preset, **typed_fields(load_config(preset))}
+    these are what makes the form show the values a run will use instead of blank fields. The preset's
+    ``trainer.v1.trainer_module`` is imported first (:func:`check_mode`), so its modes are registered: the form
+    offers them, and one the preset names fills the ``mode`` field."""
+    cfg = load_config(preset)
+    check_mode(cfg)
+    return {"config": preset, **typed_fields(cfg)}
 
 
 def holds_baseline(replay_dir: str) -> bool:

@@ -50,7 +50,7 @@ def run_failures() -> tuple[type[Exception], ...]:
     (exit 1), as bad input is (exit 2)."""
     from ppoflow.algorithms.finite import NonFiniteError
     from ppoflow.algorithms.scoring import ScorerFailed
-    from ppoflow.workers.rollout_service import RolloutFailing
+    from ppoflow.workers.service.rollout_service import RolloutFailing
 
     return NonFiniteError, ScorerFailed, RolloutFailing
 
@@ -59,7 +59,7 @@ def _without_user_error_traceback(record: logging.LogRecord) -> bool:
     """Keep the record, without its traceback when its exception is the user's input (a ConfigError), a
     run failure whose message says it all (:func:`run_failures`) or a rejected cache entry (its reason)."""
     from ppoflow.configs import ConfigError
-    from ppoflow.storage.step_cache.prefect import CacheEntryRejected
+    from ppoflow.storage.step_cache.entry_check import CacheEntryRejected
 
     if record.exc_info and isinstance(record.exc_info[1], (ConfigError, CacheEntryRejected, *run_failures())):
         record.exc_info = record.exc_text = None

@@ -1,12 +1,12 @@
 """Trainer modes: who generates when, and when the new weights reach the rollout worker.
 
-The training loop (:func:`ppoflow.flows.train.train_steps`) is the same for every mode and calls the mode's hooks
-(verl's V1 trainer lifecycle) around the PPO step. A mode decides only where generation is started
-(:meth:`TrainerMode.launch`) and where weights are pushed (:meth:`TrainerMode.push_weights`); ``sample`` waits for the
-step's generation, checks that a restarted rollout worker did not sample it with other weights, and records
-staleness. A new mode is a subclass registered with ``@register_trainer("my_mode")``, chosen with
-``trainer.mode`` (or ``trainer.v1.trainer_mode``; ``trainer.v1.trainer_module`` names a file of such classes).
-The async modes live in :mod:`ppoflow.flows.async_modes`. Details: docs/architecture.md#trainer-modes-and-their-hooks.
+The training loop (:func:`ppoflow.flows.step.train_steps`) is the same for every mode and calls the mode's hooks
+(verl's V1 trainer lifecycle) around the PPO step. :class:`TrainerMode` is the protocol: the hooks, ``sample``
+(stage 1), ``push_weights`` (stage 6), ``updates_per_step`` and the checkpointed state. Two families implement it:
+:class:`PerStepTrainer` (sync, one_step_off: each step's generation started as a stage) and the streaming modes
+of :mod:`ppoflow.flows.async_modes` (a replay buffer). A new mode is a subclass registered with
+``@register_trainer("my_mode")``, which also declares its :class:`~ppoflow.configs.modes.ModeNeeds` to the config
+(``needs``); ``trainer.v1.trainer_module`` names a file of such classes. Details: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -15,28 +15,32 @@ import logging
 import sys
 from typing import ClassVar
 
-from ppoflow.configs.stages import STAGE_NAMES
+from ppoflow.configs.modes import MODE_NEEDS, ModeNeeds, declare_mode
+from ppoflow.flows.cached_stages.calls import PendingStage
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
-from ppoflow.storage.batch import StageResult, non_tensor_column
-from ppoflow.storage.step_cache import remap_to_prompts
-from ppoflow.storage.step_cache.stage_cache import PendingStage
+from ppoflow.storage.batch import StageResult
+from ppoflow.tasks.stages import GENERATE, WEIGHT_SYNC
 
 logger = logging.getLogger(__name__)
 
 TRAINER_MODES: dict[str, type[TrainerMode]] = {}
-
-GENERATE, WEIGHT_SYNC = STAGE_NAMES["generate"], STAGE_NAMES["weight_sync"]
+"""Every registered mode's class, in registration order (the built-in ones first)."""
 
 
 def register_trainer(name: str):
-    """Class decorator: make a :class:`TrainerMode` subclass available as ``trainer.mode=<name>``."""
+    """Class decorator: make a :class:`TrainerMode` subclass available as ``trainer.mode=<name>``, and declare
+    what it needs of the config: its own ``needs``, else the config's declaration of a built-in ``name``, else
+    its base class's."""
 
     def register(cls: type[TrainerMode]) -> type[TrainerMode]:
         if name in TRAINER_MODES and not _same_definition(TRAINER_MODES[name], cls):
             raise ValueError(f"trainer mode {name!r} is already registered ({TRAINER_MODES[name].__qualname__})")
+        if "needs" not in cls.__dict__ and name in MODE_NEEDS and name not in TRAINER_MODES:
+            cls.needs = MODE_NEEDS[name]
         cls.name = name
+        declare_mode(name, cls.needs)
         TRAINER_MODES[name] = cls
         return cls
 
@@ -59,24 +63,20 @@ def make_trainer(run: RunContext, state: TrainerState) -> TrainerMode:
 
 
 class TrainerMode:
-    """A generation schedule around the PPO step; the base class generates each step's batch when it is
-    needed and pushes weights only when asked."""
+    """The mode protocol: the lifecycle hooks (no-ops unless a mode needs them), stage 1 (:meth:`sample`) and
+    stage 6 (:meth:`push_weights`), and what a checkpoint keeps of the mode."""
 
     name: ClassVar[str]
+    needs: ClassVar[ModeNeeds] = ModeNeeds()
+    """What the mode needs of the config (:func:`register_trainer` declares it to the config's rules)."""
 
     updates_per_step: int = 1
     """Sample-and-update rounds per step before ``on_step_end`` (separate_async: ``parameter_sync_step``)."""
 
     def __init__(self, run: RunContext, state: TrainerState):
         self.run, self.state = run, state
-        self.in_flight: dict[int, PendingStage] = {}
-        """Generation started for a step, not yet consumed."""
-        self.launch_versions: dict[int, int] = {}
-        """The weight version the rollout served when each in-flight generation started."""
         self.synced_version = 0
         """The weight version the rollout worker serves."""
-
-    # -- the lifecycle hooks (no-ops unless a mode needs them) -----------------------------------------
 
     def on_init_end(self) -> None:
         """The workers are up and a checkpoint, if any, restored (and its weights pushed)."""
@@ -85,10 +85,7 @@ class TrainerMode:
 
     def on_step_begin(self, step: StepData) -> None: ...
 
-    def on_sample_begin(self, step: StepData) -> None:
-        """Start the step's generation unless it already runs (started a step ahead, or restored)."""
-        if step.step not in self.in_flight:
-            self.launch(step.step, background=False)
+    def on_sample_begin(self, step: StepData) -> None: ...
 
     def on_sample_end(self, step: StepData) -> None: ...
 
@@ -100,28 +97,55 @@ class TrainerMode:
 
     def on_train_end(self) -> None: ...
 
-    # -- what every mode does the same way ----------------------------------------------------------
+    def sample(self, step: StepData) -> None:
+        """Stage 1: take the step's batch into ``step``."""
+        raise NotImplementedError
+
+    def push_weights(self, again: bool = False) -> None:
+        """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last).
+        A rollout colocated with the actor samples with the actor's own model: there is nothing to move,
+        so no task runs."""
+        run = self.run
+        if run.workers.colocated:
+            self.synced_version = self.state.weight_version
+            return
+        collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
+        version = self.synced_version if again else self.state.weight_version
+        run.stages.weight_sync(version=version, collective=collective, again=again)
+        if not again:
+            self.synced_version = self.state.weight_version
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep of the mode."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class PerStepTrainer(TrainerMode):
+    """The per-step family: each step's batch comes from the generate stage (replayed from its step cache when
+    that holds the step), started when it is needed unless the mode started it earlier; a batch that a
+    restarted rollout worker sampled with other weights is generated again."""
+
+    def __init__(self, run: RunContext, state: TrainerState):
+        super().__init__(run, state)
+        self.in_flight: dict[int, PendingStage] = {}
+        """Generation started for a step, not yet consumed."""
+        self.launch_versions: dict[int, int] = {}
+        """The weight version the rollout served when each in-flight generation started."""
+
+    def on_sample_begin(self, step: StepData) -> None:
+        """Start the step's generation unless it already runs (started a step ahead, or restored)."""
+        if step.step not in self.in_flight:
+            self.launch(step.step, background=False)
 
     def launch(self, step: int, *, background: bool) -> None:
         """Start generating ``step``'s batch with the weights the rollout serves now; with ``background``
         as a Prefect future that runs while this thread goes on (replays never start in the background)."""
         run = self.run
         prompts = run.prompts(step, *self.state.drawn_prompts(step))
-        uids, n = non_tensor_column(prompts, "uid"), run.cfg.actor_rollout_ref.rollout.n
         self.launch_versions[step] = self.synced_version
-        cached = run.stages.caches.get(GENERATE.name)
-        self.in_flight[step] = run.stages.start(
-            GENERATE.name,
-            step,
-            run.workers,
-            prompts,
-            step,
-            run.sampling,
-            background=background,
-            meta=run.rollout_record(),
-            identity=run.rollout_identity if cached and cached.covers(step) else None,
-            fit=lambda entry: remap_to_prompts(entry, uids, n),
-        )
+        self.in_flight[step] = run.stages.generate(step, prompts=prompts, background=background)
 
     def sample(self, step: StepData) -> None:
         """Stage 1: wait for the step's batch and take it into ``step``. A batch that a restarted rollout
@@ -168,20 +192,6 @@ class TrainerMode:
         )
         return True
 
-    def push_weights(self, again: bool = False) -> None:
-        """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last).
-        A rollout colocated with the actor samples with the actor's own model: there is nothing to move,
-        so no task runs."""
-        run = self.run
-        if run.workers.colocated:
-            self.synced_version = self.state.weight_version
-            return
-        collective = run.cfg.actor_rollout_ref.rollout.weight_sync.backend != "object_store"
-        version = self.synced_version if again else self.state.weight_version
-        run.stages.run(WEIGHT_SYNC.name, run.workers, collective, again, version, label=f"version={version}")
-        if not again:
-            self.synced_version = self.state.weight_version
-
     def state_dict(self) -> dict:
         """What a checkpoint must keep of the mode: a batch generated for a later step (its fields)."""
         return {"in_flight": {str(step): pending.result().fields for step, pending in self.in_flight.items()}}
@@ -197,7 +207,7 @@ def _replayed(generated: StageResult) -> bool:
 
 
 @register_trainer("sync")
-class SyncTrainer(TrainerMode):
+class SyncTrainer(PerStepTrainer):
     """Generate, train, then push the new weights: every sample comes from the current policy."""
 
     def on_step_end(self, step: StepData) -> None:
@@ -206,7 +216,7 @@ class SyncTrainer(TrainerMode):
 
 
 @register_trainer("one_step_off")
-class OneStepOffTrainer(TrainerMode):
+class OneStepOffTrainer(PerStepTrainer):
     """verl's one-step-off order: wait for the batch generated during the previous step (with the weights
     before that step's update), push the current weights, start generating the next batch, then train on
     this one. Generation overlaps training and every sample is exactly one update old. A step that the

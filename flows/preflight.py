@@ -35,8 +35,9 @@ from ppoflow.data.datasets import (
 from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import checked_manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
+from ppoflow.workers.launcher import ray_handshake
 from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
-from ppoflow.workers.scorer_process import ScorerProcess
+from ppoflow.workers.service.scorer_process import ScorerProcess
 
 STORAGE_TIMEOUT_S = 10.0
 """How long a storage probe may take before its location counts as unreachable (s3fs retries a refused
@@ -163,39 +164,13 @@ def _ray_problems(cfg: PPOConfig) -> Problems:
             )
         ]
     client = address.startswith("ray://")
-    refusal = _ray_handshake(f"{host}:{port}", client=client)
+    refusal = ray_handshake(f"{host}:{port}", client=client, timeout_s=RAY_CONNECT_TIMEOUT_S)
     if refusal:
         server = (
             "a Ray client server (ray://, the head's port 10001)" if client else "a Ray cluster (the head's GCS port)"
         )
         return [(key, f"{address} accepts connections but is not {server}: {refusal}")]
     return []
-
-
-def _ray_handshake(target: str, *, client: bool) -> str | None:
-    """Why ``target`` did not answer Ray's handshake (None when it did); gRPC calls honour their deadline."""
-    import grpc
-
-    with grpc.insecure_channel(target) as channel:
-        try:
-            if client:
-                from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
-
-                request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
-                ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(request, timeout=RAY_CONNECT_TIMEOUT_S)
-            else:
-                from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-
-                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                    gcs_service_pb2.GetClusterIdRequest(), timeout=RAY_CONNECT_TIMEOUT_S
-                )
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                return None  # a Ray cluster with token authentication: it answered, ray.init brings the token
-            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"no answer to Ray's handshake within {RAY_CONNECT_TIMEOUT_S:g} s"
-            return f"{error.code().name}: {error.details()}"
-    return None
 
 
 def _reward_manager_problems(cfg: PPOConfig) -> Problems:
@@ -216,9 +191,9 @@ def _agent_problems(cfg: PPOConfig) -> Problems:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode != "async":
         return []
-    from ppoflow.workers.agent_loop import AGENT_LOOPS, load_agent_loop_config
-    from ppoflow.workers.tool_config import TOOL_CONFIG_KEY, load_tool_config
-    from ppoflow.workers.tools import ToolRunner
+    from ppoflow.workers.service.agent_loop import AGENT_LOOPS, load_agent_loop_config
+    from ppoflow.workers.service.tool_config import TOOL_CONFIG_KEY, load_tool_config
+    from ppoflow.workers.service.tools import ToolRunner
 
     problems: Problems = []
     if rollout.agent.agent_loop_config_path:

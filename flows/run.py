@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from prefect.context import FlowRunContext
@@ -19,16 +18,15 @@ from ppoflow.algorithms.scoring import Scorer
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import PromptDataset
+from ppoflow.flows.cached_stages.planning import stage_caches
 from ppoflow.flows.logs import note
 from ppoflow.flows.preflight import preflight
-from ppoflow.flows.stages import Stages, derived_from
+from ppoflow.flows.stages import RolloutOrigin, Stages, derived_from
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
-from ppoflow.storage.fingerprints import model_identities, rollout_identity
 from ppoflow.storage.step_cache.sample_cache import sample_id
-from ppoflow.tasks.stages import stage_caches
 from ppoflow.tasks.startup import load_data, start_workers
-from ppoflow.workers.group import Workers
-from ppoflow.workers.rollout import SamplingParams
+from ppoflow.workers.roles import Workers
+from ppoflow.workers.rollout.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -63,23 +61,6 @@ class RunContext:
         shared = self.workers.put(batch.exclude(*NON_TENSOR_FIELDS))
         derived_from(batch, shared)
         return shared
-
-    @cached_property
-    def rollout_identity(self) -> dict:
-        """What a cached rollout must have been sampled with to be replayed here (see
-        :func:`~ppoflow.storage.fingerprints.rollout_identity`)."""
-        model = self.cfg.actor_rollout_ref.model
-        models = model_identities(model.path, model.tokenizer_path or model.path)
-        return rollout_identity(self.sampling.as_dict(), models)
-
-    def rollout_record(self) -> dict:
-        """What a cached rollout records beside its identity, for people reading the cache."""
-        model = self.cfg.actor_rollout_ref.model
-        return {
-            "model_path": model.path,
-            "tokenizer_path": model.tokenizer_path or model.path,
-            "seed": self.sampling.seed,
-        }
 
 
 def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
@@ -119,6 +100,7 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     tags = (
         (f"mode:{cfg.trainer.mode}", f"experiment:{cfg.trainer.experiment_name}") if cfg.trainer.task_run_tags else None
     )
+    sampling = SamplingParams.for_training(cfg)
     return RunContext(
         cfg,
         inputs.tokenizer,
@@ -128,6 +110,6 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
         inputs.custom_scorer,
         reward_chunks,
         workers,
-        Stages(workers, caches, orchestrated=orchestrated, tags=tags),
-        SamplingParams.for_training(cfg),
+        Stages(workers, caches, orchestrated=orchestrated, rollout=RolloutOrigin.of(cfg, sampling), tags=tags),
+        sampling,
     )

@@ -1,188 +1,51 @@
-"""The PPO/GRPO training flow.
+"""The PPO/GRPO training flow: a run of training steps (:mod:`ppoflow.flows.step`), with validation, logging,
+checkpoints and resume between them.
 
-One step is the algorithm stage by stage (``tasks/`` declares each stage once): 1 generate, 2 reward, 3 the forward
-passes (``old_log_prob``, ``ref_log_prob``, ``values``, submitted together), 4 advantage, 5 update, 6 weight_sync.
-Stages 2-5 are :func:`ppo_update`; when 1 and 6 happen is the trainer mode's business (:mod:`ppoflow.flows.modes`).
 Every stage is a Prefect task whose heavy work runs in a long-lived Ray actor; :func:`train` runs the same steps
-without Prefect or Ray when asked (the overhead benchmark's baseline). A non-finite value fails the run or drops the
-step's update (``trainer.nonfinite``). Details: docs/architecture.md.
+without Prefect or Ray when asked (the overhead benchmark's baseline). :func:`ppo_train` is the flow people start
+from the CLI, a deployment or the Prefect UI, its typed fields derived from the config schema and the registered
+trainer modes. Details: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated
 
 from prefect import flow, get_run_logger
 from prefect import tags as prefect_tags
 from prefect.context import TagsContext
 from prefect.runtime import flow_run as prefect_flow_run
-from pydantic import Field
+from pydantic import Field, GetPydanticSchema
 
-from ppoflow.algorithms.correction import correct_off_policy
-from ppoflow.algorithms.finite import NonFiniteError, describe_rows, nonfinite_rows
+from ppoflow.algorithms.finite import NonFiniteError
 from ppoflow.algorithms.user_code import import_module
 from ppoflow.configs import ConfigError, load_config
+from ppoflow.configs.modes import mode_errors
 from ppoflow.configs.schema import PATH_NAME_PATTERN, PPOConfig
-from ppoflow.configs.stages import STAGE_NAMES
 from ppoflow.flows import (
-    async_modes,  # noqa: F401 - registers colocate_async and separate_async
+    async_modes,  # noqa: F401 - registers the streaming modes
     cancellation,
 )
 from ppoflow.flows.artifacts import RunArtifacts
+from ppoflow.flows.async_modes import load_sampler
 from ppoflow.flows.cache_report import report_caches
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
 from ppoflow.flows.logs import logs_to_prefect, note
-from ppoflow.flows.metrics import aggregate_updates, data_metrics
-from ppoflow.flows.modes import TRAINER_MODES, TrainerMode, make_trainer
+from ppoflow.flows.modes import TRAINER_MODES, make_trainer
 from ppoflow.flows.ownership import own_run_directory
-from ppoflow.flows.run import RunContext, start_run
+from ppoflow.flows.run import start_run
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
+from ppoflow.flows.step import train_steps
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
-from ppoflow.storage.batch import concatenate, non_tensor_column
 from ppoflow.storage.checkpoint import exported_model_url, latest
-from ppoflow.storage.replay_buffer import load_sampler
 
 logger = logging.getLogger(__name__)
-
-
-def ppo_update(run: RunContext, state: TrainerState, step: StepData) -> bool:
-    """Stages 2-5 on the step's generated batch: reward, log-probs, advantage, critic and actor updates.
-    Returns whether the update was made: a non-finite reward, advantage, loss or gradient fails the run
-    (``trainer.nonfinite=fail``) or drops the update (``skip``, :func:`drop_update`)."""
-    kl_controller = state.kl_controller.state_dict()
-    try:
-        ppo_stages(run, state, step)
-    except NonFiniteError as error:
-        reason = str(getattr(error, "cause", error))  # a worker's error comes wrapped by Ray (RayTaskError)
-        if run.cfg.trainer.nonfinite == "fail":
-            raise NonFiniteError(f"{reason} (trainer.nonfinite=fail; =skip drops such a step's update)") from None
-        state.kl_controller.load_state_dict(kl_controller)  # the advantage stage may have moved it
-        drop_update(run, step, reason)
-        return False
-    step.metrics["training/nonfinite_skipped"] = 0.0
-    return True
-
-
-def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
-    """Stages 2-5, raising :class:`NonFiniteError` where a reward or advantage is not finite, or where the
-    actor took no optimizer step (a loss or gradient: the update's worker skips or raises, per mini-batch)."""
-    cfg, stages, batch = run.cfg, run.stages, step.batch
-    correction = cfg.algorithm.rollout_correction
-    # 2. reward: score each response, on its last token (a rollout that streams the reward has scored each
-    #    trajectory as it finished)
-    if "token_level_scores" not in batch.keys():
-        stages.call("reward", step, batch, run.tokenizer, run.custom_scorer, run.reward_chunks)
-    check_finite(step, "reward", "token_level_scores")
-    # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
-    #    in stage 5), reference log-probs, values; the batch is placed once for the passes that run
-    recompute_old = not correction.bypass_mode and not cfg.old_log_probs_from_update
-    if correction.bypass_mode:
-        batch["old_log_probs"] = batch["rollout_log_probs"]
-    shared = run.share(batch) if recompute_old or cfg.use_reference or cfg.use_critic else None
-    passes = {}  # independent forward passes on their own workers: submitted together, computed side by side
-    if recompute_old:  # a step's later rounds (separate_async) keep the step's first π_old: decoupled PPO
-        passes["old_log_prob"] = (run.workers, shared, step.round > 0)
-    if cfg.use_reference:
-        passes["ref_log_prob"] = (run.workers, shared)
-    if cfg.use_critic:
-        passes["values"] = (run.workers, shared)
-    stages.call_together(step, passes)
-    if recompute_old:
-        correct_for_the_rollout(step, correction)  # verl's decoupled correction of the sampling policy's lag
-    # 4. advantage: token rewards (scores minus an optional KL penalty), then the estimator
-    stages.call("advantage", step, batch, cfg.algorithm, state.kl_controller)
-    check_finite(step, "advantage", "advantages", "returns")
-    # 5. update the critic, then the actor
-    shared = run.share(batch)
-    if cfg.use_critic:
-        stages.call("update_critic", step, run.workers, shared, step.step)
-    stages.call("update_actor", step, run.workers, shared, step.step)
-    if not step.metrics["actor/optimizer_steps"]:  # trainer.nonfinite=skip skipped each (the actor warned which)
-        raise NonFiniteError(
-            f"step {step.step} update_actor: every optimizer step was skipped on a non-finite loss or gradient norm"
-        )
-    if cfg.old_log_probs_from_update:  # the update returned its old log-probs: how far was the rollout from them
-        correct_for_the_rollout(step, correction)
-        step.metrics["training/old_log_prob_skipped"] = 1.0
-    step.metrics.update(data_metrics(batch))
-
-
-def check_finite(step: StepData, stage: str, *fields: str) -> None:
-    """:class:`NonFiniteError` naming the samples (row, uid, data source, value) where one of the batch's
-    ``fields`` is NaN or infinite after ``stage``."""
-    batch = step.batch
-    for name in fields:
-        found = nonfinite_rows(batch[name])
-        if found:
-            columns = {column: non_tensor_column(batch, column) for column in ("uid", "data_source")}
-            what = "reward" if stage == "reward" else name
-            raise NonFiniteError(f"step {step.step} {stage}: {describe_rows(what, found, len(batch), columns)}")
-
-
-def drop_update(run: RunContext, step: StepData, reason: str) -> None:
-    """``trainer.nonfinite=skip``: the step's update is dropped - no actor optimizer step from its values, the
-    actor's unchanged weights take the step's version - with a warning, counted in ``training/nonfinite_skipped``."""
-    logger.warning("%s; step %d's update is dropped (trainer.nonfinite=skip)", reason, step.step)
-    run.workers.get(run.workers.actor.submit("skip_update"))
-    step.metrics["training/nonfinite_skipped"] = 1.0
-
-
-def correct_for_the_rollout(step: StepData, correction) -> None:
-    """Reject and/or importance-weight trajectories by how far the rollout's sampling log-probs are from
-    the trainer's old log-probs (``algorithm.rollout_correction``); the math is in ``algorithms.correction``."""
-    batch = step.batch
-    batch["response_mask"], is_weights, metrics = correct_off_policy(
-        batch["old_log_probs"],
-        batch["rollout_log_probs"],
-        batch["response_mask"],
-        rollout_rs=correction.rollout_rs,
-        rollout_rs_threshold=correction.rollout_rs_threshold,
-        rollout_is=correction.rollout_is,
-        rollout_is_threshold=correction.rollout_is_threshold,
-        rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
-    )
-    if is_weights is not None:
-        batch["rollout_is_weights"] = is_weights
-    step.metrics.update(metrics)
-
-
-def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: range) -> Iterator[StepData]:
-    """The training loop over ``steps``: the mode's hooks around stage 1 and the PPO update; yields each
-    finished step (validation, logging and checkpointing happen in the caller, between steps)."""
-    mode.on_train_begin(steps)
-    for number in steps:
-        step = StepData(number)
-        with step.timed("step"):
-            mode.on_step_begin(step)
-            updates, made = [], []
-            for round_ in range(mode.updates_per_step):  # one, but separate_async's parameter_sync_step
-                update = StepData(number, round=round_)
-                mode.on_sample_begin(update)
-                with update.timed(STAGE_NAMES["generate"].timing):
-                    mode.sample(update)  # 1. generate (the async modes: sample the replay buffer)
-                mode.on_sample_end(update)
-                if ppo_update(run, state, update):  # 2.-5.
-                    made.append(update)
-                updates.append(update)
-            trained = made or updates  # the samples the step trained on (every update dropped: those it drew)
-            if len(updates) == 1:
-                step.batch = updates[0].batch
-                step.metrics.update(updates[0].metrics)
-            else:  # the step trained on every round's samples
-                step.batch = concatenate(*(update.batch for update in trained), pad_token_id=run.tokenizer.pad_token_id)
-                step.metrics.update(aggregate_updates([update.metrics for update in updates]))
-            state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
-            mode.on_step_end(step)  # (sync: 6. push the new weights)
-        step.metrics.update({"training/global_step": number, "training/epoch": state.finish_step(number)})
-        yield step
-    mode.on_train_end()
 
 
 def train(cfg: PPOConfig, *, orchestrated: bool = True) -> dict[str, float]:
@@ -241,7 +104,7 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
                 f"steps, trainer.nonfinite=skip): the policy is the one it started from"
             )
         final_model = exported_model_url(cfg.trainer.default_local_dir, run.total_steps)
-        run.workers.get(run.workers.actor.submit("save_pretrained", final_model))
+        run.workers.actor.save_pretrained(final_model)
         note(f"trained policy written to {final_model}")
         cache_lines = report_caches(run.stages.caches, cfg)  # what each step cache replayed of its planned steps
         run_dir = cfg.trainer.default_local_dir
@@ -262,8 +125,9 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
 
 def check_mode(cfg: PPOConfig) -> None:
     """``trainer.mode`` names a registered trainer mode (after importing ``trainer.v1.trainer_module``, whose
-    modes register themselves) and ``trainer.v1.sampler.custom_sampler`` a replay buffer, or
-    :class:`ConfigError` (before anything starts)."""
+    modes register themselves) and the config gives what it needs (:func:`~ppoflow.configs.modes.mode_errors`),
+    and ``trainer.v1.sampler.custom_sampler`` names a replay buffer, or :class:`ConfigError` (before anything
+    starts)."""
     v1 = cfg.trainer.v1
     if v1.trainer_module is not None:
         try:
@@ -278,6 +142,9 @@ def check_mode(cfg: PPOConfig) -> None:
         raise ConfigError(
             [("trainer.mode", f"{cfg.trainer.mode!r} is not a trainer mode; registered: {', '.join(TRAINER_MODES)}")]
         )
+    problems = mode_errors(cfg)  # a mode from trainer_module is known to the config's rules only now
+    if problems:
+        raise ConfigError(problems)
 
 
 FORM_FIELDS = {
@@ -288,15 +155,21 @@ FORM_FIELDS = {
 """The typed fields of :func:`ppo_train` and the config key each one sets."""
 
 
-BuiltInMode = Literal["sync", "one_step_off", "colocate_async", "separate_async"]
-"""The modes the flow's ``mode`` field offers; a mode of the user's (``trainer.v1.trainer_module``) is set by an
-override instead."""
+def _registered_modes(schema, handler) -> dict:
+    """The JSON schema of a mode name: a string, one of the modes registered when the schema is made."""
+    return {**handler(schema), "enum": list(TRAINER_MODES)}
+
+
+RegisteredMode = Annotated[str, GetPydanticSchema(get_pydantic_json_schema=_registered_modes)]
+"""The flow's ``mode`` field: any name (:func:`check_mode` refuses an unknown one, naming the registered ones),
+offered in the parameter schema - the UI form's dropdown - as the modes registered when a deployment is built
+(``ppoflow serve`` imports its config's ``trainer.v1.trainer_module`` first)."""
 
 
 def typed_fields(cfg: PPOConfig) -> dict:
-    """The values :data:`FORM_FIELDS` take in ``cfg`` (those that are set, and a mode only if it is built in)."""
+    """The values :data:`FORM_FIELDS` take in ``cfg`` (those that are set, and a mode only if it is registered)."""
     values = {name: attrgetter(key)(cfg) for name, key in FORM_FIELDS.items()}
-    if values["mode"] not in get_args(BuiltInMode):
+    if values["mode"] not in TRAINER_MODES:
         values["mode"] = None
     return {name: value for name, value in values.items() if value is not None}
 
@@ -328,7 +201,7 @@ def ppo_train(
     overrides: list[str] = [],  # noqa: B006 - a plain list default keeps the parameter optional in Prefect's schema
     experiment_name: Annotated[str, Field(pattern=PATH_NAME_PATTERN)] | None = None,
     total_training_steps: Annotated[int | None, Field(ge=1)] = None,
-    mode: BuiltInMode | None = None,
+    mode: RegisteredMode | None = None,
 ) -> dict[str, float]:
     """Train a policy with PPO/GRPO.
 
@@ -342,8 +215,8 @@ def ppo_train(
         overrides: key=value overrides, one per row, e.g. actor_rollout_ref.rollout.n=4 or skip.rollout.steps=[1,2].
         experiment_name: trainer.experiment_name (names the run and cache directories); blank: the config's.
         total_training_steps: trainer.total_training_steps; blank: the config's.
-        mode: trainer.mode: sync, one_step_off (generation overlaps the update), or verl's V1 colocate_async or
-            separate_async (a replay buffer; they need actor_rollout_ref.rollout.mode=async); blank: the config's.
+        mode: trainer.mode, one of the registered trainer modes (a mode of your own once the config's
+            trainer.v1.trainer_module is imported); blank: the config's.
     """
     typed = {"experiment_name": experiment_name, "total_training_steps": total_training_steps, "mode": mode}
     # a name is quoted so that it stays a string ("123" is a name, not a number)

@@ -13,7 +13,7 @@ from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import derived_from
 from ppoflow.storage.batch import non_tensor_column, response_extent
 from ppoflow.tasks.reward import decode_responses
-from ppoflow.workers.rollout import SamplingParams
+from ppoflow.workers.rollout.sampling import SamplingParams
 
 
 def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
@@ -30,13 +30,16 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
         derived_from(val_set, prompts)
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
-        batch = stages.run("generate", run.workers, prompts, step, sampling, label=label, kind="validation").fields
+        batch = stages.validation_rollout(step, prompts=prompts, sampling=sampling, label=label).fields
         if "token_level_scores" not in batch.keys():  # not scored while generating
-            batch.update(
-                stages.run(
-                    "reward", batch, run.tokenizer, run.custom_scorer, run.reward_chunks, label=label, kind="validation"
-                ).fields
+            scored = stages.validation_reward(
+                batch=batch,
+                tokenizer=run.tokenizer,
+                scorer=run.custom_scorer,
+                ray_chunks=run.reward_chunks,
+                label=label,
             )
+            batch.update(scored.fields)
         sequence_scores = batch["token_level_scores"].sum(dim=1).tolist()
         for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
             per_source.setdefault(source, []).append(score)

@@ -25,9 +25,9 @@ from tensordict import TensorDict
 
 from ppoflow.configs import load_config
 from ppoflow.configs.schema import TinyModelConfig
-from ppoflow.workers.data_parallel import RankInfo
 from ppoflow.workers.models import build_tiny_model
-from ppoflow.workers.policy import ActorWorker
+from ppoflow.workers.training.data_parallel import RankInfo
+from ppoflow.workers.training.policy import ActorWorker
 
 TOLERANCE = {"log_prob_mean_abs": 0.05, "pg_loss_rel": 0.02, "entropy_rel": 0.02}
 """bf16 keeps 8 bits of mantissa: per-token log-probs move by a few hundredths, batch means far less."""

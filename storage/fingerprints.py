@@ -11,7 +11,11 @@ tokenizer's files are small, so they are hashed whole.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
+from tensordict import TensorDict
+
+from ppoflow.storage.batch import NON_TENSOR_FIELDS, tensors_digest
 from ppoflow.storage.fs import open_fs
 
 _SAMPLE_BYTES = 1 << 20
@@ -60,3 +64,10 @@ def tokenizer_identity(url: str) -> str:
         if fs.exists(f"{root}/{name}"):
             digest.update(name.encode() + b"\0" + fs.cat_file(f"{root}/{name}"))
     return f"sha256:{digest.hexdigest()}"
+
+
+def batch_fingerprint(batch: TensorDict, **context: Any) -> str:
+    """A checksum of the batch's tensor fields (and ``context``, such as the weights that compute on it): a
+    cached stage result is only reused for exactly the input it was computed from."""
+    tensors = batch.exclude(*NON_TENSOR_FIELDS)
+    return tensors_digest({name: tensors[name] for name in tensors.keys()}, repr(sorted(context.items())))

@@ -18,10 +18,9 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict
 
-from ppoflow.algorithms.user_code import import_module
-from ppoflow.storage.batch import concatenate, decode_batch, encode_batch, with_non_tensor_columns
-from ppoflow.storage.fs import StorageError, atomic_write, join, open_fs, remove_if_present
-from ppoflow.storage.marker import MarkerFormat, file_entry, read_verified
+from ppoflow.storage.batch import concatenate, with_non_tensor_columns
+from ppoflow.storage.replay_buffer_files import MARKER, ReplayBufferError, read_buffer, write_buffer
+from ppoflow.storage.replay_buffer_metrics import sample_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +32,6 @@ METRIC_PREFIXES = {"train": "training/", "val": "validation/"}
 """The partitions and the prefix of their metrics (verl: ``training/`` for train, ``validation/`` otherwise)."""
 GROUP_FIELDS = ("prompts", "prompt_mask", "responses", "response_mask", "weight_version", "max_weight_version")
 """The fields every finished group must carry; any others are kept as they arrive."""
-
-MARKER = "buffer.json"
-GROUPS_DIR = "groups"
-BUFFER_MARKER = MarkerFormat(version=1, fields={"prompts": list, "groups": dict})
-"""``buffer.json``: ``prompts`` (every prompt's tags, in insertion order) and ``groups`` ({uid: file name})."""
-
-
-class ReplayBufferError(StorageError):
-    """A saved buffer file that cannot be used; ``path`` names it."""
 
 
 class ReplayBuffer:
@@ -240,18 +230,7 @@ class ReplayBuffer:
             poll(poll_interval_s)
         selected = sorted(ready, key=lambda uid: self._prompts[uid]["dispatch_step"])[:batch_size]
         batch = self._take(selected)
-        prefix = METRIC_PREFIXES[partition]
-        metrics = {
-            f"{prefix}off_policy/evicted_samples": float(len(stale_spans)),
-            f"{prefix}rollout_failure/evicted_samples": float(failed),
-        }
-        if stale_spans:
-            metrics.update(summary(f"{prefix}off_policy/evicted_samples_staleness", torch.tensor(stale_spans)))
-        oldest, newest = batch["weight_version"], batch["max_weight_version"]
-        metrics.update(summary(f"{prefix}off_policy/trajectory_spans", newest - oldest + 1))
-        metrics.update(summary(f"{prefix}off_policy/trajectory_staleness", (step - 1) - newest))
-        metrics.update(summary(f"{prefix}off_policy/trajectory_staleness_worst", (step - 1) - oldest))
-        return batch, metrics
+        return batch, sample_metrics(METRIC_PREFIXES[partition], step, batch, stale_spans, failed)
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -285,19 +264,7 @@ class ReplayBuffer:
         The old marker is removed first (then the old payloads), so a save interrupted anywhere leaves no
         valid buffer rather than a mix of two; a failed write raises, and saving again starts over.
         """
-        fs, root = open_fs(url, storage_options)
-        marker_path = join(root, MARKER)
-        remove_if_present(fs, marker_path)
-        for old_payload in fs.find(join(root, GROUPS_DIR)):
-            remove_if_present(fs, old_payload)
-        state = self.state_dict()
-        files, groups = {}, {}
-        for number, (uid, group) in enumerate(state["groups"].items()):
-            name = f"{GROUPS_DIR}/{number}.safetensors"
-            data = encode_batch(group)
-            atomic_write(fs, join(root, name), data)
-            files[name], groups[uid] = file_entry(data), name
-        atomic_write(fs, marker_path, BUFFER_MARKER.encode(files, prompts=state["prompts"], groups=groups))
+        write_buffer(url, storage_options, self.state_dict())
 
     @classmethod
     def load(cls, url: str, storage_options: dict | None = None, **init_kwargs) -> ReplayBuffer:
@@ -309,26 +276,10 @@ class ReplayBuffer:
         (their rollout died with the old process), listed by :meth:`in_flight` for the trainer to submit
         again.
         """
-        fs, root = open_fs(url, storage_options)
-        marker_path = join(root, MARKER)
-        try:
-            marker = BUFFER_MARKER.decode(fs.cat_file(marker_path))
-        except FileNotFoundError as missing:
-            raise ReplayBufferError(marker_path, "missing file") from missing
-        except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested too deeply
-            raise ReplayBufferError(marker_path, f"unreadable {MARKER}: {error}") from error
-        groups = {}
-        for uid, name in marker["groups"].items():
-            if not isinstance(name, str) or name not in marker["files"]:
-                raise ReplayBufferError(marker_path, f"the group of {uid!r} is in {name!r}, which is not listed")
-            path = join(root, name)
-            try:
-                groups[uid] = decode_batch(read_verified(fs, path, marker["files"][name], error=ReplayBufferError))
-            except ValueError as error:
-                raise ReplayBufferError(path, f"undecodable payload: {error}") from error
+        prompts, groups, marker_path = read_buffer(url, storage_options)
         buffer = cls(**init_kwargs)
         try:
-            buffer._restore(marker["prompts"], groups)
+            buffer._restore(prompts, groups)
         except (KeyError, TypeError, ValueError) as error:
             raise ReplayBufferError(marker_path, f"inconsistent {MARKER}: {error!r}") from error
         return buffer
@@ -445,40 +396,3 @@ def check_partition(partition: str) -> None:
     """``ValueError`` unless ``partition`` is ``"train"`` or ``"val"``."""
     if partition not in METRIC_PREFIXES:
         raise ValueError(f"partition must be one of {tuple(METRIC_PREFIXES)}, got {partition!r}")
-
-
-def summary(name: str, values: torch.Tensor) -> dict[str, float]:
-    """``{name}/mean``, ``{name}/max`` and ``{name}/min`` of ``values``."""
-    values = values.double()
-    return {
-        f"{name}/mean": values.mean().item(),
-        f"{name}/max": values.max().item(),
-        f"{name}/min": values.min().item(),
-    }
-
-
-def load_sampler(path: str | None, name: str | None) -> type[ReplayBuffer]:
-    """The sampler class of ``trainer.v1.sampler.custom_sampler``: :class:`ReplayBuffer` when ``path`` and
-    ``name`` are both None, else the class ``name`` of the Python file (or importable module) ``path``.
-
-    The file is imported under a fresh module name (:func:`ppoflow.algorithms.user_code.import_module`, the
-    project's one way of importing user code). The class must subclass :class:`ReplayBuffer`; as in verl it
-    is built with the base keyword arguments only (``pad_token_id``, ``max_off_policy_threshold``,
-    ``max_off_policy_strategy``, ``refill``). A file that is missing or fails to import, a missing class, or
-    one that is not a subclass raises ``ValueError`` naming the config key.
-    """
-    key = f"{SAMPLER_CONFIG}.custom_sampler"
-    if path is None and name is None:
-        return ReplayBuffer
-    if not path or not name:
-        raise ValueError(f"{key}.path and {key}.name must be set together, got path={path!r}, name={name!r}")
-    try:
-        module = import_module(path)
-    except ValueError as error:
-        raise ValueError(f"{key}.path={path!r}: {error}") from None
-    sampler = getattr(module, name, None)
-    if sampler is None:
-        raise ValueError(f"{key}.name={name!r}: {path} defines no such class")
-    if not (isinstance(sampler, type) and issubclass(sampler, ReplayBuffer)):
-        raise ValueError(f"{key}.name={name!r} in {path} is not a subclass of {ReplayBuffer.__module__}.ReplayBuffer")
-    return sampler

@@ -10,12 +10,10 @@ from ppoflow.algorithms.advantages import compute_advantage
 from ppoflow.algorithms.kl import apply_kl_penalty
 from ppoflow.configs.schema import AlgorithmConfig
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
 
 
 @recorded_task(name="advantage", cache_policy=NO_CACHE)
-@cacheable
 def advantage(batch: TensorDict, algorithm: AlgorithmConfig, kl_controller) -> StageResult:
     """``token_level_rewards``, ``advantages`` and ``returns`` [N, R]; updates the adaptive KL controller."""
     metrics: dict[str, float] = {}

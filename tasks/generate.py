@@ -9,10 +9,9 @@ from tensordict import TensorDict
 
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 from ppoflow.storage.batch import AGENT_FIELDS, NON_TENSOR_FIELDS, StageResult, non_tensor_column
-from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.reward import extra_means, unless_a_scorer_failed
 from ppoflow.tasks.task_inputs import recorded_task
-from ppoflow.workers.rollout import SamplingParams
+from ppoflow.workers.rollout.sampling import SamplingParams
 
 logger = logging.getLogger("ppoflow.rollout")
 """The rollout's records: inside a run they reach the logs of the task run that logged them."""
@@ -21,7 +20,6 @@ logger = logging.getLogger("ppoflow.rollout")
 @recorded_task(
     name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
 )
-@cacheable
 def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
@@ -32,7 +30,7 @@ def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) 
     rollout that scores) is not retried.
     """
     sent = prompts.exclude("uid") if workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
-    rollout = workers.get(workers.rollout.submit("generate", sent, step=step, sampling=sampling))
+    rollout = workers.rollout.generate(sent, step=step, sampling=sampling)
     rollout, metrics = rollout_metrics(rollout)
     return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
 

@@ -7,23 +7,20 @@ from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
 
 
 @recorded_task(name="old_log_prob", cache_policy=NO_CACHE)
-@cacheable
 def old_log_prob(workers, batch_ref, at_step_start: bool = False) -> StageResult:
     """``old_log_probs`` [N, R] of the responses under the current (pre-update) actor weights; with
     ``at_step_start``, under the weights the step started with (separate_async's later mini-batches:
     decoupled PPO, one π_old per step)."""
-    out = workers.get(workers.actor.submit("compute_log_prob", batch_ref, at_step_start=at_step_start))
+    out = workers.actor.compute_log_prob(batch_ref, at_step_start=at_step_start)
     return StageResult(TensorDict({"old_log_probs": out["log_probs"]}, batch_size=out.batch_size))
 
 
 @recorded_task(name="ref_log_prob", cache_policy=NO_CACHE)
-@cacheable
 def ref_log_prob(workers, batch_ref) -> StageResult:
     """``ref_log_probs`` [N, R] of the responses under the reference policy."""
-    out = workers.get(workers.ref.submit("compute_log_prob", batch_ref))
+    out = workers.ref.compute_log_prob(batch_ref)
     return StageResult(TensorDict({"ref_log_probs": out["log_probs"]}, batch_size=out.batch_size))

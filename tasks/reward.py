@@ -18,7 +18,6 @@ from tensordict import TensorDict
 
 from ppoflow.algorithms.scoring import SCORER_TIMEOUTS, Scorer, ScorerFailed, score_responses, solution_text
 from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
-from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
 
 
@@ -98,7 +97,6 @@ def score_on_ray(
 @recorded_task(
     name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
 )
-@cacheable
 def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
 

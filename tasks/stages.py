@@ -1,22 +1,18 @@
-"""Every stage of a PPO step, declared once: its task, its names (``configs.stages``), and the worker
-whose weights its result depends on; and the run's step caches, built from ``skip.<stage>``."""
+"""Every stage of a PPO step, declared once as a :class:`Stage`: its Prefect task, its names (task,
+``skip.<key>``, ``timing_s/<name>``), the role whose weights its result depends on, and how a cached result of it
+is matched and fitted when replayed. The flow calls them through :class:`ppoflow.flows.stages.Stages`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import Task
-
-from ppoflow.configs.cache_settings import entry_size_bound, run_cache_dir, storage_settings
-from ppoflow.configs.schema import PPOConfig
-from ppoflow.configs.stages import STAGE_NAMES, StageNames
-from ppoflow.storage.fs import normalize_url
-from ppoflow.storage.step_cache.stage_cache import StageCache
 from ppoflow.tasks.advantage import advantage
 from ppoflow.tasks.generate import generate
 from ppoflow.tasks.log_prob import old_log_prob, ref_log_prob
 from ppoflow.tasks.reward import reward
 from ppoflow.tasks.sample import sample
+from ppoflow.tasks.task_inputs import RecordedTask
 from ppoflow.tasks.update import update_actor, update_critic
 from ppoflow.tasks.values import values
 from ppoflow.tasks.weight_sync import weight_sync
@@ -24,51 +20,49 @@ from ppoflow.tasks.weight_sync import weight_sync
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: its Prefect task, its names, and (for a forward pass) the role whose weights the result
-    depends on, which is part of a cached result's fingerprint."""
+    """One stage of a step.
 
-    names: StageNames
-    task: Task
+    ``skip`` is its step-cache key (None: never cached); ``timing`` its ``timing_s/<timing>`` metric (verl's names:
+    ``gen``, ``ref``, ``adv``, ``update_weights``). A cached result is replayed only for exactly the batch it was
+    computed from and, for a forward pass, the exact weights of the role ``weights`` (``matches_input``); a rollout
+    only if it was sampled the same way (the rollout identity), and then fitted onto this step's prompts
+    (``sampled``)."""
+
+    task: RecordedTask
+    timing: str
+    skip: str | None = None
     weights: str | None = None
+    matches_input: bool = False
+    sampled: bool = False
 
     @property
     def name(self) -> str:
-        return self.names.name
+        """The stage's name: its Prefect task's, its task runs' (``<name>[<label>]``), its ``stage:`` tag."""
+        return self.task.name
 
 
-STAGES = {
-    stage.name: stage
-    for stage in (
-        Stage(STAGE_NAMES["generate"], generate),
-        Stage(STAGE_NAMES["sample"], sample),
-        Stage(STAGE_NAMES["reward"], reward),
-        Stage(STAGE_NAMES["old_log_prob"], old_log_prob, weights="actor"),
-        Stage(STAGE_NAMES["ref_log_prob"], ref_log_prob, weights="ref"),
-        Stage(STAGE_NAMES["values"], values, weights="critic"),
-        Stage(STAGE_NAMES["advantage"], advantage),
-        Stage(STAGE_NAMES["update_critic"], update_critic),
-        Stage(STAGE_NAMES["update_actor"], update_actor),
-        Stage(STAGE_NAMES["weight_sync"], weight_sync),
-    )
-}
+GENERATE = Stage(generate, "gen", skip="rollout", sampled=True)
+SAMPLE = Stage(sample, "gen")
+"""Takes the place of :data:`GENERATE` in the streaming modes: the step's batch from the replay buffer."""
+REWARD = Stage(reward, "reward", skip="reward", matches_input=True)
+OLD_LOG_PROB = Stage(old_log_prob, "old_log_prob", skip="old_log_prob", weights="actor", matches_input=True)
+REF_LOG_PROB = Stage(ref_log_prob, "ref", skip="ref", weights="ref", matches_input=True)
+VALUES = Stage(values, "values", skip="values", weights="critic", matches_input=True)
+ADVANTAGE = Stage(advantage, "adv", skip="advantage", matches_input=True)
+UPDATE_CRITIC = Stage(update_critic, "update_critic")
+UPDATE_ACTOR = Stage(update_actor, "update_actor")
+WEIGHT_SYNC = Stage(weight_sync, "update_weights")
 
-
-def stage_caches(cfg: PPOConfig) -> dict[str, StageCache]:
-    """The run's enabled step caches, keyed by stage name."""
-    caches = {}
-    for stage in STAGES.values():
-        skip = cfg.skip.get(stage.names.skip) if stage.names.skip else None
-        if skip is not None and skip.enable:
-            caches[stage.name] = StageCache(
-                stage.names.skip,
-                normalize_url(skip.dump_dir),
-                run_cache_dir(skip, cfg),
-                steps=skip.steps,
-                action=skip.action,
-                storage_options=storage_settings(skip),
-                timeout_s=skip.timeout_s,
-                retries=skip.retries,
-                allow_mismatch=skip.allow_mismatch,
-                max_entry_bytes=entry_size_bound(cfg),
-            )
-    return caches
+STAGES = (
+    GENERATE,
+    SAMPLE,
+    REWARD,
+    OLD_LOG_PROB,
+    REF_LOG_PROB,
+    VALUES,
+    ADVANTAGE,
+    UPDATE_CRITIC,
+    UPDATE_ACTOR,
+    WEIGHT_SYNC,
+)
+"""In the order a step runs them."""

@@ -16,10 +16,11 @@ from ppoflow.algorithms.scoring import Scorer
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import PromptDataset, ensure_datasets, load_prompt_dataset
 from ppoflow.tasks.task_inputs import recorded_task
-from ppoflow.workers.group import Workers, start_local_workers
-from ppoflow.workers.group import start_workers as start_ray_workers
+from ppoflow.workers.launcher import start_local_workers
+from ppoflow.workers.launcher import start_workers as start_ray_workers
 from ppoflow.workers.models import ensure_model, load_tokenizer
-from ppoflow.workers.scorer_process import configured_scorer
+from ppoflow.workers.roles import Workers
+from ppoflow.workers.service.scorer_process import configured_scorer
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class RunInputs:
 def load_data(cfg: PPOConfig) -> RunInputs:
     """Build or generate what the config asks for (a tiny model, the synthetic task), then load the
     tokenizer, the train and validation sets and a custom reward function (run in a process of its own, with
-    its deadline: :class:`~ppoflow.workers.scorer_process.ScorerProcess`)."""
+    its deadline: :class:`~ppoflow.workers.service.scorer_process.ScorerProcess`)."""
     data = cfg.data
     ensure_model(cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path")
     if cfg.use_critic:

@@ -5,12 +5,10 @@ from __future__ import annotations
 from prefect.cache_policies import NO_CACHE
 
 from ppoflow.storage.batch import StageResult
-from ppoflow.storage.step_cache.stage_cache import cacheable
 from ppoflow.tasks.task_inputs import recorded_task
 
 
 @recorded_task(name="values", cache_policy=NO_CACHE)
-@cacheable
 def values(workers, batch_ref) -> StageResult:
     """``values`` [N, R] from the critic worker."""
-    return StageResult(workers.get(workers.critic.submit("compute_values", batch_ref)))
+    return StageResult(workers.critic.compute_values(batch_ref))

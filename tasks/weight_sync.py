@@ -18,9 +18,9 @@ def weight_sync(workers, collective: bool, again: bool = False, version: int | N
     """Move the actor's current weights into the rollout worker (which then stamps ``version`` - the
     trainer's weight version - on what it samples); ``again``: the weights pushed last time (a restarted
     rollout worker lost them)."""
-    update = workers.actor.submit("prepare_weights", again=again, version=version)
-    applied = workers.rollout.submit("apply_weights", update)
+    update = workers.actor.start_prepare_weights(again=again, version=version)
+    applied = workers.rollout.start_apply_weights(update)
     if collective:
-        workers.get([workers.actor.submit("broadcast_weights", update), applied])
+        workers.get([workers.actor.start_broadcast_weights(update), applied])
     workers.get(applied)
     return StageResult(None)

@@ -15,7 +15,8 @@ from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss
 from ppoflow.configs import ConfigError
 from ppoflow.storage.batch import last_model_token, response_extent, trim_response_padding
-from ppoflow.workers.agent_loop import (
+from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.service.agent_loop import (
     AGENT_LOOPS,
     AgentLoop,
     AgentLoopOutput,
@@ -28,8 +29,8 @@ from ppoflow.workers.agent_loop import (
     register,
     turn_seed,
 )
-from ppoflow.workers.rollout import SamplingParams
-from ppoflow.workers.serving import ContinuousBatchingEngine, TokenOutput
+from ppoflow.workers.service.requests import TokenOutput
+from ppoflow.workers.service.serving import ContinuousBatchingEngine
 
 SAMPLING = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=8, seed=0)
 
@@ -230,7 +231,7 @@ def test_registry_and_yaml_declared_loops(tmp_path):
     module = tmp_path / "my_loops.py"
     module.write_text(
         textwrap.dedent("""
-        from ppoflow.workers.agent_loop import AgentLoop, AgentLoopOutput
+        from ppoflow.workers.service.agent_loop import AgentLoop, AgentLoopOutput
         class Echo(AgentLoop):
             async def run(self, sampling, **row):
                 return AgentLoopOutput(row["prompt_ids"], list(row["prompt_ids"]), [1] * len(row["prompt_ids"]),

@@ -12,7 +12,7 @@ import pytest
 
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.tracking import read_metrics
-from ppoflow.workers.serving import RequestSampling
+from ppoflow.workers.service.requests import RequestSampling
 from tests.flow_runs import task_runs_by_name
 
 
@@ -68,7 +68,7 @@ def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model, 
     replica wakes with new weights, so the turn's tokens span versions 0 and 3 (partial rollout) - or,
     without partial rollout, starts it over, so every token of it comes from version 3."""
     from ppoflow.workers.models import load_causal_lm
-    from ppoflow.workers.rollout_service import LoadBalancer, RolloutReplica
+    from ppoflow.workers.service.replicas import LoadBalancer, RolloutReplica
     from ppoflow.workers.weight_sync import WeightSender
 
     cfg = load_config(
@@ -128,8 +128,10 @@ def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model)
     import torch
     from tensordict import TensorDict
 
-    from ppoflow.workers.rollout import SamplingParams
-    from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutReplica, RolloutService
+    from ppoflow.workers.rollout.sampling import SamplingParams
+    from ppoflow.workers.service.agent_worker import AgentLoopWorker
+    from ppoflow.workers.service.replicas import RolloutReplica
+    from ppoflow.workers.service.rollout_service import RolloutService
 
     cfg = load_config(
         "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
@@ -479,7 +481,7 @@ def test_a_scorer_past_its_deadline_in_the_rollout_service_fails_generate_once(
 
 
 BROKEN_LOOP = """
-from ppoflow.workers.agent_loop import AgentLoop
+from ppoflow.workers.service.agent_loop import AgentLoop
 
 class Broken(AgentLoop):
     async def run(self, sampling, **row):
@@ -518,3 +520,68 @@ def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_mo
         "ppoflow: the run failed: the last 8 prompt groups generated all failed, the last with "
         "RuntimeError('the loop is broken')"
     ), done.stderr[-3000:]
+
+
+NEEDY_MODE = '''
+from ppoflow.configs.modes import ModeNeeds
+from ppoflow.flows.modes import SyncTrainer, register_trainer
+
+@register_trainer({name!r})
+class Needy(SyncTrainer):
+    """sync, generating through the rollout service."""
+
+    needs = ModeNeeds(summary="sync through the rollout service", rollout_service=True)
+'''
+
+
+def a_mode_file(tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(NEEDY_MODE.format(name=name))
+    return str(path)
+
+
+def test_a_users_mode_is_in_the_forms_choices_and_fills_its_mode_field(tmp_path):
+    """``ppoflow serve --config`` imports the config's trainer_module before building the deployment: the
+    form's dropdown (the deployment's parameter schema) lists the user's mode, and the preset's mode fills it."""
+    import yaml
+
+    from ppoflow.configs import CONFIG_DIR
+    from ppoflow.flows.deploy import deployments
+
+    preset, config = tmp_path / "needy.yaml", yaml.safe_load((CONFIG_DIR / "grpo_tiny.yaml").read_text())
+    config["trainer"] = {
+        **config["trainer"],
+        "mode": "needy_form",
+        "v1": {"trainer_module": a_mode_file(tmp_path, "needy_form")},
+    }
+    config["actor_rollout_ref"]["rollout"] = {**config["actor_rollout_ref"].get("rollout", {}), "mode": "async"}
+    preset.write_text(yaml.safe_dump(config))
+    ppo_train = deployments(str(tmp_path / "no-golden"), preset=str(preset))[0]
+    mode = ppo_train._parameter_openapi_schema.model_dump()["properties"]["mode"]
+    assert mode["anyOf"][0]["enum"][:4] == ["sync", "one_step_off", "colocate_async", "separate_async"]
+    assert "needy_form" in mode["anyOf"][0]["enum"]
+    assert ppo_train.parameters["mode"] == "needy_form"
+
+
+def test_a_users_mode_that_needs_the_rollout_service_is_refused_without_it(tmp_path, capsys):
+    from tests.test_preflight import assert_user_error, run_cli
+
+    module = a_mode_file(tmp_path, "needy_cli")
+    words = [f"trainer.v1.trainer_module={module}", "trainer.mode=needy_cli", f"trainer.default_local_dir={tmp_path}"]
+    code, stderr = run_cli(capsys, "train", *words)
+    assert_user_error(code, stderr, "trainer.mode: needy_cli generates with the rollout service", "mode=async")
+    with pytest.raises(ConfigError) as raised:  # now that the mode is registered, the config itself refuses it
+        load_config("grpo_tiny", words)
+    assert [key for key, _ in raised.value.problems] == ["trainer.mode"]
+
+
+def test_an_unknown_mode_is_refused_naming_the_registered_ones_the_users_too(tmp_path):
+    from ppoflow.flows.train import check_mode
+
+    module = a_mode_file(tmp_path, "needy_named")
+    cfg = load_config("grpo_tiny", [f"trainer.v1.trainer_module={module}", "trainer.mode=no_such_mode"])
+    with pytest.raises(ConfigError) as raised:
+        check_mode(cfg)
+    ((key, message),) = raised.value.problems
+    assert key == "trainer.mode" and "sync, one_step_off, colocate_async, separate_async" in message
+    assert "needy_named" in message

@@ -16,10 +16,10 @@ import uuid
 import pytest
 
 from ppoflow.flows.cache_report import report
+from ppoflow.flows.cached_stages.planning import stage_caches
 from ppoflow.flows.cli import main as cli
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.storage.step_cache import StepCache
-from ppoflow.tasks.stages import stage_caches
 from tests.conftest import drain_prefect_logs
 from tests.flow_runs import (
     CONFIG,

@@ -22,9 +22,10 @@ from prefect.results import ResultRecordMetadata, ResultStore
 from prefect.serializers import PickleSerializer
 from tensordict import TensorDict
 
+from ppoflow.flows.cached_stages.records import DerivedRecords, ManifestSerializer, StepCacheStorage
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.step_cache import StepCache, scan
-from ppoflow.storage.step_cache.prefect import DerivedRecords, ManifestSerializer, StageRecord, StepCacheStorage
+from ppoflow.storage.step_cache.entry_check import StageRecord
 from ppoflow.storage.step_cache.store import CacheCorrupt
 from tests.flow_runs import CONFIG, PROJECT, copy_dump, generate_states, rollout_skip, train, train_run
 

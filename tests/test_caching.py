@@ -12,18 +12,15 @@ from prefect.results import ResultStore
 from tensordict import TensorDict
 
 from ppoflow.flows.cache_report import CacheReport, Elsewhere, config_differences
+from ppoflow.flows.cached_stages.calls import ReplayOnly, StepDump, dumping
+from ppoflow.flows.cached_stages.planning import OUTCOMES, StepOutcome
+from ppoflow.flows.cached_stages.records import DerivedRecords, ManifestSerializer, StepCacheStorage
 from ppoflow.storage.batch import StageResult, with_non_tensor_columns
+from ppoflow.storage.fingerprints import batch_fingerprint
 from ppoflow.storage.step_cache import CacheWriteError, StepCache
-from ppoflow.storage.step_cache.prefect import (
-    CacheEntryRejected,
-    DerivedRecords,
-    EntryCheck,
-    ManifestSerializer,
-    StageRecord,
-    StepCacheStorage,
-)
-from ppoflow.storage.step_cache.stage_cache import OUTCOMES, ReplayOnly, StepDump, StepOutcome, cacheable, fingerprint
+from ppoflow.storage.step_cache.entry_check import CacheEntryRejected, EntryCheck, StageRecord
 from ppoflow.storage.step_cache.store import encode_manifest
+from ppoflow.tasks.task_inputs import recorded_task
 
 
 def sample_batch(uid: str = "u", rows: int = 2, fill: int = 1) -> TensorDict:
@@ -53,10 +50,10 @@ def test_fingerprint_depends_on_values_not_on_layout():
     reordered = TensorDict(
         {"response_mask": batch["response_mask"], "responses": batch["responses"].clone()}, batch_size=[2]
     )
-    assert fingerprint(batch) == fingerprint(reordered)  # field order and the uid column do not matter
+    assert batch_fingerprint(batch) == batch_fingerprint(reordered)  # field order and the uid column do not matter
     changed = sample_batch(fill=2)
-    assert fingerprint(batch) != fingerprint(changed)
-    assert fingerprint(batch, weights="a") != fingerprint(batch, weights="b")
+    assert batch_fingerprint(batch) != batch_fingerprint(changed)
+    assert batch_fingerprint(batch, weights="a") != batch_fingerprint(batch, weights="b")
 
 
 def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, monkeypatch, caplog):
@@ -76,19 +73,22 @@ def test_a_dump_records_the_metrics_and_a_failed_write_is_a_metric(tmp_path, mon
     assert "could not cache reward of step 4" in caplog.text
 
 
-def test_cacheable_adds_the_dump_keyword_and_nothing_else(tmp_path):
+def test_dumping_adds_the_dump_keyword_and_leaves_the_stage_task_alone(tmp_path):
     calls = []
 
-    @cacheable
+    @recorded_task(name="stage")
     def stage(batch: TensorDict, scale: int = 1) -> StageResult:
         calls.append(scale)
         return StageResult(batch, {"m": float(scale)})
 
-    assert list(inspect.signature(stage).parameters) == ["batch", "scale", "dump"]
-    plain = stage(sample_batch(), scale=2)
+    dumps = dumping(stage)
+    assert list(inspect.signature(dumps.fn).parameters) == ["batch", "scale", "dump"]
+    assert list(inspect.signature(stage.fn).parameters) == ["batch", "scale"]  # the task itself is untouched
+    assert (dumps.name, dumps.task_key) == (stage.name, stage.task_key)
+    plain = stage.fn(sample_batch(), scale=2)
     assert type(plain) is StageResult and plain.metrics == {"m": 2.0}
     cache = StepCache(str(tmp_path / "root"))
-    dumped = stage(sample_batch(), 3, dump=StepDump(cache, 1, {}, timeout_s=30))
+    dumped = dumps.fn(sample_batch(), 3, dump=StepDump(cache, 1, {}, timeout_s=30))
     assert isinstance(dumped, StageRecord) and dumped.manifest["metrics"] == {"m": 3.0}
     assert calls == [2, 3] and not cache.status(1).valid  # payload only: Prefect commits the marker
 
@@ -142,7 +142,7 @@ def test_a_replays_body_refuses_instead_of_computing(tmp_path):
     """When Prefect finds no valid record to replay and runs the body, the body names why and computes nothing."""
     calls = []
 
-    @cacheable
+    @recorded_task(name="stage")
     def stage(batch: TensorDict) -> StageResult:
         calls.append(batch)
         return StageResult(batch, {})
@@ -151,7 +151,7 @@ def test_a_replays_body_refuses_instead_of_computing(tmp_path):
     cache.write(2, sample_batch())
     (tmp_path / "root" / "2" / "meta.json").write_text("{not json")
     with pytest.raises(CacheEntryRejected, match=r"no valid rollout cache entry to replay at .*/2 \(unreadable meta"):
-        stage(sample_batch(), dump=ReplayOnly(cache, 2))
+        dumping(stage).fn(sample_batch(), dump=ReplayOnly(cache, 2))
     assert calls == []
 
 

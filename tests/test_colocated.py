@@ -9,8 +9,8 @@ from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.modes import make_trainer
 from ppoflow.flows.run import start_run
 from ppoflow.flows.state import TrainerState
-from ppoflow.flows.train import train_steps
-from ppoflow.workers.group import role_resources
+from ppoflow.flows.step import train_steps
+from ppoflow.workers.resources import role_resources
 
 STEP_METRICS = (
     "critic/score/mean",

@@ -744,12 +744,12 @@ def test_data_parallel_size_and_the_colocated_layout():
 
 @pytest.mark.parametrize("preset", ["grpo_tiny", "vault_tool", "ppo_trainer"])
 def test_shipped_presets_are_one_rank_per_role(preset):
-    from ppoflow.configs.rules import _data_parallel_errors
+    from ppoflow.configs.rules_resources import data_parallel_errors
 
     cfg = load_config(
         preset, [] if preset != "ppo_trainer" else ["actor_rollout_ref.model.path=/m", "data.train_files=/t.parquet"]
     )
-    assert cfg.data_parallel_size == 1 and _data_parallel_errors(cfg) == []
+    assert cfg.data_parallel_size == 1 and data_parallel_errors(cfg) == []
 
 
 def test_several_cross_field_problems_at_once():

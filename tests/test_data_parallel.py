@@ -10,12 +10,14 @@ import torch
 from ppoflow.configs import load_config
 from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
 from ppoflow.storage.checkpoint import CheckpointError
-from ppoflow.workers.critic import CriticWorker
-from ppoflow.workers.data_parallel import balanced_partition
-from ppoflow.workers.group import RayGroupRole, start_workers
+from ppoflow.workers.launcher import start_workers
 from ppoflow.workers.models import load_tokenizer
-from ppoflow.workers.policy import ActorWorker
-from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
+from ppoflow.workers.roles import RayGroupRole
+from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
+from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.training.critic import CriticWorker
+from ppoflow.workers.training.data_parallel import balanced_partition
+from ppoflow.workers.training.policy import ActorWorker
 
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 """float32: W=2 sums the same terms as W=1 in another order (per rank, then over ranks)."""
@@ -80,16 +82,12 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
         assert isinstance(workers.actor, RayGroupRole) and len(workers.actor.handles) == 2
         assert [len(nodes) for nodes in (workers.placement["actor"], workers.placement["critic"])] == [2, 2]
         get = workers.get
-        torch.testing.assert_close(
-            get(workers.actor.submit("compute_log_prob", batch))["log_probs"], log_probs, **TOLERANCE
-        )
-        torch.testing.assert_close(
-            get(workers.critic.submit("compute_values", batch))["values"], batch["values"], **TOLERANCE
-        )
-        result = get(workers.actor.submit("update", batch, step=1))
-        critic_metrics = get(workers.critic.submit("update", batch, step=1))
-        pushed = get(workers.actor.submit("prepare_weights"))
-        again = get(workers.actor.submit("prepare_weights", again=True))  # only rank 0 kept them
+        torch.testing.assert_close(workers.actor.compute_log_prob(batch)["log_probs"], log_probs, **TOLERANCE)
+        torch.testing.assert_close(workers.critic.compute_values(batch)["values"], batch["values"], **TOLERANCE)
+        result = workers.actor.update(batch, step=1)
+        critic_metrics = workers.critic.update(batch, step=1)
+        pushed = get(workers.actor.start_prepare_weights())
+        again = get(workers.actor.start_prepare_weights(again=True))  # only rank 0 kept them
         assert pushed.version == 1 and (again.version, again.layouts) == (pushed.version, pushed.layouts)
         mask = batch["response_mask"]
         torch.testing.assert_close(
@@ -101,13 +99,13 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
 
         # Each rank writes its shards (plus rank 0's optimizer.pt). Resumed from them, the two ranks make the
         # next update bit for bit as they did uninterrupted (same W: same order of every sum).
-        entries = get(workers.actor.submit("save_checkpoint", str(tmp_path / "actor")))
+        entries = workers.actor.save_checkpoint(str(tmp_path / "actor"))
         second = batch.exclude("values")
-        get(workers.actor.submit("update", second, step=2))
-        uninterrupted = get(workers.actor.submit("weights_digest"))
-        get(workers.actor.submit("load_checkpoint", str(tmp_path / "actor"), entries, weight_version=1))
-        get(workers.actor.submit("update", second, step=2))
-        assert get(workers.actor.submit("weights_digest")) == uninterrupted
+        workers.actor.update(second, step=2)
+        uninterrupted = workers.actor.weights_digest()
+        workers.actor.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
+        workers.actor.update(second, step=2)
+        assert workers.actor.weights_digest() == uninterrupted
     finally:
         workers.shutdown()
     assert sorted(entries) == [

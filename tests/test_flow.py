@@ -213,26 +213,30 @@ def test_a_steps_independent_forward_passes_run_side_by_side(prefect_api, monkey
     from prefect import flow
     from tensordict import TensorDict
 
-    from ppoflow.flows.stages import Stages, StepData
+    from ppoflow.flows.stages import RolloutOrigin, StageCall, Stages, StepData
     from ppoflow.storage.batch import StageResult
-    from ppoflow.tasks.stages import STAGES
+    from ppoflow.tasks.stages import REF_LOG_PROB, VALUES
     from ppoflow.tasks.task_inputs import recorded_task
 
     both_running = threading.Barrier(2, timeout=30)
 
-    @recorded_task(name="meets_the_other")
     def meets_the_other(workers, batch_ref, field: str) -> StageResult:
         both_running.wait()  # BrokenBarrierError unless the other pass runs at the same time
         return StageResult(TensorDict({field: torch.ones(2, 3)}, batch_size=[2]))
 
-    for name in ("ref_log_prob", "values"):
-        monkeypatch.setitem(STAGES, name, dataclasses.replace(STAGES[name], task=meets_the_other))
+    calls = [
+        StageCall(dataclasses.replace(stage, task=recorded_task(name=stage.name)(meets_the_other)), arguments)
+        for stage, arguments in (
+            (REF_LOG_PROB, {"workers": None, "batch_ref": None, "field": "ref_log_probs"}),
+            (VALUES, {"workers": None, "batch_ref": None, "field": "values"}),
+        )
+    ]
     step = StepData(3, batch=TensorDict({"responses": torch.zeros(2, 3, dtype=torch.long)}, batch_size=[2]))
-    stages = Stages(workers=None, caches={}, orchestrated=True)
+    stages = Stages(workers=None, caches={}, orchestrated=True, rollout=RolloutOrigin("m", "m", None))
 
     @flow
     def forward_passes() -> None:
-        stages.call_together(step, {"ref_log_prob": (None, None, "ref_log_probs"), "values": (None, None, "values")})
+        stages.together(step, calls)
 
     state = forward_passes(return_state=True)
     assert state.is_completed()

@@ -10,6 +10,9 @@ The layers, top to bottom::
     configs     the typed config schema, its rules and its loader
     storage     fsspec helpers, the step batch and its codec, the step cache, checkpoints
     algorithms  pure math: advantages, losses, KL, rollout correction, reward scorers
+
+Third-party frameworks stay in their layers too: Prefect only in tasks/ and flows/ (orchestration), Ray only in
+workers/ (the actors and the launcher that starts them).
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ def project_imports(path: Path) -> set[str]:
 MODULES = {module_name(path): path for layer in LAYERS for path in (ROOT / layer).rglob("*.py")}
 
 
+FRAMEWORK_LAYERS = {"prefect": ("tasks", "flows"), "prefect_ray": ("tasks", "flows"), "ray": ("workers",)}
+"""A framework -> the only layers that may import it."""
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of the packages a file imports anywhere in its body (function-level imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
 def layer_of(module: str) -> str:
     return module.split(".")[1]
 
@@ -89,6 +107,19 @@ def test_imports_point_down(module):
         imported for imported in project_imports(MODULES[module]) if LAYERS.index(layer_of(imported)) > rank
     )
     assert not upward, f"{module} ({LAYERS[rank]}) imports from a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_frameworks_stay_in_their_layers(module):
+    layer = layer_of(module)
+    misplaced = sorted(
+        framework
+        for framework in third_party_imports(MODULES[module]) & FRAMEWORK_LAYERS.keys()
+        if layer not in FRAMEWORK_LAYERS[framework]
+    )
+    assert not misplaced, (
+        f"{module} ({layer}) imports {misplaced}, which belong to {[FRAMEWORK_LAYERS[f] for f in misplaced]}"
+    )
 
 
 def test_no_import_cycles():
@@ -142,3 +173,8 @@ def test_the_checks_catch_what_they_should(tmp_path):
     assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
     assert strongly_connected({"a": {"b"}, "b": set()}) == []
     assert LAYERS.index(layer_of("ppoflow.flows.train")) > LAYERS.index(layer_of("ppoflow.storage.fs"))
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import ray.util\nfrom prefect.tasks import task\nfrom . import near\n\ndef f():\n    import torch\n"
+    )
+    assert third_party_imports(sample) == {"ray", "prefect", "torch"}

@@ -11,7 +11,7 @@ import pytest
 from ppoflow.algorithms.scoring import ScorerFailed
 from ppoflow.configs import ConfigError
 from ppoflow.flows.logs import hide_user_error_tracebacks
-from ppoflow.storage.step_cache.prefect import CacheEntryRejected
+from ppoflow.storage.step_cache.entry_check import CacheEntryRejected
 
 
 def logged(error: Exception, caplog) -> logging.LogRecord:

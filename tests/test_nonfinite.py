@@ -27,8 +27,8 @@ from ppoflow.configs.schema import OptimConfig
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import train
 from ppoflow.storage.checkpoint import read_trainer_state
-from ppoflow.workers.data_parallel import DataParallel
-from ppoflow.workers.training import Learner
+from ppoflow.workers.training.data_parallel import DataParallel
+from ppoflow.workers.training.learner import Learner
 
 pytestmark = pytest.mark.reliability
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from ppoflow.flows.async_modes import load_sampler
 from ppoflow.storage.batch import non_tensor_column, with_non_tensor_columns
 from ppoflow.storage.fs import StorageError
-from ppoflow.storage.replay_buffer import BUFFER_MARKER, ReplayBuffer, load_sampler
+from ppoflow.storage.replay_buffer import ReplayBuffer
+from ppoflow.storage.replay_buffer_files import BUFFER_MARKER
 
 PAD = 99
 

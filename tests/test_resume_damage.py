@@ -21,8 +21,8 @@ from ppoflow.flows.state import TrainerState
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.storage import checkpoint
 from ppoflow.storage.fs import STALE_TEMP_FILE_S, open_fs, remove_stale_temp_files
-from ppoflow.workers.group import LocalRole, Workers
-from ppoflow.workers.policy import ActorWorker
+from ppoflow.workers.roles import LocalRole, Workers
+from ppoflow.workers.training.policy import ActorWorker
 
 pytestmark = pytest.mark.reliability
 

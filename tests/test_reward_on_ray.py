@@ -6,7 +6,7 @@ from ppoflow.algorithms.scoring import ScorerFailed, ScorerTimedOut, score_respo
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.run import start_run
 from ppoflow.tasks.reward import score_on_ray
-from ppoflow.workers.scorer_process import ScorerProcess
+from ppoflow.workers.service.scorer_process import ScorerProcess
 
 
 def test_scoring_on_ray_equals_scoring_in_the_flow(prefect_api, ray_local):
@@ -94,7 +94,7 @@ def test_scoring_on_ray_needs_a_prefect_server(tiny_overrides):
 
 
 def test_scoring_on_ray_needs_a_cpu_beyond_the_actors(tiny_overrides, ray_local):
-    from ppoflow.workers.group import start_workers
+    from ppoflow.workers.launcher import start_workers
 
     cfg = load_config(
         "grpo_tiny",

@@ -12,7 +12,7 @@ import pytest
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.preflight import preflight
 from ppoflow.flows.tracking import read_metrics
-from ppoflow.workers.serving import RequestSampling
+from ppoflow.workers.service.requests import RequestSampling
 
 SAMPLING = RequestSampling(
     temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=6, seed=0, ignore_eos=True
@@ -22,7 +22,7 @@ SAMPLING = RequestSampling(
 @pytest.fixture(scope="module")
 def replicas(ray_local, tiny_model, tmp_path_factory):
     """Two replicas of the tiny model (restartable, as the run starts them)."""
-    from ppoflow.workers.rollout_service import RolloutReplica
+    from ppoflow.workers.service.replicas import RolloutReplica
 
     cfg = load_config(
         "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
@@ -53,7 +53,7 @@ def admitted(ray, handles) -> list[int]:
 
 
 def test_sessions_stick_to_a_replica_and_load_spreads(ray_local, replicas):
-    from ppoflow.workers.rollout_service import LoadBalancer
+    from ppoflow.workers.service.replicas import LoadBalancer
 
     balancer = LoadBalancer(replicas)
     before = admitted(ray_local, replicas)
@@ -74,7 +74,7 @@ def test_sessions_stick_to_a_replica_and_load_spreads(ray_local, replicas):
 
 
 def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas):
-    from ppoflow.workers.rollout_service import LoadBalancer
+    from ppoflow.workers.service.replicas import LoadBalancer
 
     balancer = LoadBalancer(replicas)
     long = RequestSampling(
@@ -94,7 +94,7 @@ def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas)
 
 def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_local, replicas, tiny_model):
     from ppoflow.workers.models import load_causal_lm
-    from ppoflow.workers.rollout_service import RolloutService
+    from ppoflow.workers.service.rollout_service import RolloutService
     from ppoflow.workers.weight_sync import WeightSender
 
     cfg = load_config(
@@ -106,7 +106,7 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     )
     for replica in replicas:  # an earlier test killed one: Ray may still be bringing it back
         serving_version(ray_local, replica)
-    assert ray_local.get(service.submit("apply_weights", update)) == [7, 7]
+    assert ray_local.get(service.start_apply_weights(update)) == [7, 7]
     ray_local.kill(replicas[1], no_restart=False)  # Ray restarts it with its initial weights
     time.sleep(0.5)
     assert serving_version(ray_local, replicas[1]) == 0
@@ -118,8 +118,9 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
     import torch
     from tensordict import TensorDict
 
-    from ppoflow.workers.rollout import SamplingParams
-    from ppoflow.workers.rollout_service import AgentLoopWorker, RolloutService
+    from ppoflow.workers.rollout.sampling import SamplingParams
+    from ppoflow.workers.service.agent_worker import AgentLoopWorker
+    from ppoflow.workers.service.rollout_service import RolloutService
 
     cfg = load_config(
         "grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.mode=async"]
@@ -134,8 +135,8 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
         batch_size=[3],
     )
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=3, seed=4)
-    batch = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
-    again = ray_local.get(service.submit("generate", prompts, step=7, sampling=sampling))
+    batch = service.generate(prompts, step=7, sampling=sampling)
+    again = service.generate(prompts, step=7, sampling=sampling)
     assert batch["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
     assert batch["prompts"].tolist() == prompts["prompts"].repeat_interleave(2, dim=0).tolist()
     assert batch["responses"].shape == (6, 3) and batch["turn_ids"].shape == (6, 3)
@@ -150,7 +151,7 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
     with_truths = with_non_tensor_columns(
         prompts.clone(), {"data_source": ["synthetic/copy"] * 3, "ground_truth": ["12", "34", "5"]}
     )
-    scored = ray_local.get(service.submit("generate", with_truths, step=7, sampling=sampling))
+    scored = service.generate(with_truths, step=7, sampling=sampling)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     expected = [
         copy_score("synthetic/copy", solution_text(ids[: int(mask.sum())], tokenizer), truth)

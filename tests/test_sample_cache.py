@@ -13,7 +13,7 @@ import pytest
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.storage.fs import open_fs
 from ppoflow.storage.step_cache.sample_cache import SampleCache, feed_index, sample_id
-from ppoflow.workers.agent_loop import AgentLoopOutput, outputs_to_batch
+from ppoflow.workers.service.agent_loop import AgentLoopOutput, outputs_to_batch
 from tests.conftest import S3_TEST_BUCKET
 
 SAMPLING = {"n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True, "max_new_tokens": 6, "seed": 3}
@@ -257,8 +257,8 @@ def test_a_replayed_group_stands_in_for_a_fresh_one(tiny_model, tmp_path):
     """A group recorded under weight version 4 and replayed while the replicas serve version 9 carries 9 as
     both its oldest and its newest version (its marker keeps 4), so spans and staleness count it as fresh."""
     from ppoflow.configs import load_config
-    from ppoflow.workers.rollout import SamplingParams
-    from ppoflow.workers.rollout_service import AgentLoopWorker
+    from ppoflow.workers.rollout.sampling import SamplingParams
+    from ppoflow.workers.service.agent_worker import AgentLoopWorker
 
     cfg = load_config(
         "grpo_tiny",

@@ -22,7 +22,7 @@ from ppoflow.algorithms.scoring import (
     vault_score,
 )
 from ppoflow.storage import bounded
-from ppoflow.workers.scorer_process import ScorerProcess
+from ppoflow.workers.service.scorer_process import ScorerProcess
 
 # ------------------------------------------------------------------------------------- copy
 

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (workers/serving.py) against transformers' own generation and a
+"""The continuous-batching engine (workers/service/serving.py) against transformers' own generation and a
 teacher-forced forward, on the tiny random Llama: greedy outputs, log-probs, per-request seeds, stop
 conditions, aborts, the stepping thread, pauses and weight versions."""
 
@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from ppoflow.workers.serving import ContinuousBatchingEngine, RequestSampling, sample_next_tokens
+from ppoflow.workers.service.requests import RequestSampling, sample_next_tokens
+from ppoflow.workers.service.serving import ContinuousBatchingEngine
 from tests.conftest import model_config
 
 CPU = torch.device("cpu")

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from ppoflow.configs import ConfigError
-from ppoflow.workers.tool_config import TOOL_CONFIG_KEY, ToolSpec, load_tool_config
-from ppoflow.workers.tools import ToolRunner
+from ppoflow.workers.service.tool_config import TOOL_CONFIG_KEY, ToolSpec, load_tool_config
+from ppoflow.workers.service.tools import ToolRunner
 
 TOOL_FUNCTIONS = """
 import os
@@ -382,8 +382,8 @@ def test_close_kills_and_reaps_every_process(specs):
 
 SCRIPT = """
 import os, signal, sys, threading, time
-from ppoflow.workers.tool_config import ToolSpec
-from ppoflow.workers.tools import ToolRunner
+from ppoflow.workers.service.tool_config import ToolSpec
+from ppoflow.workers.service.tools import ToolRunner
 
 if __name__ == "__main__":
     schema = {"type": "function", "function": {"name": "sleep_then_pid"}}

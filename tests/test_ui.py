@@ -258,7 +258,7 @@ def test_constant_inputs_are_described_by_value_size_or_type():
     from tensordict import TensorDict
 
     from ppoflow.tasks.task_inputs import describe
-    from ppoflow.workers.rollout import SamplingParams
+    from ppoflow.workers.rollout.sampling import SamplingParams
 
     assert [describe(value) for value in (12, False, 0.5, None, "val", "x" * 41)] == [
         "int 12",

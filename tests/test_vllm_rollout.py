@@ -33,8 +33,9 @@ import torch
 
 from ppoflow.configs import ConfigError, load_config, rules
 from ppoflow.workers.models import load_tokenizer
-from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams, step_seed
-from ppoflow.workers.vllm_rollout import (
+from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
+from ppoflow.workers.rollout.sampling import SamplingParams, step_seed
+from ppoflow.workers.rollout.vllm_worker import (
     LOGPROBS_MODE,
     SEED_SPACE,
     WORKER_EXTENSION,
@@ -121,7 +122,7 @@ def test_vllm_config_rules_on_version_parallelism_and_weight_sync(fake_vllm, mon
 
 
 def test_vllm_config_loads_and_selects_the_vllm_worker(fake_vllm):
-    from ppoflow.workers.group import rollout_worker_class
+    from ppoflow.workers.launcher import rollout_worker_class
 
     cfg = load_config("grpo_tiny", GPU_OVERRIDES + ["actor_rollout_ref.rollout.resources.num_gpus=0.5"])
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -131,7 +132,7 @@ def test_vllm_config_loads_and_selects_the_vllm_worker(fake_vllm):
 
 def test_module_imports_without_importing_vllm():
     code = (
-        "import sys, workers.vllm_rollout, workers.group, configs; "
+        "import sys, workers.rollout.vllm_worker, workers.launcher, configs; "
         "from configs import load_config; load_config('grpo_tiny'); "
         "assert 'vllm' not in sys.modules, 'vllm was imported'"
     )
@@ -297,7 +298,7 @@ def test_weight_buckets_round_trip_through_bytes():
 
 
 def test_actor_updates_round_trip_through_the_vllm_transport(cpu_cfg):
-    from ppoflow.workers.policy import ActorWorker
+    from ppoflow.workers.training.policy import ActorWorker
 
     actor = ActorWorker(cpu_cfg)
     update = actor.prepare_weights()
@@ -467,7 +468,7 @@ def test_greedy_outputs_and_log_probs_equal_the_transformers_engine(gpu_cfg, gpu
 
 @pytest.mark.gpu
 def test_sampled_log_probs_are_the_actors_at_the_sampling_temperature(gpu_overrides, gpu_prompts, engine):
-    from ppoflow.workers.policy import ActorWorker
+    from ppoflow.workers.training.policy import ActorWorker
 
     cfg = load_config("grpo_tiny", gpu_overrides + ["actor_rollout_ref.rollout.temperature=0.7"])
     batch = engine.generate(gpu_prompts, step=2, sampling=SamplingParams.for_training(cfg))
@@ -510,7 +511,7 @@ def test_weight_update_reaches_the_running_engine(gpu, gpu_cfg, gpu_prompts, eng
     """Long prompts: their first KV block sits in vLLM's prefix cache after ``before``; an update that
     left it there would mix old-weight keys/values into ``after``."""
     from ppoflow.workers.models import load_causal_lm
-    from ppoflow.workers.policy import ActorWorker
+    from ppoflow.workers.training.policy import ActorWorker
 
     sampling = _greedy(gpu_cfg)
     prompts = _long_prompts(gpu_prompts, engine.pad_token_id)
@@ -543,7 +544,7 @@ def test_weight_update_reaches_the_running_engine(gpu, gpu_cfg, gpu_prompts, eng
 def test_vllm_engine_as_the_runs_ray_rollout_actor(gpu_overrides, gpu_prompts, request):
     """start_workers puts the vLLM engine in the rollout actor; weight_sync moves the actor's weights in."""
     from ppoflow.tasks.weight_sync import weight_sync
-    from ppoflow.workers.group import start_workers
+    from ppoflow.workers.launcher import start_workers
 
     request.getfixturevalue("ray_local")  # only once the GPU checks apply (a session fixture would start first)
 
@@ -555,9 +556,9 @@ def test_vllm_engine_as_the_runs_ray_rollout_actor(gpu_overrides, gpu_prompts, r
     workers = start_workers(cfg)
     try:
         sampling = _greedy(cfg)
-        before = workers.get(workers.rollout.submit("generate", gpu_prompts, step=1, sampling=sampling))
+        before = workers.rollout.generate(gpu_prompts, step=1, sampling=sampling)
         weight_sync.fn(workers, False)
-        after = workers.get(workers.rollout.submit("generate", gpu_prompts, step=1, sampling=sampling))
+        after = workers.rollout.generate(gpu_prompts, step=1, sampling=sampling)
         assert torch.equal(before["responses"], after["responses"]) and after["weight_version"].eq(0).all()
         assert before.batch_size[0] == gpu_prompts.batch_size[0] * sampling.n
     finally:

@@ -7,10 +7,11 @@ import torch
 
 from ppoflow.configs import load_config
 from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
-from ppoflow.workers.critic import CriticWorker
 from ppoflow.workers.models import load_tokenizer
-from ppoflow.workers.policy import ActorWorker, ReferenceWorker
-from ppoflow.workers.rollout import HFRolloutWorker, SamplingParams
+from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
+from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.training.critic import CriticWorker
+from ppoflow.workers.training.policy import ActorWorker, ReferenceWorker
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_sampled_log_probs_equal_those_of_generates_kept_logits(cfg, prompts):
     """The log-prob of each sampled token, recorded step by step (one step's scores kept), is bit for bit what
     the log-softmax of every step's logits (``output_logits``, [N, T, vocab] kept) gives."""
     from ppoflow.workers.models import load_causal_lm
-    from ppoflow.workers.rollout import sample_responses, step_seed
+    from ppoflow.workers.rollout.sampling import sample_responses, step_seed
 
     model, tokenizer = load_causal_lm(cfg.actor_rollout_ref.model), load_tokenizer(cfg.actor_rollout_ref.model)
     sampling = SamplingParams.for_training(cfg)
@@ -278,3 +279,28 @@ def test_old_log_probs_at_step_start_come_from_the_kept_weights(cfg, prompts):
     assert torch.equal(actor.compute_log_prob(batch, at_step_start=True)["log_probs"], before)
     assert torch.equal(actor.compute_log_prob(batch)["log_probs"], after)
     assert [id(parameter) for parameter in actor.model.parameters()] == parameters
+
+
+def test_a_local_role_calls_its_workers_methods_by_name():
+    """The typed role methods call the worker method of their name; in process a ``start_*`` reference is the
+    reply itself, and ``Workers.get`` hands it back."""
+    from ppoflow.workers.roles import LocalRole, Workers
+
+    class Recorder:
+        def __getattr__(self, method):
+            return lambda *args, **kwargs: (method, args, kwargs)
+
+    workers = Workers(rollout=LocalRole(Recorder()), actor=LocalRole(Recorder()), uses_ray=False)
+    assert workers.actor.compute_log_prob("b", at_step_start=True) == (
+        "compute_log_prob",
+        ("b",),
+        {"at_step_start": True},
+    )
+    assert workers.actor.load_checkpoint("d", {}, weight_version=3) == (
+        "load_checkpoint",
+        ("d", {}),
+        {"weight_version": 3},
+    )
+    update = workers.actor.start_prepare_weights(again=True)
+    assert workers.get(update) == ("prepare_weights", (), {"again": True, "version": None})
+    assert workers.get(workers.rollout.start_apply_weights(update)) == ("apply_weights", (update,), {})

@@ -1,11 +1,11 @@
-"""The step cache: a stage's result per training step on any fsspec storage, replayed as Prefect
-task-result caching (verl's SkipManager ``cache`` and ``repeat``, made safe).
+"""The step cache's storage side: a stage's result per training step on any fsspec storage (verl's SkipManager
+``cache`` and ``repeat``, made safe) as bytes, layout, manifest, checksums and scanning.
 
 Modules in reading order: :mod:`.manifest` (layout, marker), :mod:`.store` (:class:`StepCache`), :mod:`.scan`,
-:mod:`.remap`, :mod:`.prefect`, :mod:`.stage_cache` and :mod:`.sample_cache` (verl's ``skip.async_rollout``).
-This package exports the storage side only; the Prefect side is imported from its modules, so the workers never
-pay for importing Prefect, and the store and remap load on first use, so ``ppoflow config`` never pays for torch.
-The tour: docs/step_cache.md#where-it-lives.
+:mod:`.remap`, :mod:`.entry_check` (an entry judged before a replay) and :mod:`.sample_cache` (verl's
+``skip.async_rollout``). Replaying and dumping a stage through Prefect is :mod:`ppoflow.flows.cached_stages`. The
+store and remap load on first use, so ``ppoflow config`` never pays for torch. The tour:
+docs/step_cache.md#where-it-lives.
 """
 
 import importlib

@@ -3,9 +3,8 @@ agent loops (verl's V1 / AgentLoop design), which call a rollout replica per sam
 
 A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and log-probs. Each
 :meth:`step <ContinuousBatchingEngine.step>` admits waiting requests into free slots, runs one decode forward for
-all running sequences and drops the finished ones, so a finished sequence frees its slot at once. Sampling is per
-request and reproducible (a seeded ``torch.Generator`` per request); log-probs follow
-:func:`workers.rollout.sample_responses`. No Ray here: a Ray actor wraps the engine.
+all running sequences and drops the finished ones, so a finished sequence frees its slot at once. Sampling per
+request: :mod:`ppoflow.workers.service.requests`. No Ray here: a Ray actor wraps the engine.
 The KV-cache layout and sampling details: docs/rollout_service.md#the-engine.
 """
 
@@ -15,157 +14,20 @@ import inspect
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
+from ppoflow.workers.service.requests import Request, RequestSampling, sample_next_tokens, settle
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestSampling:
-    """How to sample one request: greedy (argmax) when ``greedy`` or ``temperature == 0``, else
-    temperature, then top-k (``top_k <= 0``: off), then top-p (``top_p == 1``: off), as transformers'
-    warpers do. At most ``max_new_tokens`` tokens; EOS (unless ``ignore_eos``) and ``stop_token_ids``
-    end the request and are included in its output."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    greedy: bool
-    max_new_tokens: int
-    seed: int
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
-
-    @property
-    def log_prob_temperature(self) -> float:
-        """The temperature of the distribution whose log-probs are returned (1 for greedy requests)."""
-        return 1.0 if self.is_greedy else self.temperature
-
-
-@dataclass
-class TokenOutput:
-    """A finished request: its generated tokens (including the EOS/stop token that ended it), each
-    token's log-prob (see the module docstring), why it ended (``"stop"``, ``"length"`` or ``"abort"``)
-    and the lowest and highest ``weight_version`` its tokens were sampled under."""
-
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-    weight_versions: tuple[int, int]
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request in flight: what was asked, its own random stream, and what it has generated so far."""
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: RequestSampling
-    future: Future
-    generator: torch.Generator
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    weight_versions: tuple[int, int] | None = None
-
-    @property
-    def cached_length(self) -> int:
-        """Tokens of this request in the KV cache: the prompt but its last token, then every token fed
-        back since (the newest token is fed at the next step)."""
-        return len(self.prompt_ids) - 1 + len(self.token_ids)
-
-    @property
-    def next_input(self) -> int:
-        """The token the next decode forward feeds for this request."""
-        return self.token_ids[-1] if self.token_ids else self.prompt_ids[-1]
-
-    def record(self, token: int, log_prob: float, weight_version: int) -> None:
-        self.token_ids.append(token)
-        self.log_probs.append(log_prob)
-        low, high = self.weight_versions or (weight_version, weight_version)
-        self.weight_versions = (min(low, weight_version), max(high, weight_version))
-
-    def finish_reason(self, eos_token_id: int | None) -> str | None:
-        """``"stop"`` or ``"length"`` when the newest token ends the request, else None."""
-        last = self.token_ids[-1]
-        if (last == eos_token_id and not self.sampling.ignore_eos) or last in self.sampling.stop_token_ids:
-            return "stop"
-        return "length" if len(self.token_ids) >= self.sampling.max_new_tokens else None
-
-    def output(self, finish_reason: str, weight_version: int) -> TokenOutput:
-        """What the request has so far (``weight_version`` stands in when no token was sampled yet)."""
-        return TokenOutput(
-            list(self.token_ids),
-            list(self.log_probs),
-            finish_reason,
-            self.weight_versions or (weight_version, weight_version),
-        )
-
-
-def _settle(future: Future, result: TokenOutput | None = None, error: BaseException | None = None) -> None:
-    """Resolve ``future`` unless it already is (a caller may have cancelled it)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def left_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, width]`` attention mask whose row ``i`` has ones in its last ``lengths[i]`` columns."""
     columns = torch.arange(width, device=lengths.device)
     return (columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
-
-
-def sample_next_tokens(
-    logits: torch.Tensor,
-    *,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` ``[rows, vocab]`` and its log-prob under ``softmax(logits / T)``.
-
-    Per row: greedy rows take the argmax (their ``temperatures`` entry must be 1, the log-prob
-    convention); the others scale by their temperature, keep their ``top_ks`` most likely tokens
-    (``<= 0``: all), then the smallest head of those whose mass reaches their ``top_ps`` (``1``: all),
-    and pick the token where that distribution's CDF crosses their ``uniforms`` draw (in ``[0, 1)``), so
-    a row's token depends on nothing but its own logits and draw.
-    """
-    scaled = logits / temperatures.unsqueeze(1)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        vocab = logits.shape[-1]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        keep = ranks < torch.where(top_ks > 0, top_ks, vocab).unsqueeze(1)
-        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep &= (mass_before < top_ps.unsqueeze(1)) | (top_ps >= 1).unsqueeze(1)
-        cdf = probs.masked_fill(~keep, 0.0).cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
-        tokens = torch.where(greedy, tokens, order.gather(-1, picked).squeeze(1))
-    log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, log_probs
 
 
 def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -245,8 +107,8 @@ class ContinuousBatchingEngine:
 
         self._condition = threading.Condition()
         # guarded by _condition
-        self._requests: dict[str, _Request] = {}
-        self._waiting: deque[_Request] = deque()
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
         self._stepping = False
         self._pause_depth = 0
         self._stop_requested = False
@@ -259,7 +121,7 @@ class ContinuousBatchingEngine:
             "failed_steps": 0,
         }
         # owned by the stepping thread (swapped under _condition where other threads read them)
-        self._running: list[_Request] = []
+        self._running: list[Request] = []
         self._cache = None
         self._thread: threading.Thread | None = None
 
@@ -283,7 +145,7 @@ class ContinuousBatchingEngine:
                 if request_id in self._requests:
                     problem = f"request {request_id!r} is already in flight"
                 else:
-                    request = _Request(
+                    request = Request(
                         request_id, prompt_ids, sampling, future, torch.Generator().manual_seed(sampling.seed)
                     )
                     self._requests[request_id] = request
@@ -317,7 +179,7 @@ class ContinuousBatchingEngine:
             if request in self._waiting:
                 self._waiting.remove(request)
             output = request.output("abort", self.weight_version)
-        _settle(request.future, output)
+        settle(request.future, output)
 
     def abort_all(self) -> int:
         """:meth:`abort` every request in flight; returns how many there were."""
@@ -327,7 +189,7 @@ class ContinuousBatchingEngine:
             self._waiting.clear()
             outputs = [request.output("abort", self.weight_version) for request in requests]
         for request, output in zip(requests, outputs):
-            _settle(request.future, output)
+            settle(request.future, output)
         return len(requests)
 
     @contextmanager
@@ -418,7 +280,7 @@ class ContinuousBatchingEngine:
                 self._condition.notify_all()
         return len(self._running)
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Request]:
         """Waiting requests for the free slots, in arrival order (called under the lock)."""
         joining = []
         while self._waiting and len(self._running) + len(joining) < self.max_num_seqs:
@@ -429,7 +291,7 @@ class ContinuousBatchingEngine:
                 joining.append(request)
         return joining
 
-    def _prefill(self, joining: list[_Request]) -> None:
+    def _prefill(self, joining: list[Request]) -> None:
         """Run the joining prompts (but their last tokens, which the next decode feeds) through the model
         in one left-padded forward, and add their rows to the batch cache."""
         try:
@@ -517,7 +379,7 @@ class ContinuousBatchingEngine:
             self._counters["running_rows_summed"] += len(running)
             self._counters["tokens_generated"] += len(tokens)
         for request, output in finished:
-            _settle(request.future, output)
+            settle(request.future, output)
         if len(survivors) < len(running):
             if survivors:
                 width = max(request.cached_length for request in survivors)
@@ -526,7 +388,7 @@ class ContinuousBatchingEngine:
             with self._condition:
                 self._running, self._cache = survivors, self._cache if survivors else None
 
-    def _fail(self, requests: list[_Request], error: Exception) -> None:
+    def _fail(self, requests: list[Request], error: Exception) -> None:
         """Fail the futures of ``requests`` with ``error`` and forget them."""
         with self._condition:
             self._counters["failed_steps"] += 1
@@ -534,4 +396,4 @@ class ContinuousBatchingEngine:
                 if self._requests.get(request.request_id) is request:
                     del self._requests[request.request_id]
         for request in requests:
-            _settle(request.future, error=error)
+            settle(request.future, error=error)

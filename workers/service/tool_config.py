@@ -4,8 +4,8 @@
 layout, except that a tool is a Python function, ``"pkg.module:fn"`` or ``"tools.py:fn"`` relative to the file,
 with optional ``config`` limits and an OpenAI ``tool_schema``). It validates keys, schemas, limits and function
 paths but never imports a tool's module: tool code runs only in the sandbox processes of
-:class:`ppoflow.workers.tools.ToolRunner`, whose :meth:`~ppoflow.workers.tools.ToolRunner.check` reports functions
-that cannot be imported. The file format: docs/rollout_service.md#tools.
+:class:`~ppoflow.workers.service.tools.ToolRunner`, whose :meth:`~ppoflow.workers.service.tools.ToolRunner.check`
+reports functions that cannot be imported. The file format: docs/rollout_service.md#tools.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def load_tool_config(path: str, key: str = TOOL_CONFIG_KEY) -> list[ToolSpec]:
 
     Every problem becomes one ``(key, message)`` line of a single ``ConfigError``; each message names the
     file and the tool (its index, and its name when it has one). No tool module is imported here (see
-    :meth:`ppoflow.workers.tools.ToolRunner.check` for that); a relative ``.py`` path is resolved against the
+    :meth:`ppoflow.workers.service.tools.ToolRunner.check` for that); a relative ``.py`` path is resolved against the
     config file's folder.
     """
-    # Imported here rather than at the top: every tool process imports this module (ppoflow.workers.tools
+    # Imported here rather than at the top: every tool process imports this module (ppoflow.workers.service.tools
     # needs ToolSpec), and ppoflow.configs takes seconds and hundreds of MB to import, which every process
     # start (and restart) would pay.
     from ppoflow.configs import ConfigError

@@ -14,9 +14,9 @@ from tensordict import TensorDict
 
 from ppoflow.algorithms.kl import kl_penalty
 from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.configs.modes import needs_of
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.storage.batch import StageResult
-from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.models import (
     load_causal_lm,
     load_tokenizer,
@@ -24,8 +24,9 @@ from ppoflow.workers.models import (
     set_up_worker_process,
     with_gradient_checkpointing,
 )
-from ppoflow.workers.rollout import SamplingParams, sample_responses
-from ppoflow.workers.training import Learner, micro_batches, pad_responses, response_logits, weights_digest
+from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
+from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
+from ppoflow.workers.training.learner import Learner, micro_batches, pad_responses, response_logits, weights_digest
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
@@ -109,8 +110,9 @@ class ActorWorker(PolicyModel):
             parallel=self.parallel,
             nonfinite=cfg.trainer.nonfinite,
         )
-        # A mode other than sync may sample with weights older than the actor's: keep what was last pushed.
-        self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=cfg.trainer.mode != "sync")
+        # A mode that is not on-policy may sample with weights older than the actor's: keep what was last pushed.
+        on_policy = needs_of(cfg.trainer.mode).on_policy
+        self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=not on_policy)
         self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
 

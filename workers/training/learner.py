@@ -15,7 +15,7 @@ from ppoflow.algorithms.finite import NonFiniteError, describe_values, nonfinite
 from ppoflow.configs.schema import OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
-from ppoflow.workers.data_parallel import DataParallel, unique_state_names
+from ppoflow.workers.training.data_parallel import DataParallel, unique_state_names
 
 logger = logging.getLogger(__name__)
 

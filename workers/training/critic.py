@@ -10,9 +10,9 @@ from tensordict import TensorDict
 from ppoflow.algorithms.losses import compute_value_loss
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.models import load_value_model, set_up_worker_process, with_gradient_checkpointing
-from ppoflow.workers.training import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
+from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
+from ppoflow.workers.training.learner import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
 
 
 class CriticWorker:

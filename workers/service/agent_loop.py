@@ -1,10 +1,10 @@
 """Agent loops: how one trajectory is produced from one prompt, turn by turn (verl's AgentLoop).
 
 A loop is an object with ``async run(sampling, **row) -> AgentLoopOutput``: it asks the rollout service for tokens
-(:class:`LLMClient`, one session's turns on one replica) and for tools (:class:`ppoflow.workers.tools.ToolRunner`),
-and returns token ids with a response mask (1 on sampled tokens, 0 on tool answers). Loops are registered with
-:func:`register` (built in: ``single_turn_agent``, ``tool_agent``) or declared in YAML; many run on one asyncio
-event loop. :func:`outputs_to_batch` pads the outputs into the rollout part of the step batch, with ``turn_ids``,
+(:class:`LLMClient`, one session's turns on one replica) and for tools (:class:`~.tools.ToolRunner`), and returns
+token ids with a response mask (1 on sampled tokens, 0 on tool answers). Loops are registered with :func:`register`
+(built in: ``single_turn_agent``, ``tool_agent``) or declared in YAML; many run on one asyncio event loop.
+:func:`outputs_to_batch` pads the outputs into the rollout part of the step batch, with ``turn_ids``,
 ``num_turns`` and ``tool_calls``. Details: docs/rollout_service.md#agent-loops.
 """
 
@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs import ConfigError
-from ppoflow.workers.rollout import SamplingParams
-from ppoflow.workers.serving import RequestSampling, TokenOutput
+from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.service.requests import RequestSampling, TokenOutput
 
 AGENT_LOOPS: dict[str, type[AgentLoop]] = {}
 """Registered agent loops by name."""

@@ -1,12 +1,10 @@
-"""The rollout worker: holds a copy of the policy and samples responses with transformers' ``generate``.
-
-It lives in a long-lived Ray actor (see :mod:`workers.group`); :func:`sample_responses` is the sampling
-itself, which the colocated actor (``actor_rollout_ref.hybrid_engine``) runs on its own model. Each
-call returns the rollout part of the step batch (see :mod:`storage.batch`): response tokens, the
-response mask (up to and including the first EOS), the log-probability of every sampled token under
-the sampling distribution ``softmax(logits / temperature)`` (verl's convention: top-k/top-p truncation
-is not folded in, so the actor recomputes exactly the same quantity), and the weight version that
-produced it.
+"""Sampling responses with transformers' ``generate``: the sampling settings of a step, its seeds, and
+:func:`sample_responses`, which the rollout worker (:mod:`ppoflow.workers.rollout.hf_worker`) and the colocated
+actor (``actor_rollout_ref.hybrid_engine``) run on their models. Each call returns the rollout part of the step
+batch (see :mod:`ppoflow.storage.batch`): response tokens, the response mask (up to and including the first EOS),
+the log-probability of every sampled token under the sampling distribution ``softmax(logits / temperature)``
+(verl's convention: top-k/top-p truncation is not folded in, so the actor recomputes exactly the same quantity),
+and the weight version that produced it.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
-from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
 @dataclass(frozen=True)
@@ -168,36 +164,3 @@ def sample_responses(
         }
     )
     return repeated
-
-
-class HFRolloutWorker:
-    """Sampling with a transformers causal LM (CPU or GPU)."""
-
-    def __init__(self, cfg: PPOConfig):
-        self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
-        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
-        self.weight_version = 0
-        self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
-        self.receiver = WeightReceiver()
-
-    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
-        """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
-        return sample_responses(
-            self.model,
-            self.tokenizer,
-            prompts,
-            step=step,
-            sampling=sampling,
-            weight_version=self.weight_version,
-            device=self.device,
-        )
-
-    def apply_weights(self, update: WeightUpdate) -> int:
-        """Take the actor's weights (see :mod:`workers.weight_sync`); returns the version now served."""
-        self.weight_version = self.receiver.apply(self.model, update, self.device)
-        return self.weight_version
-
-    def join_weight_group(self, group: str) -> None:
-        join_group(self.backend, group, rank=1)
-        self.receiver.group = group

@@ -3,7 +3,7 @@ is reported as such, and one that hangs is killed at its deadline; neither ends 
 
 A :class:`ScorerProcess` is called like the scorer it runs and scores exactly as in-process scoring would (the child
 converts with :func:`~ppoflow.algorithms.scoring.as_score`; floats return as JSON). The child is a sandbox process of
-:mod:`ppoflow.workers.tools`, kept between calls and replaced after it died or passed
+:mod:`ppoflow.workers.service.tools`, kept between calls and replaced after it died or passed
 ``custom_reward_function.timeout_s`` (:class:`ScorerTimedOut`, or ``timeout_score``). It pickles as its settings, so
 Ray reward chunks can take it. Built-in scorers stay in the trainer.
 Details: docs/reliability.md#a-custom-scorer-has-a-deadline.
@@ -30,7 +30,7 @@ from ppoflow.algorithms.scoring import (
     scorer_function,
 )
 from ppoflow.storage import bounded
-from ppoflow.workers.tools import (
+from ppoflow.workers.service.sandbox import (
     ProcessEnded,
     Sandbox,
     SandboxFailed,

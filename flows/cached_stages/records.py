@@ -1,11 +1,11 @@
 """The step cache as Prefect task-result caching: what Prefect stores, reads and deserializes.
 
 A cached stage task's cache key is the entry's marker path relative to ``dump_dir``, its result storage
-``dump_dir`` itself (:class:`StepCacheStorage`); the record Prefect persists is a :class:`StageRecord` serialized by
-:class:`ManifestSerializer` as the entry's marker only. Prefect's metadata for an entry is derived from the marker
-(:class:`DerivedRecords`), never stored, so nothing in a shared cache can choose a serializer. Reading a replay's
-record back is loading the entry (:class:`EntryCheck`); a failing entry raises :class:`CacheEntryRejected`, so its
-task run ends ``Failed``. Details: docs/step_cache.md (Prefect caching, Security).
+``dump_dir`` itself (:class:`StepCacheStorage`); the record Prefect persists is a
+:class:`~ppoflow.storage.step_cache.entry_check.StageRecord` serialized by :class:`ManifestSerializer` as the entry's
+marker only. Prefect's metadata for an entry is derived from the marker (:class:`DerivedRecords`), never stored, so
+nothing in a shared cache can choose a serializer. Reading a replay's record back is loading the entry
+(:class:`~ppoflow.storage.step_cache.entry_check.EntryCheck`). Details: docs/step_cache.md (Prefect caching, Security).
 """
 
 from __future__ import annotations
@@ -13,96 +13,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.filesystems import WritableFileSystem
 from prefect.results import ResultRecordMetadata
 from prefect.serializers import Serializer
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import atomic_write, join, open_fs, write_with_retries
-from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key, recorded_differences
-from ppoflow.storage.step_cache.store import CacheCorrupt, CacheWriteError, StepCache, encode_manifest
+from ppoflow.storage.step_cache.entry_check import EntryCheck, StageRecord, describe
+from ppoflow.storage.step_cache.manifest import decode_manifest, parse_marker_key
+from ppoflow.storage.step_cache.store import CacheWriteError, StepCache, encode_manifest
 
 logger = logging.getLogger(__name__)
-
-
-class CacheEntryRejected(Exception):
-    """A planned replay refused its entry: damaged, or made from another input or in another way. Raised in
-    the replay's task run, which then ends ``Failed``; ``reason`` says why."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def rejection(reason: str) -> CacheEntryRejected:
-    """:class:`CacheEntryRejected` for ``reason``, logged first as a warning (on the current task run)."""
-    logger.warning("%s; recomputing", reason)
-    return CacheEntryRejected(reason)
-
-
-@dataclass
-class StageRecord(StageResult):
-    """A stage's result as the step cache persists it: after a dumping run ``fields`` holds the tensors
-    and ``manifest`` the committed entry's marker; a replayed record holds the loaded tensors too (a
-    record read without an :class:`EntryCheck` has ``fields=None``). ``manifest`` is None when the dump
-    failed."""
-
-    manifest: dict | None = None
-
-
-class EntryCheck(BaseModel):
-    """What one replay's entry must pass before Prefect calls its task run ``Cached``, and where to load it.
-
-    ``requires`` must be recorded exactly (the input a stage was computed from), ``identity`` too (how a
-    rollout was sampled) unless ``allow_mismatch``; a payload recording more than ``max_bytes`` is refused
-    before it is read. Plain JSON values, built by this code for each call: nothing read from the cache
-    configures the check."""
-
-    root: str
-    stage: str
-    step: int
-    settings: dict = Field(default_factory=dict)
-    requires: dict = Field(default_factory=dict)
-    identity: dict = Field(default_factory=dict)
-    allow_mismatch: bool = False
-    max_bytes: int | None = None
-
-    def load(self, marker: bytes) -> StageRecord:
-        """The entry whose marker is ``marker``: its payload read once and verified, and matched against
-        this run; :class:`CacheEntryRejected` (logged) for anything that fails."""
-        entry = f"cached {self.stage} of step {self.step}"
-        entries = StepCache(self.root, stage=self.stage, storage_options=self.settings)
-        try:
-            fields, manifest = entries.load(self.step, max_bytes=self.max_bytes, manifest=decode_manifest(marker))
-        except (CacheCorrupt, ValueError) as error:
-            raise rejection(f"{entry} is damaged ({error})") from None
-        wrong_input = recorded_differences(self.requires, manifest)
-        other_identity = recorded_differences(self.identity, manifest)
-        if wrong_input or other_identity:
-            differences = f"{entry} does not match this run ({'; '.join(wrong_input + other_identity)})"
-            if wrong_input or not self.allow_mismatch:
-                raise rejection(differences)
-            logger.warning("%s; replaying it anyway (skip.%s.allow_mismatch)", differences, self.stage)
-        describe(manifest)
-        return StageRecord(fields=fields, metrics=manifest.get("metrics", {}), manifest=manifest)
-
-
-def describe(manifest: dict) -> None:
-    """Log what an entry holds (on the task run that replays it)."""
-    versions = manifest.get("weight_version")
-    logger.info(
-        "cached %s of step %d: %d trajectories, written %s%s",
-        manifest["stage"],
-        manifest["global_steps"],
-        manifest["num_trajectories"],
-        manifest["created_at"],
-        f", sampled with weight versions {versions['min']}-{versions['max']}" if versions else "",
-    )
 
 
 class ManifestSerializer(Serializer):

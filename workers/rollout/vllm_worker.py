@@ -1,6 +1,6 @@
-"""The vLLM rollout engine: the same contract as :class:`workers.rollout.HFRolloutWorker`, on GPUs.
+"""The vLLM rollout engine: the same contract as :class:`ppoflow.workers.rollout.hf_worker.HFRolloutWorker`, on GPUs.
 
-``actor_rollout_ref.rollout.name=vllm`` selects :class:`VLLMRolloutWorker` in :mod:`workers.group`; it serves
+``actor_rollout_ref.rollout.name=vllm`` selects :class:`VLLMRolloutWorker` in :mod:`ppoflow.workers.launcher`; it serves
 ``generate``, ``apply_weights`` and ``join_weight_group`` like the transformers engine, so nothing else can tell
 them apart. vLLM is an optional extra (``ppoflow[vllm]``) imported only when an engine is built, so this module
 imports on a CPU machine; the config loader rejects ``rollout.name=vllm`` there
@@ -20,13 +20,13 @@ from tensordict import TensorDict
 from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
-from ppoflow.workers.rollout import SamplingParams, step_seed
+from ppoflow.workers.rollout.sampling import SamplingParams, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's log-probs after temperature scaling (see the module docstring for the exact quantity)."""
 
-WORKER_EXTENSION = "ppoflow.workers.vllm_rollout.VLLMWeightLoader"
+WORKER_EXTENSION = "ppoflow.workers.rollout.vllm_worker.VLLMWeightLoader"
 """Qualified name of the class vLLM mixes into its GPU workers (``worker_extension_cls``)."""
 
 SEED_SPACE = 2**62

@@ -1,0 +1,337 @@
+"""Load a run configuration: defaults, a preset or YAML file, ``key=value`` overrides, validation.
+
+``load_config("grpo_tiny", ["actor_rollout_ref.rollout.n=4"])`` merges ``ppo_trainer.yaml`` (the full
+default), the preset (a name in this folder or a path to any YAML file) and Hydra-style dotlist
+overrides with OmegaConf, resolves ``${...}`` interpolations, drops a preset's model or data recipe whose
+path an override replaced (:data:`RECIPES`), and validates the result against :mod:`configs.schema` and
+:mod:`configs.rules`. Every problem - unknown keys, bad values, the rules' - is collected into one
+:class:`ConfigError` whose lines name the offending key and value; an unknown key of verl's gets its answer
+by meaning (:mod:`configs.verl_keys`), a typo the closest known key.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import ValidationError
+
+from ppoflow.configs.modes import DEFAULT_MODE
+from ppoflow.configs.problems import UNION_TAG, ConfigError, validation_problems
+from ppoflow.configs.rules import cross_field_errors
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.storage.fs import normalize_url, path_problem
+
+CONFIG_DIR = Path(__file__).resolve().parent
+DEFAULTS_NAME = "ppo_trainer"
+DEMO_NAME = "grpo_tiny"
+
+
+def tool_config_file(path: str) -> str:
+    """``actor_rollout_ref.rollout.multi_turn.tool_config_path`` as a file to read: a bare name that is not
+    a file here names one shipped in ``configs/tools/`` (``vault.yaml``), so a preset works from any
+    directory; anything else is used as given."""
+    shipped = CONFIG_DIR / "tools" / path
+    if "/" not in path and not Path(path).exists() and shipped.is_file():
+        return str(shipped)
+    return path
+
+
+def preset_names() -> list[str]:
+    """Names of the YAML presets shipped in ``configs/``."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPOConfig:
+    """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides.
+
+    Every problem comes in one :class:`ConfigError`: unknown keys and bad values from the schema, and the
+    cross-field rules' problems too, checked on a stand-in config when the schema fails (:func:`_stand_in`).
+    """
+    defaults = read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
+    preset = read_yaml(_preset_path(config or DEMO_NAME))
+    given = _parse_overrides(overrides)
+    merged = OmegaConf.merge(defaults, preset, given)
+    # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
+    # with "cannot resolve" and hide which key the user has to set.
+    problems = [
+        (key, f"is required; set it with {key}=...")
+        for key in _missing_keys(OmegaConf.to_container(merged, resolve=False))
+    ]
+    if problems:
+        raise ConfigError(problems)
+    try:
+        container = OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as error:
+        raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
+    skip_defaults = OmegaConf.to_container(defaults.skip.rollout)
+    problems = _normalize(container, skip_defaults)
+    _drop_recipes_of_replaced_paths(container, given, [word.partition("=")[0] for word in overrides])
+    try:
+        cfg = PPOConfig.model_validate(container)
+    except ValidationError as error:
+        problems += validation_problems(error)
+        fallbacks = [_fallback(OmegaConf.merge(defaults, preset), skip_defaults), _fallback(defaults, skip_defaults)]
+        cfg = _stand_in(container, error, [fallback for fallback in fallbacks if fallback is not None])
+    if cfg is not None:
+        problems += [problem for problem in cross_field_errors(cfg) if not _names_a_reported_key(problem, problems)]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
+    """What every resolved config gets before validation: each cache's defaults, one trainer mode, absolute
+    paths; returns the problems found on the way."""
+    _fill_skip_defaults(container, skip_defaults)
+    return _unify_trainer_mode(container) + _make_paths_absolute(container)
+
+
+def _fallback(merged: DictConfig, skip_defaults: dict) -> dict | None:
+    """``merged`` (the defaults, perhaps with the preset) resolved and normalized as a config is, with null for
+    its ``???`` keys: where a refused key takes its value from. None when it does not resolve (a broken preset)."""
+    merged = copy.deepcopy(merged)
+    for key in _missing_keys(OmegaConf.to_container(merged, resolve=False)):
+        OmegaConf.update(merged, key, None)
+    try:
+        container = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException:
+        return None
+    _normalize(container, skip_defaults)
+    return container
+
+
+def _stand_in(container: dict, error: ValidationError, fallbacks: list[dict]) -> PPOConfig | None:
+    """A valid config for the cross-field rules when the schema refused ``container``: every key it refused
+    takes its value from the first fallback (the preset, then the defaults), or is dropped where the fallback
+    has none (an unknown key, or one whose field default applies). None when no valid config comes of it."""
+    stand_in = copy.deepcopy(container)
+    for fallback in fallbacks:
+        for issue in error.errors():
+            _take_from(stand_in, fallback, _config_path(issue["loc"]))
+        try:
+            return PPOConfig.model_validate(stand_in)
+        except ValidationError as still:
+            error = still
+    return None
+
+
+def _config_path(loc: tuple) -> list[str]:
+    """The config key a pydantic error location points into: its leading names, without list indexes,
+    union-member tags or a mapping's ``[key]`` marker (``skip.rollout.steps.1`` -> skip, rollout, steps)."""
+    path = []
+    for part in loc:
+        if not isinstance(part, str) or part == "[key]" or UNION_TAG.fullmatch(part):
+            break
+        path.append(part)
+    return path
+
+
+def _take_from(container: dict, fallback: dict, path: list[str]) -> None:
+    """Set ``path`` in ``container`` to its value in ``fallback``, or delete it where ``fallback`` has none."""
+    if not path:
+        return
+    node, source = container, fallback
+    for name in path[:-1]:
+        node, source = node.get(name), source.get(name) if isinstance(source, dict) else None
+        if not isinstance(node, dict):
+            return
+    if isinstance(source, dict) and path[-1] in source:
+        node[path[-1]] = copy.deepcopy(source[path[-1]])
+    else:
+        node.pop(path[-1], None)
+
+
+def _names_a_reported_key(problem: tuple[str, str], reported: list[tuple[str, str]]) -> bool:
+    """Whether a rule's problem is about a key already reported: the same key, a section holding it or a key
+    in it, or the reported key named in its message (its value there is a stand-in's, not the user's)."""
+    key, message = problem
+    for other, _ in reported:
+        if key == other or key.startswith(f"{other}.") or other.startswith(f"{key}."):
+            return True
+        if re.search(rf"(?<![\w.]){re.escape(other)}(?!\w)", message):
+            return True
+    return False
+
+
+def config_as_dict(cfg: PPOConfig) -> dict:
+    """The validated config as plain JSON-able data (for logs, summaries and fingerprints)."""
+    return cfg.model_dump(mode="json")
+
+
+def _preset_path(config: str) -> Path:
+    if config.endswith((".yaml", ".yml")):
+        path = Path(config).expanduser()
+        problem = path_problem(str(path))  # a FIFO, a symlink loop, a dangling link: not "no such file"
+        if problem is not None:
+            raise ConfigError([("--config", f"{path} {problem}")])
+        if not path.is_file():
+            raise ConfigError([("--config", f"no such file: {path}")])
+        return path
+    path = CONFIG_DIR / f"{config}.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            [
+                (
+                    "--config",
+                    f"unknown preset {config!r}; presets: {', '.join(preset_names())} (or give a path ending in .yaml)",
+                )
+            ]
+        )
+    return path
+
+
+def read_yaml(path: Path) -> DictConfig:
+    try:
+        text = path.read_text()
+        # OmegaConf.load takes a top-level string for more YAML ("words" -> {"words": None}): look first
+        top = yaml.safe_load(text)
+        if top is None or isinstance(top, dict):
+            return OmegaConf.create(text)
+    except Exception as error:  # yaml and OmegaConf raise many types; name the file
+        raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
+    raise ConfigError(
+        [
+            (
+                str(path),
+                "a config file holds a mapping of sections (data:, trainer:, ...) at its top "
+                f"level, not a {type(top).__name__}",
+            )
+        ]
+    )
+
+
+_YAML_11_BOOLEANS = {"yes", "no", "on", "off", "y", "n"}
+
+
+def _parse_overrides(overrides: Sequence[str]):
+    """Parse ``key=value`` words one by one, so that an error names the word that caused it.
+
+    Values are YAML (``[1,2,3]``, ``null``, ``1e-3``), except that YAML 1.1's ``yes``/``no``/``on``/``off``
+    stay strings: the strict schema then rejects them for a bool key instead of guessing.
+    """
+    parsed = []
+    for word in overrides:
+        key, separator, value = word.partition("=")
+        if not separator or not key:
+            raise ConfigError([(word, "an override must look like key=value (lists as key=[1,2,3])")])
+        if value.strip().lower() in _YAML_11_BOOLEANS:
+            word = f"{key}='{value}'"
+        try:
+            parsed.append(OmegaConf.from_dotlist([word]))
+        except Exception as error:
+            raise ConfigError([(key, f"cannot parse override {word!r}: {error}")]) from None
+    return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
+
+
+RECIPES = {
+    "actor_rollout_ref.model.path": "actor_rollout_ref.model.build",
+    "critic.model.path": "critic.model.build",
+    "data.train_files": "data.synthetic",
+    "data.val_files": "data.synthetic",
+}
+"""Path keys and the recipe section that writes what they name when it is missing (a tiny model, synthetic
+data). A recipe belongs to the paths it was written for: see :func:`_drop_recipes_of_replaced_paths`."""
+
+
+def _drop_recipes_of_replaced_paths(container: dict, given, override_keys: Sequence[str]) -> None:
+    """Null a preset's recipe when an override points its path elsewhere and overrides none of its keys.
+
+    Without this, a typo in a real model path (or data file) silently trained a freshly built random
+    model (or freshly generated synthetic data). An override of a recipe key (``...model.build.seed=1``,
+    ``data.synthetic.train_rows=64``) asks for building or generating explicitly; a path overridden to
+    null names nothing to build.
+    """
+    for path_key, recipe_key in RECIPES.items():
+        if path_key not in override_keys or OmegaConf.select(given, path_key) is None:
+            continue
+        if any(key == recipe_key or key.startswith(f"{recipe_key}.") for key in override_keys):
+            continue
+        section, leaf = _parent(container, recipe_key)
+        if section is not None:
+            section[leaf] = None
+
+
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+)
+"""Keys holding local paths or URLs; relative local paths are resolved against the caller's working
+directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
+
+
+def _make_paths_absolute(container: dict) -> list[tuple[str, str]]:
+    """Resolve the local paths of :data:`PATH_KEYS`; returns a problem for each value that is no path at all."""
+    keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
+    problems = []
+    for key in keys:
+        node, leaf = _parent(container, key)
+        if node is None or node.get(leaf) is None:
+            continue
+        value = node[leaf]
+        try:
+            if isinstance(value, str):
+                node[leaf] = normalize_url(value)
+            elif isinstance(value, list):
+                node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+        except ValueError as error:  # os.path refuses a NUL byte
+            problems.append((key, f"is not a path: {error} (got {value!r})"))
+    return problems
+
+
+def _parent(container: dict, key: str) -> tuple[dict | None, str]:
+    """The mapping holding dotted ``key`` in ``container`` (None when a section on the way is not one), and
+    the key's last part."""
+    *parents, leaf = key.split(".")
+    node = container
+    for parent in parents:
+        node = node.get(parent) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
+def _unify_trainer_mode(container: dict) -> list[tuple[str, str]]:
+    """``trainer.mode`` and verl's ``trainer.v1.trainer_mode`` are one setting: whichever is given sets both
+    (neither: :data:`~ppoflow.configs.modes.DEFAULT_MODE`); both given and different is a problem naming both
+    (``trainer.mode`` then wins)."""
+    trainer = container.get("trainer")
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("v1"), dict):
+        return []  # the schema reports the malformed section
+    mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
+    problems = []
+    if mode is not None and v1_mode is not None and mode != v1_mode:
+        problems.append(
+            (
+                "trainer.v1.trainer_mode",
+                f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are one setting; set one of them",
+            )
+        )
+    trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or DEFAULT_MODE
+    return problems
+
+
+def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
+    """Give every ``skip.<stage>`` section the defaults of ``skip.rollout`` in ``ppo_trainer.yaml``
+    (verl's role defaults, the same for every stage) for the keys it does not set."""
+    skip = container.get("skip")
+    if isinstance(skip, dict):
+        for stage, section in skip.items():
+            if isinstance(section, dict):
+                skip[stage] = {**stage_defaults, **section}
+
+
+def _missing_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys still holding OmegaConf's ``???`` placeholder."""
+    if isinstance(node, dict):
+        return [key for name, value in node.items() for key in _missing_keys(value, f"{prefix}{name}.")]
+    return [prefix[:-1]] if node == "???" else []

@@ -1,0 +1,82 @@
+"""Rewards and the algorithm: the custom scorer and where scoring runs, the KL controller, rollout
+correction, the advantage estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, IS_LEVELS, KL_PENALTY_KINDS
+from ppoflow.configs.schema_base import Section
+
+
+class CustomRewardConfig(Section):
+    path: str | None = Field(
+        description="`module:function`, `module`, or a .py file; null = built-in scorers by data_source."
+    )
+    name: str = Field(description="Function name when `path` names a module or file.")
+    timeout_s: float = Field(
+        gt=0,
+        description="How long one call of the custom scorer may take; a stall is reported "
+        "while it lasts, and a call past this is handled by `on_timeout`.",
+    )
+    on_timeout: Literal["fail", "score"] = Field(
+        description="A scorer call past `timeout_s`: fail the step (naming the sample), or give the response "
+        "`timeout_score` and go on (counted in reward/scorer_timeouts)."
+    )
+    timeout_score: float = Field(description="The score of a response whose scorer timed out (on_timeout=score).")
+
+
+class RewardModelConfig(Section):
+    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``)."""
+
+    reward_manager: Literal["naive", "ray"] = Field(
+        description="naive: score in the flow; ray: score chunks as Prefect tasks on Ray workers (prefect-ray), "
+        "for slow scorers (sandboxed code, remote judges). ray needs PREFECT_API_URL."
+    )
+    num_workers: int = Field(ge=1, description="reward_manager=ray: chunks scored at once.")
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = Field(description="In-reward KL coefficient controller.")
+    kl_coef: float = Field(ge=0, description="(Initial) KL coefficient.")
+    horizon: int = Field(gt=0, description="Adaptive controller horizon.")
+    target_kl: float = Field(gt=0, description="Adaptive controller target KL.")
+
+
+class RolloutCorrectionConfig(Section):
+    """verl's off-policy correction between the rollout's sampling log-probs and the trainer's."""
+
+    bypass_mode: bool = Field(
+        description="Use the rollout's log-probs as old log-probs and skip the old_log_prob stage."
+    )
+    rollout_is: Literal[IS_LEVELS] | None = Field(  # type: ignore[valid-type]
+        description="Importance-sampling weights old/rollout per token or per sequence; null = none."
+    )
+    rollout_is_threshold: float | str = Field(
+        description='Truncate IS weights at this value, or "lo_hi" (e.g. "0.5_2.0") to zero weights outside '
+        "[lo, hi] (IcePop)."
+    )
+    rollout_is_batch_normalize: bool = Field(description="Normalise IS weights to mean 1 over the batch.")
+    rollout_rs: str | None = Field(
+        description="Rejection sampling: comma list of token_k1|k2|k3, seq_sum_*, seq_mean_*, seq_max_k2|k3; "
+        "null = none."
+    )
+    rollout_rs_threshold: float | str | list[float | str] | None = Field(
+        description='Bound(s) for rollout_rs: one per option or one for all (k1 options take "lo_hi").'
+    )
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal[ADVANTAGE_ESTIMATORS] = Field(description="Advantage estimator (gae needs a critic).")  # type: ignore[valid-type]
+    gamma: float = Field(ge=0, le=1, description="Discount factor.")
+    lam: float = Field(ge=0, le=1, description="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = Field(description="Divide GRPO advantages by the group std (false = Dr.GRPO).")
+    use_kl_in_reward: bool = Field(
+        description="Subtract a KL-to-reference penalty from the token rewards (needs the ref worker)."
+    )
+    kl_penalty: Literal[KL_PENALTY_KINDS] = Field(description="KL estimator of the in-reward penalty.")  # type: ignore[valid-type]
+    kl_ctrl: KLControlConfig
+    rollout_correction: RolloutCorrectionConfig

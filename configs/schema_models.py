@@ -1,0 +1,157 @@
+"""The models and the training roles (``actor_rollout_ref.model``, ``.actor``, ``.ref``, ``critic``): how each
+is loaded, sharded over its ranks and trained.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from ppoflow.algorithms.names import KL_PENALTY_KINDS, LOSS_AGG_MODES
+from ppoflow.configs.schema_base import ResourcesConfig, Section, Seed
+
+
+class TinyModelConfig(Section):
+    """A random-init Llama with a character tokenizer, built into `model.path` when it holds no model
+    (see ``ModelConfig.build`` for when a preset's recipe applies)."""
+
+    hidden_size: int = Field(128, ge=8, description="Llama hidden size.")
+    intermediate_size: int = Field(256, ge=8, description="Llama MLP size.")
+    num_hidden_layers: int = Field(2, ge=1, description="Llama layers.")
+    num_attention_heads: int = Field(
+        4, ge=1, description="Attention heads (must divide hidden_size into an even head size)."
+    )
+    max_position_embeddings: int = Field(64, ge=8, description="Longest prompt + response the model accepts.")
+    seed: Seed = Field(0, description="Seed of the random initialisation.")
+
+    @field_validator("num_attention_heads")
+    @classmethod
+    def _heads_divide_hidden_size(cls, heads: int, info: ValidationInfo) -> int:
+        """Each head takes ``hidden_size / heads`` dimensions, an even number as rotary position embeddings turn
+        them in pairs; transformers would fail only when building, or at the first forward pass."""
+        hidden = info.data.get("hidden_size")  # absent when hidden_size itself was invalid
+        if hidden is not None and hidden % heads:
+            raise PydanticCustomError(
+                "heads_divide_hidden_size", "must divide hidden_size={hidden_size}", {"hidden_size": hidden}
+            )
+        if hidden is not None and (hidden // heads) % 2:
+            raise PydanticCustomError(
+                "head_size_odd",
+                "gives an odd head size hidden_size / num_attention_heads = "
+                "{head_size}; rotary embeddings need an even one",
+                {"head_size": hidden // heads},
+            )
+        return heads
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Hugging Face causal-LM directory (local path or fsspec URL).")
+    tokenizer_path: str | None = Field(description="Tokenizer directory; null = `path`.")
+    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+    enable_gradient_checkpointing: bool = Field(
+        description="Recompute each decoder layer's activations in the backward pass of the role's updates instead "
+        "of keeping them (actor, critic): activation memory of about one layer instead of all, for about one more "
+        "forward pass. No effect on roles that do not train (ref, rollout)."
+    )
+    build: TinyModelConfig | None = Field(
+        description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "
+        "the console. A recipe belongs to the path it was written for: a `key=value` override of this "
+        "model's `path` drops the preset's recipe unless a `build.*` key of the same model is overridden "
+        "too (e.g. `build.seed=0`), so a path without a model is an error, never a fresh random model."
+    )
+
+
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+"""An AdamW moving-average coefficient: torch accepts [0, 1)."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(gt=0, description="AdamW learning rate.")
+    betas: list[AdamBeta] = Field(min_length=2, max_length=2, description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(ge=0, description="AdamW weight decay.")
+    lr_warmup_steps: int = Field(ge=0, description="Linear warm-up of the learning rate over this many updates.")
+
+
+class MixedPrecisionConfig(Section):
+    """FSDP2's ``MixedPrecisionPolicy``: the dtype the sharded model computes in and reduces gradients in."""
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        description="Dtype the gathered parameters compute in (the sharded master copy keeps model.dtype); null = "
+        "compute in the model's dtype, no mixed precision."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(description="Dtype of the gradient reduction over the ranks.")
+
+
+class FSDPConfig(Section):
+    """How FSDP2 (``fully_shard``) shards a role's model over its ranks (verl's ``fsdp_config`` keys)."""
+
+    offload_policy: bool = Field(
+        description="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in CPU "
+        "memory between uses (GPUs only)."
+    )
+    reshard_after_forward: bool = Field(
+        description="Free the gathered parameters after forward (gathered again for "
+        "backward): less memory, one more all-gather."
+    )
+    mixed_precision: MixedPrecisionConfig
+
+
+class TrainingEngineConfig(Section):
+    """What every training role (actor, ref, critic) shares: the engine that runs its model over its ranks
+    (``PPOConfig.data_parallel_size`` of them)."""
+
+    strategy: Literal["fsdp2"] = Field(
+        description="Training engine (verl's key): FSDP2 `fully_shard` over the role's "
+        "ranks; with one rank the model trains unsharded."
+    )
+    fsdp_config: FSDPConfig
+
+
+class PPOUpdateConfig(TrainingEngineConfig):
+    """What the actor and the critic share: how one step's batch is cut up and trained on."""
+
+    ppo_mini_batch_size: int = Field(ge=1, description="Prompts per optimizer step (times rollout.n trajectories).")
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Trajectories per forward/backward; null = whole mini-batch."
+    )
+    ppo_epochs: int = Field(ge=1, description="Passes over the step's batch.")
+    shuffle: bool = Field(description="Shuffle trajectories between mini-batches.")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = Field(description="How per-token losses are reduced.")  # type: ignore[valid-type]
+    grad_clip: float = Field(gt=0, description="Gradient-norm clip.")
+    optim: OptimConfig
+    resources: ResourcesConfig
+
+
+class ActorConfig(PPOUpdateConfig):
+    clip_ratio_low: float = Field(
+        gt=0, lt=1, description="PPO clip: lower bound 1 - clip_ratio_low, a ratio in (0, 1)."
+    )
+    clip_ratio_high: float = Field(
+        gt=0, description="PPO clip: upper bound 1 + clip_ratio_high (DAPO clip-higher when larger)."
+    )
+    clip_ratio_c: float = Field(gt=1, description="Dual-clip constant for negative advantages.")
+    entropy_coeff: float = Field(ge=0, description="Entropy bonus coefficient.")
+    use_kl_loss: bool = Field(description="Add a KL-to-reference loss (needs the ref worker).")
+    kl_loss_coef: float = Field(ge=0, description="Coefficient of the KL loss.")
+    kl_loss_type: Literal[KL_PENALTY_KINDS] = Field(  # type: ignore[valid-type]
+        description="KL estimator of the KL loss (k1/k2/k3 by verl's names; a `+` suffix = k2 gradient)."
+    )
+
+
+class RefConfig(TrainingEngineConfig):
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Trajectories per reference forward; null = all."
+    )
+    resources: ResourcesConfig
+
+
+class CriticConfig(PPOUpdateConfig):
+    enable: bool | None = Field(description="Run a critic; null = only when algorithm.adv_estimator needs one (gae).")
+    model: ModelConfig
+    forward_micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Trajectories per value forward; null = all."
+    )
+    cliprange_value: float = Field(gt=0, description="Value clipping range around the old values.")

@@ -1,0 +1,122 @@
+"""The rollout (``actor_rollout_ref.rollout``): engine, sampling, weight sync, the rollout service's agent
+loops and tools; the ``actor_rollout_ref`` section holding it and the roles; the rollout's own pool.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ppoflow.configs.modes import on_policy_modes
+from ppoflow.configs.schema_base import ResourcesConfig, Section, Seed
+from ppoflow.configs.schema_models import ActorConfig, ModelConfig, RefConfig
+
+
+class ValSamplingConfig(Section):
+    n: int = Field(ge=1, description="Samples per validation prompt.")
+    do_sample: bool = Field(description="Sample (true) or greedy (false) during validation.")
+    temperature: float = Field(ge=0, description="Validation sampling temperature; 0 = greedy.")
+    top_p: float = Field(gt=0, le=1, description="Validation nucleus sampling mass.")
+    top_k: int = Field(ge=-1, description="Validation top-k; -1 or 0 = off.")
+
+
+class WeightSyncConfig(Section):
+    """How the actor's new weights reach the rollout worker (the ``weight_sync`` stage)."""
+
+    backend: Literal["object_store", "nccl", "gloo"] = Field(
+        description="object_store: buckets through Ray's shared-memory store (one node, CPU or GPU); nccl / gloo: "
+        "a Ray collective group broadcasting buckets between the actor and the rollout (GPUs / CPUs)."
+    )
+    bucket_mb: int = Field(ge=1, description="Tensors are packed into flat buckets of at most this many MiB.")
+    delta: bool = Field(description="Send only the tensors that changed since the last sync.")
+
+
+class AgentConfig(Section):
+    """Agent loops of the rollout service (``rollout.mode=async``): how each trajectory is produced."""
+
+    num_workers: int = Field(
+        ge=1,
+        description="Agent-loop workers (asyncio Ray actors, no CPU reserved); each runs "
+        "the loops of its share of the prompts concurrently.",
+    )
+    default_agent_loop: str = Field(
+        min_length=1,
+        description="Loop for rows without an `agent_name` column: single_turn_agent, tool_agent, or a registered one.",
+    )
+    agent_loop_config_path: str | None = Field(
+        description="YAML list of {name, _target_: module.Class} entries registering more agent loops."
+    )
+
+
+class MultiTurnConfig(Section):
+    """Tool use in ``tool_agent`` (verl's ``rollout.multi_turn`` keys)."""
+
+    format: Literal["hermes", "question_mark"] = Field(
+        description="How a model turn calls a tool: hermes (<tool_call>{json}</tool_call>, answers rendered by the "
+        "chat template) or question_mark (a turn ending in `?` calls the first tool with the text before "
+        "it; answers written `=answer>`; for character-level toy models)."
+    )
+    max_assistant_turns: int = Field(ge=1, description="Model turns per trajectory at most.")
+    max_tokens_per_turn: int | None = Field(
+        ge=1,
+        description="Tokens one model turn may generate at most (within "
+        "data.max_response_length for the whole trajectory); "
+        "null = the remaining response budget.",
+    )
+    max_tool_response_length: int = Field(ge=1, description="Tokens of one tool answer kept at most.")
+    tool_config_path: str | None = Field(
+        description="YAML file declaring the tools (OpenAI function schemas and "
+        "the Python callables behind them); null = no tools."
+    )
+    tool_processes: int = Field(ge=1, description="Sandbox processes per agent worker that run tool calls.")
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = Field(
+        description="Generation engine: `hf` (transformers/torch, CPU or GPU) or `vllm` (GPU)."
+    )
+    mode: Literal["sync", "async"] = Field(
+        description="sync: one worker generates each batch in one call (static batching); async: the rollout "
+        "service - num_replicas replicas serving per-request generation with continuous batching, "
+        "called by agent loops per sample and per turn (multi-turn, tools)."
+    )
+    num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")
+    max_num_seqs: int = Field(ge=1, description="rollout.mode=async: sequences a replica decodes at once.")
+    n: int = Field(ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(ge=-1, description="Top-k sampling; -1 or 0 = off.")
+    do_sample: bool = Field(description="false = greedy decoding.")
+    seed: Seed = Field(description="Base seed of the rollout sampler (mixed with the step); vLLM's engine seed.")
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Trajectories per old-log-prob forward; null = all."
+    )
+    gpu_memory_utilization: float = Field(gt=0, le=1, description="vLLM: fraction of GPU memory for the engine.")
+    tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
+    val_kwargs: ValSamplingConfig
+    weight_sync: WeightSyncConfig
+    agent: AgentConfig
+    multi_turn: MultiTurnConfig
+    resources: ResourcesConfig
+
+
+class ActorRolloutRefConfig(Section):
+    hybrid_engine: bool | None = Field(
+        description="Colocate: the actor's worker also generates, with its own model, so there are no weights to "
+        f"sync. null = wherever that works ({on_policy_modes()}, rollout.name=hf, "
+        "weight_sync.backend=object_store, actor and rollout on the same kind of device, one training rank: "
+        "PPOConfig.data_parallel_size = 1, as a sharded actor cannot generate on each rank independently). "
+        "Colocated, the rollout runs on the actor's resources; rollout.resources is unused."
+    )
+    model: ModelConfig
+    actor: ActorConfig
+    ref: RefConfig
+    rollout: RolloutConfig
+
+
+class RolloutPoolConfig(Section):
+    """The rollout's own resource pool (verl's one-step-off ``rollout.*`` keys)."""
+
+    nnodes: int = Field(ge=1, description="Nodes of the rollout pool.")
+    n_gpus_per_node: int = Field(ge=0, description="GPUs per node of the rollout pool; 0 = CPU.")

@@ -1,0 +1,44 @@
+"""The transformers rollout worker (``rollout.name=hf``): holds a copy of the policy in a long-lived Ray actor and
+samples with :func:`~ppoflow.workers.rollout.sampling.sample_responses`; takes the actor's new weights."""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+
+from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
+from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
+from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
+
+
+class HFRolloutWorker:
+    """Sampling with a transformers causal LM (CPU or GPU)."""
+
+    def __init__(self, cfg: PPOConfig):
+        self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
+        self.weight_version = 0
+        self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
+        self.receiver = WeightReceiver()
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
+        """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
+        return sample_responses(
+            self.model,
+            self.tokenizer,
+            prompts,
+            step=step,
+            sampling=sampling,
+            weight_version=self.weight_version,
+            device=self.device,
+        )
+
+    def apply_weights(self, update: WeightUpdate) -> int:
+        """Take the actor's weights (see :mod:`ppoflow.workers.weight_sync`); returns the version now served."""
+        self.weight_version = self.receiver.apply(self.model, update, self.device)
+        return self.weight_version
+
+    def join_weight_group(self, group: str) -> None:
+        join_group(self.backend, group, rank=1)
+        self.receiver.group = group
