@@ -74,7 +74,12 @@ def main() -> None:
             trust_remote_code=False,
             dtype="float32",
             enable_gradient_checkpointing=False,
+            use_remove_padding=False,
             build=None,
+            lora_rank=0,
+            lora_alpha=16,
+            target_modules="all-linear",
+            lora_adapter_path=None,
         )
         tokenizer = load_tokenizer(spec)
         model = load_causal_lm(spec).eval()

@@ -12,6 +12,7 @@ import os
 import re
 
 from ppoflow.configs.modes import mode_errors, needs_of
+from ppoflow.configs.rules_lora import lora_errors
 from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
@@ -115,7 +116,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or an instance role instead",
                 )
             )
-    errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg)
+    errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg) + lora_errors(cfg)
     if (
         cfg.skip.get("advantage")
         and cfg.skip["advantage"].enable
@@ -133,7 +134,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors += _vllm_errors(cfg)
     if rollout.mode == "async":
         errors += _rollout_service_errors(cfg)
-    errors += mode_errors(cfg)
+    errors += mode_errors(cfg) + _token_budget_errors(cfg)
     if cfg.actor_rollout_ref.hybrid_engine:
         errors += _colocation_errors(cfg)
     return errors
@@ -214,6 +215,39 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     return errors
+
+
+def _token_budget_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """With dynamic bsz each micro-batch holds whole sequences, so its token budget must hold the longest one a
+    batch can have: data.max_prompt_length + data.max_response_length tokens."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    actor, ref, rollout = arr.actor, arr.ref, arr.rollout
+    critic_dynamic = critic.use_dynamic_bsz and cfg.use_critic
+    budgets = [
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            rollout.log_prob_use_dynamic_bsz,
+            rollout.log_prob_max_token_len_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            ref.log_prob_use_dynamic_bsz and cfg.use_reference,
+            ref.log_prob_max_token_len_per_gpu,
+        ),
+        ("critic.ppo_max_token_len_per_gpu", critic_dynamic, critic.ppo_max_token_len_per_gpu),
+        ("critic.forward_max_token_len_per_gpu", critic_dynamic, critic.forward_max_token_len_per_gpu),
+    ]
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return [
+        (
+            key,
+            f"{budget} tokens cannot hold a sequence of data.max_prompt_length + data.max_response_length = "
+            f"{longest} tokens (dynamic bsz); raise it to at least {longest}, or shorten those",
+        )
+        for key, dynamic, budget in budgets
+        if dynamic and budget < longest
+    ]
 
 
 VLLM_MIN_VERSION = "0.10.2"

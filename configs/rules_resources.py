@@ -70,7 +70,7 @@ def resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     trainer_gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     rollout_gpus = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     training_roles = {"actor_rollout_ref.actor": arr.actor.resources}
-    if cfg.use_reference:
+    if cfg.use_reference and not cfg.ref_in_actor:
         training_roles["actor_rollout_ref.ref"] = arr.ref.resources
     if cfg.use_critic:
         training_roles["critic"] = cfg.critic.resources

@@ -140,8 +140,15 @@ class PPOConfig(Section):
 
     @property
     def use_reference(self) -> bool:
-        """Whether a reference worker runs: only when a KL term needs reference log-probs."""
+        """Whether reference log-probs are needed (a KL term); a reference worker computes them unless
+        :attr:`ref_in_actor`."""
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def ref_in_actor(self) -> bool:
+        """Whether the reference is the actor's base model with its LoRA adapter disabled (verl's name): a run
+        that needs a reference and trains LoRA starts no reference worker, nor a second copy of the weights."""
+        return self.use_reference and self.actor_rollout_ref.model.lora
 
     @property
     def data_parallel_size(self) -> int:

@@ -27,6 +27,11 @@ class CustomRewardConfig(Section):
         "`timeout_score` and go on (counted in reward/scorer_timeouts)."
     )
     timeout_score: float = Field(description="The score of a response whose scorer timed out (on_timeout=score).")
+    error_score: float = Field(
+        allow_inf_nan=False,
+        description="The score of a response its scorer (custom or built-in) fails on - raises, returns no finite "
+        "score, crashes - instead of a failed run; logged, counted in reward/scorer_errors.",
+    )
 
 
 class RewardModelConfig(Section):

@@ -56,12 +56,46 @@ class ModelConfig(Section):
         "of keeping them (actor, critic): activation memory of about one layer instead of all, for about one more "
         "forward pass. No effect on roles that do not train (ref, rollout)."
     )
+    use_remove_padding: bool = Field(
+        description="Pack each micro-batch's sequences into one row without pad tokens (position ids restart per "
+        "sequence, attention stays inside each) for every forward pass of the model's roles: log-probs, values "
+        "and the updates. With sdpa or eager attention a pack of T tokens builds a T x T block mask: bound T with "
+        "use_dynamic_bsz (flash attention needs no mask)."
+    )
     build: TinyModelConfig | None = Field(
         description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "
         "the console. A recipe belongs to the path it was written for: a `key=value` override of this "
         "model's `path` drops the preset's recipe unless a `build.*` key of the same model is overridden "
         "too (e.g. `build.seed=0`), so a path without a model is an error, never a fresh random model."
     )
+    lora_rank: int = Field(
+        ge=0,
+        description="Rank of the LoRA adapters (peft) trained instead of the whole model; 0 = full fine-tuning "
+        "(verl). With LoRA the reference is the base model with the adapter disabled, weight sync sends the "
+        "adapter, checkpoints hold it; docs/lora.md.",
+    )
+    lora_alpha: int = Field(gt=0, description="LoRA scaling: the adapter's update is scaled by lora_alpha / lora_rank.")
+    target_modules: str | list[str] = Field(
+        description="Modules LoRA adapts: `all-linear` (every linear layer but the output head), a list of module "
+        "names (e.g. [q_proj, v_proj]), or a regular expression peft matches against the full module names."
+    )
+    lora_adapter_path: str | None = Field(
+        description="A peft adapter directory (adapter_config.json, e.g. a run's `huggingface/adapter`) to go on "
+        "training; set, LoRA is on and the adapter's own rank, alpha and target modules apply (verl)."
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_target_modules(cls, modules: str | list[str]) -> str | list[str]:
+        if not modules:
+            raise PydanticCustomError("no_target_modules", "names no module: give `all-linear` or module names")
+        return modules
+
+    @property
+    def lora(self) -> bool:
+        """Whether LoRA adapters are trained instead of the whole model (verl: ``lora_rank > 0`` or an adapter
+        to load)."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1)]
@@ -79,8 +113,9 @@ class MixedPrecisionConfig(Section):
     """FSDP2's ``MixedPrecisionPolicy``: the dtype the sharded model computes in and reduces gradients in."""
 
     param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        description="Dtype the gathered parameters compute in (the sharded master copy keeps model.dtype); null = "
-        "compute in the model's dtype, no mixed precision."
+        description="Dtype the gathered parameters compute in (the sharded master copy keeps model.dtype); at one "
+        "rank, bfloat16 / float16 run the role's forward and backward passes under torch.autocast while weights, "
+        "gradients and optimizer state keep model.dtype. null = compute in the model's dtype, no mixed precision."
     )
     reduce_dtype: Literal["float32", "bfloat16"] = Field(description="Dtype of the gradient reduction over the ranks.")
 
@@ -117,6 +152,16 @@ class PPOUpdateConfig(TrainingEngineConfig):
     ppo_micro_batch_size_per_gpu: int | None = Field(
         ge=1, description="Trajectories per forward/backward; null = whole mini-batch."
     )
+    use_dynamic_bsz: bool = Field(
+        description="Cut each mini-batch into micro-batches of at most ppo_max_token_len_per_gpu real tokens "
+        "(prompt + response, padding not counted; balanced, Karmarkar-Karp) instead of "
+        "ppo_micro_batch_size_per_gpu rows; the critic's value forward too (forward_max_token_len_per_gpu)."
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        ge=1,
+        description="use_dynamic_bsz: real tokens per update micro-batch at most; at least data.max_prompt_length "
+        "+ data.max_response_length.",
+    )
     ppo_epochs: int = Field(ge=1, description="Passes over the step's batch.")
     shuffle: bool = Field(description="Shuffle trajectories between mini-batches.")
     loss_agg_mode: Literal[LOSS_AGG_MODES] = Field(description="How per-token losses are reduced.")  # type: ignore[valid-type]
@@ -145,6 +190,13 @@ class RefConfig(TrainingEngineConfig):
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         ge=1, description="Trajectories per reference forward; null = all."
     )
+    log_prob_use_dynamic_bsz: bool = Field(
+        description="Cut the reference forward into micro-batches of at most log_prob_max_token_len_per_gpu real "
+        "tokens instead of log_prob_micro_batch_size_per_gpu rows."
+    )
+    log_prob_max_token_len_per_gpu: int = Field(
+        ge=1, description="log_prob_use_dynamic_bsz: real tokens per reference micro-batch at most."
+    )
     resources: ResourcesConfig
 
 
@@ -153,5 +205,8 @@ class CriticConfig(PPOUpdateConfig):
     model: ModelConfig
     forward_micro_batch_size_per_gpu: int | None = Field(
         ge=1, description="Trajectories per value forward; null = all."
+    )
+    forward_max_token_len_per_gpu: int = Field(
+        ge=1, description="use_dynamic_bsz: real tokens per value-forward micro-batch at most."
     )
     cliprange_value: float = Field(gt=0, description="Value clipping range around the old values.")

@@ -92,6 +92,13 @@ class RolloutConfig(Section):
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         ge=1, description="Trajectories per old-log-prob forward; null = all."
     )
+    log_prob_use_dynamic_bsz: bool = Field(
+        description="Cut the actor's old-log-prob forward into micro-batches of at most "
+        "log_prob_max_token_len_per_gpu real tokens instead of log_prob_micro_batch_size_per_gpu rows."
+    )
+    log_prob_max_token_len_per_gpu: int = Field(
+        ge=1, description="log_prob_use_dynamic_bsz: real tokens per old-log-prob micro-batch at most."
+    )
     gpu_memory_utilization: float = Field(gt=0, le=1, description="vLLM: fraction of GPU memory for the engine.")
     tensor_model_parallel_size: int = Field(ge=1, description="vLLM: tensor-parallel degree.")
     val_kwargs: ValSamplingConfig

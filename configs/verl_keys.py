@@ -64,11 +64,6 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
 }
 """verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
 
-_PLANNED_PACKING = (
-    "planned, not supported yet: micro-batches are counted in trajectories "
-    "(ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu), not packed by tokens"
-)
-_PLANNED_MODEL = "planned, not supported yet: models train with plain transformers forward passes"
 _NO_REWARD_MODEL = (
     "not supported until reward models land: rewards come from rule-based scorers "
     "(custom_reward_function.path, or the built-in scorer of each data_source)"
@@ -96,28 +91,17 @@ UNSUPPORTED: dict[str, str] = {
     "data.image_key": _MULTIMODAL,
     "data.video_key": _MULTIMODAL,
     # model
-    f"{MODEL}.use_remove_padding": _PLANNED_MODEL,
-    "critic.model.use_remove_padding": _PLANNED_MODEL,
     f"{MODEL}.enable_activation_offload": "not supported: activations stay on the device",
     f"{MODEL}.use_liger": "not supported: models run on plain transformers kernels",
     f"{MODEL}.use_fused_kernels": "not supported: models run on plain transformers kernels",
-    f"{MODEL}.lora_rank": "not supported: training is full-parameter (no LoRA)",
-    f"{MODEL}.lora_alpha": "not supported: training is full-parameter (no LoRA)",
-    f"{MODEL}.target_modules": "not supported: training is full-parameter (no LoRA)",
-    "critic.model.lora_rank": "not supported: training is full-parameter (no LoRA)",
+    **{
+        f"{model}.exclude_modules": "not supported: target_modules alone says which modules LoRA adapts"
+        for model in (MODEL, "critic.model")
+    },
     f"{MODEL}.external_lib": "not supported: models load through transformers (trust_remote_code for custom code)",
     f"{MODEL}.custom_chat_template": "not supported: prompts use the tokenizer's own chat template",
     f"{MODEL}.use_shm": "not supported: models are read through fsspec",
     # actor, ref, critic
-    f"{ACTOR}.use_dynamic_bsz": _PLANNED_PACKING,
-    f"{ACTOR}.ppo_max_token_len_per_gpu": _PLANNED_PACKING,
-    f"{REF}.log_prob_use_dynamic_bsz": _PLANNED_PACKING,
-    f"{REF}.log_prob_max_token_len_per_gpu": _PLANNED_PACKING,
-    f"{ROLLOUT}.log_prob_use_dynamic_bsz": _PLANNED_PACKING,
-    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _PLANNED_PACKING,
-    "critic.use_dynamic_bsz": _PLANNED_PACKING,
-    "critic.ppo_max_token_len_per_gpu": _PLANNED_PACKING,
-    "critic.forward_max_token_len_per_gpu": _PLANNED_PACKING,
     f"{ACTOR}.policy_loss": "not supported: the policy loss is verl's vanilla PPO clip (with the dual clip "
     "clip_ratio_c); clip_ratio_low / clip_ratio_high set its bounds",
     f"{ACTOR}.use_torch_compile": "not supported: models run eagerly",

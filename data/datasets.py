@@ -7,7 +7,8 @@ A row follows verl's layout::
      "reward_model": {"style": "rule", "ground_truth": "60"}, "extra_info": {"split": "train", "index": 0}}
 
 Chat-message prompts go through the tokenizer's chat template (with the generation prompt); plain strings are
-tokenized as they are. Details: docs/configuration.md#models-data-rewards-resources.
+tokenized as they are. A row's ``extra_info`` reaches its scorer; ``reward_model.style`` must be ``rule`` (or absent):
+ppoflow has no reward model. Details: docs/configuration.md#models-data-rewards-resources.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _read_file(url: str, key: str) -> list[dict]:
 
 def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) -> list[dict]:
     """:func:`read_rows`, then every row must hold verl's columns: the prompt (``data.prompt_key``),
-    ``data_source``, and a ``reward_model`` mapping; :class:`ConfigError` naming ``key`` and the row if not."""
+    ``data_source``, and a ``reward_model`` mapping whose ``style`` (when given) is ``rule``; :class:`ConfigError`
+    naming ``key`` and the row if not."""
     rows = read_rows(files, key=key)
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -166,13 +168,26 @@ def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) 
                     )
                 ]
             )
+        style = row["reward_model"].get("style") or "rule"
+        if style != "rule":
+            raise ConfigError(
+                [
+                    (
+                        key,
+                        f"row {index} reward_model.style is {style!r}: ppoflow scores rows by rule (style 'rule', "
+                        "by data_source or custom_reward_function); a reward model (style 'model') is not "
+                        "implemented yet",
+                    )
+                ]
+            )
     return rows
 
 
 @dataclass(frozen=True)
 class PromptDataset:
-    """Tokenized prompts plus the per-row fields the reward needs, and those the agent loops read when the
-    dataset has them: a row's ``agent_name`` and its ``extra_info.tools_kwargs`` (None where absent)."""
+    """Tokenized prompts plus the per-row fields the reward needs (``extra_infos``: None when no row has one),
+    and those the agent loops read when the dataset has them: a row's ``agent_name`` and its
+    ``extra_info.tools_kwargs`` (None where absent)."""
 
     prompt_ids: list[list[int]]
     data_sources: list[str]
@@ -180,9 +195,18 @@ class PromptDataset:
     row_indices: list[int]
     agent_names: list[str | None]
     tools_kwargs: list[dict | None]
+    extra_infos: list[dict | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def reward_columns(self, rows: Sequence[int]) -> dict[str, list]:
+        """The per-prompt columns a scorer reads, of ``rows``: ``data_source``, ``ground_truth``, ``extra_info``."""
+        return {
+            "data_source": [self.data_sources[row] for row in rows],
+            "ground_truth": [self.ground_truths[row] for row in rows],
+            "extra_info": [self.extra_infos[row] if self.extra_infos else None for row in rows],
+        }
 
     def batch(self, rows: Sequence[int], uids: Sequence[str], pad_token_id: int) -> TensorDict:
         """A prompt batch (one row per prompt): left-padded ``prompts``/``prompt_mask`` plus columns."""
@@ -194,11 +218,7 @@ class PromptDataset:
             prompts[position, width - len(ids) :] = torch.tensor(ids, dtype=torch.int64)
             mask[position, width - len(ids) :] = True
         batch = TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[len(rows)])
-        columns = {
-            "uid": list(uids),
-            "data_source": [self.data_sources[row] for row in rows],
-            "ground_truth": [self.ground_truths[row] for row in rows],
-        }
+        columns = {"uid": list(uids), **self.reward_columns(rows)}
         for name, values in (("agent_name", self.agent_names), ("tools_kwargs", self.tools_kwargs)):
             if any(value is not None for value in values):
                 columns[name] = [values[row] for row in rows]
@@ -213,7 +233,7 @@ def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer,
 def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
     """Tokenize the prompts of :func:`read_prompt_rows`' rows, filtering or truncating those longer than
     ``data.max_prompt_length``; a prompt that cannot be used is a :class:`ConfigError` naming ``key``."""
-    prompt_ids, sources, truths, indices, agents, tools_kwargs = [], [], [], [], [], []
+    prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos = [], [], [], [], [], [], []
     for index, row in enumerate(rows):
         ids = _tokenize_prompt(row[data.prompt_key], tokenizer, key=key, index=index)
         if len(ids) > data.max_prompt_length:
@@ -236,10 +256,11 @@ def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) ->
         truths.append(row["reward_model"].get("ground_truth"))
         indices.append(index)
         agents.append(row.get("agent_name"))
-        tools_kwargs.append((row.get("extra_info") or {}).get("tools_kwargs"))
+        extra_infos.append(row.get("extra_info"))
+        tools_kwargs.append((extra_infos[-1] or {}).get("tools_kwargs"))
     if not prompt_ids:
         raise ConfigError([(key, f"every prompt is longer than data.max_prompt_length={data.max_prompt_length}")])
-    return PromptDataset(prompt_ids, sources, truths, indices, agents, tools_kwargs)
+    return PromptDataset(prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos)
 
 
 def check_batch_fits(num_rows: int, batch_size: int) -> None:

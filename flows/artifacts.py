@@ -29,6 +29,7 @@ from prefect.artifacts import (
 from prefect.context import FlowRunContext
 from tensordict import TensorDict
 
+from ppoflow.algorithms.validation_metrics import CORE_MEAN
 from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.fs import atomic_write, join, open_fs
@@ -61,7 +62,6 @@ task run costs"); a progress bar gains nothing from more than one a second.
 """
 
 SCORE = "critic/score/mean"
-VALIDATION = re.compile(r"^val-core/.+/reward/mean@\d+$")
 
 
 def artifact_slug(cfg: PPOConfig) -> str:
@@ -271,7 +271,7 @@ def reward_figure(rows: list[dict], title: str) -> Figure:
     axes = figure.add_subplot()
     scored = [row for row in rows if _finite(row.get(SCORE))]
     axes.plot([row["step"] for row in scored], [row[SCORE] for row in scored], label="train score")
-    for name in sorted({name for row in rows for name in row if VALIDATION.match(name)}):
+    for name in sorted({name for row in rows for name in row if CORE_MEAN.match(name)}):
         points = [row for row in rows if _finite(row.get(name))]
         axes.plot(
             [row["step"] for row in points],

@@ -164,10 +164,7 @@ class StreamingTrainer(TrainerMode):
         )
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
-        columns = {
-            "data_source": [self.run.train_set.data_sources[row] for row in rows],
-            "ground_truth": [self.run.train_set.ground_truths[row] for row in rows],
-        }
+        columns = self.run.train_set.reward_columns(rows)
         step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
         for uid in set(uids):
             del self.prompts[uid]

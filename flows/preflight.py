@@ -2,16 +2,16 @@
 
 :func:`~ppoflow.configs.load_config` checks the values; :func:`preflight` checks what they point at (run directory
 and step caches writable within a deadline, the checkpoint to resume from, the Ray cluster, model directories and
-tokenizers, data files, scorers - a custom one called once in a child process - and tool functions) and collects
-every problem into one :class:`~ppoflow.configs.ConfigError`. ``ppoflow train`` calls it before Prefect starts;
-:func:`~ppoflow.flows.run.start_run` calls it first, so a UI or deployment run fails with the same messages. What a
-run will build or generate is checked by its recipe only. Details: docs/reliability.md (Bad input fails first).
+tokenizers, the memory the models need, data files, scorers - a custom one called once in a child process - and
+tool functions) and collects every problem into one :class:`~ppoflow.configs.ConfigError`. ``ppoflow train`` calls
+it before Prefect starts; :func:`~ppoflow.flows.run.start_run` calls it first, so a UI or deployment run fails with
+the same messages. What a run will build or generate is checked by its recipe only. Details: docs/reliability.md
+(Bad input fails first).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import uuid
@@ -36,6 +36,7 @@ from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import checked_manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
 from ppoflow.workers.launcher import ray_handshake
+from ppoflow.workers.memory import memory_problems
 from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
 from ppoflow.workers.service.scorer_process import ScorerProcess
 
@@ -65,7 +66,7 @@ def preflight(cfg: PPOConfig) -> None:
         return
     problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg) + _agent_problems(cfg)
     tokenizer, found = _model_problems(cfg)
-    problems += found
+    problems += found + _memory_problems(cfg)
     sources, first_row, found = _data_problems(cfg, tokenizer)
     problems += found + _scorer_problems(cfg, sources, first_row)
     if problems:
@@ -251,6 +252,12 @@ def _model_problems(cfg: PPOConfig):
         ]
 
 
+def _memory_problems(cfg: PPOConfig) -> Problems:
+    """The bytes the roles' copies of the models need, counted from their configs, against the RAM and GPUs of a
+    local run (:func:`~ppoflow.workers.memory.memory_problems`; a model still to be built is not counted)."""
+    return memory_problems(cfg)
+
+
 def _data_problems(cfg: PPOConfig, tokenizer) -> tuple[dict[str, set[str]], dict | None, Problems]:
     """Every data file that exists (or is not generated) reads, has verl's columns and, when the tokenizer
     is there, tokenizes; returns the data sources by key and the first training row (None when the
@@ -321,7 +328,7 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
 
 
 _AS_THE_REWARD_STAGE = (
-    ", called as the reward stage calls it (data_source, its ground truth as the response, ground_truth)"
+    ", called as the reward stage calls it (data_source, its ground truth as the response, ground_truth, extra_info)"
 )
 
 
@@ -338,12 +345,13 @@ def _custom_scorer_problems(custom, row: dict | None) -> Problems:
             if problem or row is None:
                 return [(key, problem)] if problem else []
             truth = row["reward_model"].get("ground_truth")
-            score, extras = score_one(
+            score_one(
                 row["data_source"],
                 "" if truth is None else str(truth),
                 truth,
                 scorer,
                 sample=f"the first row of data.train_files (data source {row['data_source']!r})",
+                extra_info=row.get("extra_info"),
             )
         except ScorerTimedOut as error:
             return [
@@ -352,16 +360,6 @@ def _custom_scorer_problems(custom, row: dict | None) -> Problems:
                     f"{error}{_AS_THE_REWARD_STAGE}; raise it if the scorer is only slow",
                 )
             ]
-        except ScorerFailed as error:
+        except ScorerFailed as error:  # a non-finite score too
             return [(key, f"{error}{_AS_THE_REWARD_STAGE}")]
-    values = {"score": score, **extras}
-    bad = next((name for name, value in values.items() if not math.isfinite(value)), None)
-    if bad:
-        return [
-            (
-                key,
-                f"the custom scorer {scorer.label} returned {bad}={values[bad]} for the first row of "
-                "data.train_files; scores must be finite",
-            )
-        ]
     return []

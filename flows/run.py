@@ -25,6 +25,7 @@ from ppoflow.flows.stages import RolloutOrigin, Stages, derived_from
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
 from ppoflow.storage.step_cache.sample_cache import sample_id
 from ppoflow.tasks.startup import load_data, start_workers
+from ppoflow.workers.memory import memory_note
 from ppoflow.workers.roles import Workers
 from ppoflow.workers.rollout.sampling import SamplingParams
 
@@ -90,6 +91,7 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
     reward_chunks = cfg.reward_model.num_workers if cfg.reward_model.reward_manager == "ray" else 0
     caches = stage_caches(cfg)
+    note(memory_note(cfg))
     started = time.perf_counter()
     workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
     placement = workers.placement_note()

@@ -234,13 +234,13 @@ class Stages:
         self, step: int, *, prompts: TensorDict, sampling: SamplingParams, label: str
     ) -> StageResult:
         arguments = {"workers": self.workers, "prompts": prompts, "step": step, "sampling": sampling}
-        return self._task(GENERATE, label, "validation")(**arguments)
+        return self._task(GENERATE, label, "validation")(**arguments, keep_extras=True)
 
     def validation_reward(
         self, *, batch: TensorDict, tokenizer, scorer: Scorer | None, ray_chunks: int, label: str
     ) -> StageResult:
         arguments = {"batch": batch, "tokenizer": tokenizer, "custom_scorer": scorer, "ray_chunks": ray_chunks}
-        return self._task(REWARD, label, "validation")(**arguments)
+        return self._task(REWARD, label, "validation")(**arguments, keep_extras=True)
 
     # -- how every stage is called -------------------------------------------------------------------------
 

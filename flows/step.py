@@ -151,5 +151,6 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
             state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
             mode.on_step_end(step)  # (6. weight_sync, where the mode pushes here)
         step.metrics.update({"training/global_step": number, "training/epoch": state.finish_step(number)})
+        step.metrics.update(run.workers.memory_metrics())  # each role's peaks in the step (perf/*memory*)
         yield step
     mode.on_train_end()

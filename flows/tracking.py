@@ -14,6 +14,7 @@ import logging
 import math
 from datetime import UTC, datetime
 
+from ppoflow.algorithms.validation_metrics import CORE_MEAN
 from ppoflow.storage.fs import atomic_write, open_fs
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,7 @@ class Tracker:
                 self.tensorboard.add_scalar(name, value, global_step=step)
         if self.progress is not None:
             shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_KEYS.items() if key in metrics}
-            validation = [
-                value for key, value in metrics.items() if key.startswith("val-core/") and "/reward/mean@" in key
-            ]
+            validation = [value for key, value in metrics.items() if CORE_MEAN.match(key)]
             if validation:
                 shown["val"] = f"{validation[0]:.3g}"
             self.progress.set_postfix(shown, refresh=False)

@@ -1,14 +1,17 @@
 """Validation: generate on the validation set with ``rollout.val_kwargs`` and score it (never cached).
 
-A few decoded samples go to the console and the flow run's logs; a multi-turn sample in which a tool
-answered shows its turns one by one (the model's, and the tools' answers, as the model saw them).
+Its metrics are verl's, per data source, over each prompt's ``val_kwargs.n`` responses, of the reward and of each
+extra value the scorer reports (:mod:`ppoflow.algorithms.validation_metrics`). A few decoded samples go to the
+console and the flow run's logs; a multi-turn sample in which a tool answered shows its turns one by one (the
+model's, and the tools' answers, as the model saw them).
 """
 
 from __future__ import annotations
 
 from itertools import groupby
 
-from ppoflow.algorithms.scoring import solution_text
+from ppoflow.algorithms.scoring import PRED, solution_text
+from ppoflow.algorithms.validation_metrics import validation_metrics
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import derived_from
 from ppoflow.storage.batch import non_tensor_column, response_extent
@@ -17,14 +20,14 @@ from ppoflow.workers.rollout.sampling import SamplingParams
 
 
 def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
-    """``val-core/{data_source}/reward/mean@{n}`` (verl's names) over the validation set, and a few decoded
-    samples (:func:`sample_texts`)."""
+    """``val-core/`` and ``val-aux/{data_source}/{variable}/{metric}`` over the validation set
+    (:func:`~ppoflow.algorithms.validation_metrics.validation_metrics`), and a few decoded samples
+    (:func:`sample_texts`)."""
     sampling = SamplingParams.for_validation(run.cfg)
     val_set, stages = run.val_set, run.stages
     rows = list(range(len(val_set)))
     size = run.cfg.data.val_batch_size or len(rows)
-    per_source: dict[str, list[float]] = {}
-    samples: list[str] = []
+    sources, uids, rewards, extras, samples = [], [], [], [], []
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
@@ -41,15 +44,20 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
             )
             batch.update(scored.fields)
         sequence_scores = batch["token_level_scores"].sum(dim=1).tolist()
-        for source, score in zip(non_tensor_column(batch, "data_source"), sequence_scores):
-            per_source.setdefault(source, []).append(score)
+        sources += non_tensor_column(batch, "data_source")
+        uids += non_tensor_column(batch, "uid")
+        rewards += sequence_scores
+        extras += non_tensor_column(batch, "reward_extras")
         if not samples:
             samples = sample_texts(batch[:3], run.tokenizer, sequence_scores)
-    metrics = {
-        f"val-core/{source}/reward/mean@{sampling.n}": sum(scores) / len(scores)
-        for source, scores in per_source.items()
-    }
-    return metrics, samples
+    return validation_metrics(sources, uids, {**extra_columns(extras), "reward": rewards}), samples
+
+
+def extra_columns(extras: list[dict]) -> dict[str, list]:
+    """The responses' extras (one dict each) as one list per extra; a response without it (its scorer failed on
+    it: it scored ``error_score``) counts 0, or no answer (None) for ``pred``."""
+    names = list(dict.fromkeys(name for found in extras for name in found))
+    return {name: [found.get(name, None if name == PRED else 0.0) for found in extras] for name in names}
 
 
 def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
@@ -77,6 +85,10 @@ def turn_texts(tokens: list[int], turn_ids: list[int], tokenizer) -> str:
 
 
 def validation_line(step: int, metrics: dict[str, float], samples: list[str]) -> str:
-    """One console line: the validation rewards and a few decoded samples."""
-    rewards = ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+    """One console line: the ``val-core/`` metrics but the bootstrap's spreads (``.../std``), and a few decoded
+    samples."""
+    core = {
+        name: value for name, value in metrics.items() if name.startswith("val-core/") and not name.endswith("/std")
+    }
+    rewards = ", ".join(f"{name} {value:.3f}" for name, value in core.items())
     return f"step {step} validation: {rewards}; samples: {', '.join(samples)}"

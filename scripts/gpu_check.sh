@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of ppoflow in one go, for one CUDA machine (sized for an H200: under 8 minutes):
 #   1. a virtual environment with ppoflow[vllm,dev] installed (vLLM brings its own CUDA build of torch),
-#   2. pytest -m gpu (tests/test_vllm_rollout.py: vLLM vs transformers parity, log-probs, seeds,
+#   2. pytest -m gpu (tests/test_vllm_rollout_gpu.py: vLLM vs transformers parity, log-probs, seeds,
 #      sampling options, weight updates, the Ray rollout actor),
 #   3. a summary: PASS only if every GPU test ran and passed (a skipped GPU test means a prerequisite
 #      is missing, so it counts as a failure here).

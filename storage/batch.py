@@ -3,9 +3,10 @@
 Every stage reads and extends the same batch, and the rollout cache stores it, so its fields are fixed here:
 the rollout writes ``prompts``, ``prompt_mask``, ``responses``, ``response_mask``, ``rollout_log_probs``,
 ``weight_version``, ``group_index`` (``turn_ids``, ``num_turns``, ``tool_calls`` with the rollout service) and the
-per-prompt ``uid``, ``data_source``, ``ground_truth``; later stages add the rest. The encoding is safetensors, the
-non-tensor columns and batch size as JSON in its header: decoding never unpickles anything. Every stage returns a
-:class:`StageResult`. The field table (dtypes, shapes, meanings): docs/architecture.md#the-step-batch-and-its-metrics.
+per-prompt ``uid``, ``data_source``, ``ground_truth``, ``extra_info``; later stages add the rest. The encoding is
+safetensors, the non-tensor columns and batch size as JSON in its header: decoding never unpickles anything. Every
+stage returns a :class:`StageResult`. The field table (dtypes, shapes, meanings):
+docs/architecture.md#the-step-batch-and-its-metrics.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth")
+NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth", "extra_info")
 AGENT_FIELDS = ("agent_name", "tools_kwargs", "sample_id")
 """Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
 present when the dataset has them; a train prompt's place in the feed order, which keys the rollout
@@ -118,7 +119,7 @@ def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
 
 def _end_of_last_true(flags: torch.Tensor) -> torch.Tensor:
     """Per row of ``flags`` [N, R], one past its last True position (0 for a row with none)."""
-    return (flags.bool() * torch.arange(1, flags.shape[1] + 1)).amax(dim=1)
+    return (flags.bool() * torch.arange(1, flags.shape[1] + 1, device=flags.device)).amax(dim=1)
 
 
 def scores_on_last_tokens(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:

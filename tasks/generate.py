@@ -20,18 +20,23 @@ logger = logging.getLogger("ppoflow.rollout")
 @recorded_task(
     name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
 )
-def generate(workers, prompts: TensorDict, step: int, sampling: SamplingParams) -> StageResult:
+def generate(
+    workers, prompts: TensorDict, step: int, sampling: SamplingParams, keep_extras: bool = False
+) -> StageResult:
     """The rollout part of the step batch (see ``storage.batch``) for one prompt batch.
 
     Only tensors travel to the rollout worker - and, to a rollout that scores trajectories as they
     finish (``workers.streams_reward``), each prompt's data source and ground truth; the per-prompt columns
     are repeated onto the prompt's ``n`` responses here. Retried: a rollout worker that died
     mid-generation is restarted by Ray, and the flow re-syncs its weights; a custom scorer's failure (in a
-    rollout that scores) is not retried.
+    rollout that scores) is not retried. ``keep_extras`` (validation) keeps such a rollout's ``reward_extras``.
     """
     sent = prompts.exclude("uid") if workers.streams_reward else prompts.exclude(*NON_TENSOR_FIELDS)
     rollout = workers.rollout.generate(sent, step=step, sampling=sampling)
+    extras = rollout.get("reward_extras") if keep_extras and "reward_extras" in rollout.keys() else None
     rollout, metrics = rollout_metrics(rollout)
+    if extras is not None:
+        rollout.set("reward_extras", extras)
     return StageResult(rollout.update(prompts.select(*NON_TENSOR_FIELDS)[rollout["group_index"]]), metrics)
 
 

@@ -1,10 +1,11 @@
 """Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer).
 
-The score goes on the response's last valid token (verl's ``token_level_scores``), zero elsewhere. Scoring runs in
-the flow or, with ``reward_model.reward_manager=ray``, in chunks as Prefect tasks on Ray workers (prefect-ray's
-``RayTaskRunner``, for slow scorers). A :class:`~ppoflow.algorithms.scoring.ScorerFailed` fails the stage at once,
-never retried, naming the scorer, the prompt uid (``{step}-{i}``, ``val-{row}``), its data source and the task run;
-with ``on_timeout=score``, ``reward/scorer_timeouts`` counts timed-out calls.
+The score goes on the response's last valid token (verl's ``token_level_scores``), zero elsewhere; each scorer gets
+the row's ``extra_info``. Scoring runs in the flow or, with ``reward_model.reward_manager=ray``, in chunks as Prefect
+tasks on Ray workers (prefect-ray's ``RayTaskRunner``, for slow scorers). A response its scorer fails on scores
+``custom_reward_function.error_score`` (logged, counted in ``reward/scorer_errors``); a timeout (``on_timeout=fail``)
+or a scorer that cannot start fails the stage at once, never retried, naming the scorer, the prompt uid
+(``{step}-{i}``, ``val-{row}``), its data source and the task run; ``reward/scorer_timeouts`` counts timeouts scored.
 Details: docs/configuration.md#models-data-rewards-resources, docs/reliability.md.
 """
 
@@ -16,8 +17,22 @@ from prefect.context import TaskRunContext
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import SCORER_TIMEOUTS, Scorer, ScorerFailed, score_responses, solution_text
-from ppoflow.storage.batch import StageResult, non_tensor_column, response_extent, scores_on_last_tokens
+from ppoflow.algorithms.scoring import (
+    PRED,
+    SCORER_ERRORS,
+    SCORER_TIMEOUTS,
+    Scorer,
+    ScorerFailed,
+    score_responses,
+    solution_text,
+)
+from ppoflow.storage.batch import (
+    StageResult,
+    non_tensor_column,
+    response_extent,
+    scores_on_last_tokens,
+    with_non_tensor_columns,
+)
 from ppoflow.tasks.task_inputs import recorded_task
 
 
@@ -31,13 +46,16 @@ def decode_responses(batch: TensorDict, tokenizer) -> list[str]:
 
 
 def extra_means(extras: dict[str, list[float]]) -> dict[str, float]:
-    """``reward/<name>/mean`` of each extra value the scorers reported, and ``reward/scorer_timeouts``: how
-    many of the responses scored ``timeout_score`` (:data:`~ppoflow.algorithms.scoring.SCORER_TIMEOUTS`)."""
+    """``reward/<name>/mean`` of each extra number the scorers reported (not the text ``pred``), and the counts
+    ``reward/scorer_timeouts`` and ``reward/scorer_errors``: how many of the responses scored ``timeout_score``
+    or ``error_score`` (:data:`~ppoflow.algorithms.scoring.SCORER_TIMEOUTS`, ``SCORER_ERRORS``)."""
+    counted = (SCORER_TIMEOUTS, SCORER_ERRORS)
     metrics = {
-        f"reward/{name}/mean": sum(values) / len(values) for name, values in extras.items() if name != SCORER_TIMEOUTS
+        f"reward/{name}/mean": sum(values) / len(values)
+        for name, values in extras.items()
+        if name not in (*counted, PRED)
     }
-    if SCORER_TIMEOUTS in extras:
-        metrics[f"reward/{SCORER_TIMEOUTS}"] = sum(extras[SCORER_TIMEOUTS])
+    metrics.update({f"reward/{name}": sum(extras[name]) for name in counted if name in extras})
     return metrics
 
 
@@ -59,9 +77,10 @@ def score_chunk(
     ground_truths: list,
     custom_scorer: Scorer | None,
     prompt_ids: list[str] | None = None,
+    extra_infos: list | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Score one chunk of responses (runs in a Ray worker)."""
-    return score_responses(data_sources, solutions, ground_truths, custom_scorer, prompt_ids)
+    return score_responses(data_sources, solutions, ground_truths, custom_scorer, prompt_ids, extra_infos)
 
 
 @flow(name="reward-on-ray", task_runner=RayTaskRunner())  # joins the run's Ray (or RAY_ADDRESS)
@@ -72,6 +91,7 @@ def score_on_ray(
     custom_scorer: Scorer | None,
     chunks: int,
     prompt_ids: list[str] | None = None,
+    extra_infos: list | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Score the responses in ``chunks`` parallel Prefect tasks on Ray workers; same result as in the flow."""
     size = -(-len(solutions) // chunks)
@@ -82,6 +102,7 @@ def score_on_ray(
             ground_truths[i : i + size],
             custom_scorer,
             prompt_ids[i : i + size] if prompt_ids else None,
+            extra_infos[i : i + size] if extra_infos else None,
         )
         for i in range(0, len(solutions), size)
     ]
@@ -97,10 +118,13 @@ def score_on_ray(
 @recorded_task(
     name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
 )
-def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0) -> StageResult:
+def reward(
+    batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0, keep_extras: bool = False
+) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
 
-    ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`)."""
+    ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`). ``keep_extras`` (validation)
+    adds each response's extras as the ``reward_extras`` column, as the rollout service returns them when it scores."""
     inputs = (
         non_tensor_column(batch, "data_source"),
         decode_responses(batch, tokenizer),
@@ -108,11 +132,13 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
         custom_scorer,
     )
     uids = non_tensor_column(batch, "uid")
+    # a step cached before rows carried extra_info has none
+    extra_infos = non_tensor_column(batch, "extra_info") if "extra_info" in batch.keys() else None
     try:
         scores, extras = (
-            score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids)
+            score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids, extra_infos=extra_infos)
             if ray_chunks
-            else score_responses(*inputs, prompt_ids=uids)
+            else score_responses(*inputs, prompt_ids=uids, extra_infos=extra_infos)
         )
     except ScorerFailed as error:
         context = TaskRunContext.get()
@@ -120,6 +146,21 @@ def reward(batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunk
             raise
         raise type(error)(f"{error} in {context.task_run.name}") from None
     token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
-    return StageResult(
-        TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size), extra_means(extras)
-    )
+    fields = TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size)
+    if keep_extras:
+        with_non_tensor_columns(fields, {"reward_extras": response_extras(extras, len(scores))})
+    return StageResult(fields, extra_means(extras))
+
+
+def response_extras(extras: dict[str, list], count: int) -> list[dict]:
+    """The extras of each of ``count`` responses, from one list per extra (as the rollout service returns them). A
+    response scored ``error_score`` reported only :data:`~ppoflow.algorithms.scoring.SCORER_ERRORS`, so an extra
+    with a value for each of the others belongs to those, in order; one that fits neither way is left out."""
+    failed = extras.get(SCORER_ERRORS, [0.0] * count)
+    scored = [row for row in range(count) if not failed[row]]
+    found: list[dict] = [{} for _ in range(count)]
+    for name, values in extras.items():
+        rows = range(count) if len(values) == count else scored if len(values) == len(scored) else []
+        for row, value in zip(rows, values):
+            found[row][name] = value
+    return found

@@ -300,4 +300,60 @@ def model_config(path):
     from ppoflow.configs.schema import ModelConfig
 
     return ModelConfig(path=str(path), tokenizer_path=None, trust_remote_code=False, dtype="float32",
-                       enable_gradient_checkpointing=False, build=None)  # fmt: skip
+                       enable_gradient_checkpointing=False, use_remove_padding=False, build=None, lora_rank=0,
+                       lora_alpha=16, target_modules="all-linear", lora_adapter_path=None)  # fmt: skip
+
+
+# --- root, cache: a step cache for tests/test_step_cache*.py (tests/step_cache_helpers.py) -------
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    from ppoflow.storage.step_cache import config_dir
+    from tests.step_cache_helpers import CONFIG
+
+    return config_dir(str(tmp_path / "dump"), **CONFIG)
+
+
+@pytest.fixture
+def cache(root: str):
+    from ppoflow.storage.step_cache import StepCache
+
+    return StepCache(root, write_retries=2, retry_backoff_s=0)
+
+
+# --- tool_folder, specs: the test tools of tests/test_tools*.py (tests/tools_helpers.py) ---------
+
+
+@pytest.fixture(scope="module")
+def tool_folder(tmp_path_factory):
+    """A folder with the test tools (tools.py) and their config (tools.yaml)."""
+    import yaml
+
+    from tests.tools_helpers import TOOL_FUNCTIONS, TOOLS
+
+    folder = tmp_path_factory.mktemp("tools")
+    (folder / "tools.py").write_text(TOOL_FUNCTIONS)
+    (folder / "tools.yaml").write_text(yaml.safe_dump({"tools": TOOLS}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def specs(tool_folder):
+    from ppoflow.workers.service.tool_config import load_tool_config
+
+    return load_tool_config(str(tool_folder / "tools.yaml"))
+
+
+@pytest.fixture
+def prompts(cfg):
+    """Three prompts of the training set of the test module's ``cfg``, as a worker's ``generate`` takes them."""
+    from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
+    from ppoflow.workers.models import load_tokenizer
+
+    ensure_datasets(cfg.data)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
+    return dataset.batch([0, 1, 2], ["a", "b", "c"], tokenizer.pad_token_id).exclude(
+        "uid", "data_source", "ground_truth"
+    )

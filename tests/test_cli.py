@@ -23,8 +23,8 @@ import pytest
 
 from ppoflow.flows.cli import main
 from ppoflow.storage.step_cache import StepCache, config_dir
-from tests.test_preflight import assert_user_error, run_cli
-from tests.test_step_cache import make_batch
+from tests.preflight_helpers import assert_user_error, run_cli
+from tests.step_cache_helpers import make_batch
 
 HEAVY = ("torch", "prefect", "ray", "transformers")
 

@@ -203,6 +203,21 @@ RANGES = [
         [2],
         ASYNC_GPUS,
     ),
+    # LoRA, and the token budgets of dynamic batch sizes (their rule against the sequence length: test_packing)
+    Rule("actor_rollout_ref.model.lora_rank", [(-1, ">= 0 (got -1)")], [0, 1]),
+    Rule("actor_rollout_ref.model.lora_alpha", [(0, "greater than 0 (got 0)")], [1]),
+    Rule(
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        [(0, ">= 1")],
+        [1],
+        (
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1",
+        ),
+    ),
+    Rule("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", [(0, ">= 1")], [1]),
+    Rule("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", [(0, ">= 1")], [1]),
+    Rule("critic.forward_max_token_len_per_gpu", [(0, ">= 1")], [1]),
     Rule("ray.num_cpus", [(0, ">= 1"), (1.5, "Input should be a valid integer (got 1.5)")], [1]),
     Rule("skip.rollout.steps", [("[1,0]", ">= 1 (got 0)")], ["[1]"], ("skip.rollout.enable=true",)),
     Rule("skip.rollout.timeout_s", [(0.0, "greater than 0 (got 0.0)")], [0.001]),
@@ -212,6 +227,7 @@ RANGES = [
 OPEN = {
     "custom_reward_function.timeout_score": "a score in the reward's own units: any finite number "
     "(a penalty may be negative)",
+    "custom_reward_function.error_score": "a score in the reward's own units, as timeout_score",
 }
 """Numeric keys whose every finite value is valid, and why (a non-finite float is refused for every key)."""
 
@@ -324,7 +340,7 @@ def test_every_numeric_field_has_its_range_tried():
 def test_the_command_line_refuses_it_before_ray_starts(capsys, monkeypatch, tmp_path, key, value):
     import ray
 
-    from tests.test_preflight import assert_user_error, run_cli
+    from tests.preflight_helpers import assert_user_error, run_cli
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started for a config that does not load")
@@ -337,7 +353,7 @@ def test_the_command_line_refuses_it_before_ray_starts(capsys, monkeypatch, tmp_
 
 @pytest.mark.reliability
 def test_ppoflow_config_lists_every_out_of_range_key(capsys):
-    from tests.test_preflight import assert_user_error, run_cli
+    from tests.preflight_helpers import assert_user_error, run_cli
 
     code, stderr = run_cli(
         capsys, "config", "data.seed=-1", "actor_rollout_ref.actor.clip_ratio_low=1.0", "skip.rollout.steps=[0]"

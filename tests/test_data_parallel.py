@@ -130,3 +130,38 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
     with pytest.raises(CheckpointError, match="checksum"):
         ActorWorker(cfg_one).load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
+
+
+@pytest.mark.slow  # another start of every worker (~80 s on 2 busy cores); the cut is unit-tested in test_packing
+def test_two_ranks_cut_by_tokens_and_packed_train_as_one(ray_local, overrides, batch):
+    """Dynamic bsz (micro-batches of at most 24 tokens, each rank as many as the one needing most) and packed
+    sequences: W=2 gives W=1's log-probs, values, own old log-probs and update metrics."""
+    words = overrides + [
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "critic.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24",
+        "critic.ppo_max_token_len_per_gpu=24",
+    ]
+    cfg_one = load_config("grpo_tiny", words)
+    cfg_two = load_config("grpo_tiny", words + ["trainer.n_cpu_ranks_per_node=2"])
+    actor, critic = ActorWorker(cfg_one), CriticWorker(cfg_one)
+    log_probs = actor.compute_log_prob(batch)["log_probs"]
+    batch["values"] = critic.compute_values(batch)["values"]
+    expected, expected_critic = actor.update(batch, step=1), critic.update(batch, step=1)
+    workers = start_workers(cfg_two)
+    try:
+        mask = batch["response_mask"]
+        torch.testing.assert_close(
+            workers.actor.compute_log_prob(batch)["log_probs"][mask], log_probs[mask], **TOLERANCE
+        )
+        torch.testing.assert_close(workers.critic.compute_values(batch)["values"], batch["values"], **TOLERANCE)
+        result, critic_metrics = workers.actor.update(batch, step=1), workers.critic.update(batch, step=1)
+    finally:
+        workers.shutdown()
+    torch.testing.assert_close(
+        result.fields["old_log_probs"][mask], expected.fields["old_log_probs"][mask], **TOLERANCE
+    )
+    for name, value in {**expected.metrics, **expected_critic}.items():
+        got = result.metrics.get(name, critic_metrics.get(name))
+        assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (name, got, value)

@@ -109,6 +109,14 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
     ):
         assert name in rows[-1], name
     assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]  # adaptive
+    # each role process's peak resident memory in the step (a torch process holds more than 50 MiB), the node's
+    # memory in use as verl reports it from the actor, and no GPU figures on a CPU run
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    for row in rows:
+        for role in ("actor", "ref", "critic"):  # the rollout is the actor's worker (colocated)
+            assert 0.05 < row[f"perf/{role}/max_rss_gb"] < total, role
+        assert row["perf/actor/max_rss_gb"] < row["perf/cpu_memory_used_gb"] < total
+        assert not any("rollout" in name or "max_memory_" in name for name in row if name.startswith("perf/"))
 
 
 @pytest.mark.slow

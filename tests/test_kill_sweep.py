@@ -151,8 +151,8 @@ def test_a_killed_async_run_trains_every_prompt_once(prefect_api, ray_local, tin
     """colocate_async killed at ``moment`` and resumed: of the steps that count (a step trained again after
     the kill replaces the killed run's), no prompt is trained twice, and every prompt fed is trained or
     still in the buffer at the end. The ledger mode writes down what each step trains."""
+    from tests.async_modes_helpers import LEDGER_MODE
     from tests.conftest import small_run
-    from tests.test_async_modes import LEDGER_MODE
 
     log = tmp_path / "ledger.jsonl"
     name = f"ledger_async_{ASYNC_MOMENTS.index(moment)}"  # a mode name per file: one process runs every case

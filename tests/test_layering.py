@@ -1,19 +1,6 @@
-"""The house stays layered: every module imports only from its own folder or folders below it, and no
-module imports itself back through a circle of imports (function-level imports included).
-
-The layers, top to bottom::
-
-    flows       orchestration: the training flow, trainer modes, checkpointing, CLI, replay, deployments
-    tasks       Prefect tasks, one per stage, and the stage declarations
-    workers     long-lived Ray actors and the engines they hold
-    data        prompt datasets and the prompt loader
-    configs     the typed config schema, its rules and its loader
-    storage     fsspec helpers, the step batch and its codec, the step cache, checkpoints
-    algorithms  pure math: advantages, losses, KL, rollout correction, reward scorers
-
-Third-party frameworks stay in their layers too: Prefect only in tasks/ and flows/ (orchestration), Ray only in
-workers/ (the actors and the launcher that starts them).
-"""
+"""The house stays layered: every module imports only from its own folder or folders below it, no module
+imports itself back through a circle of imports (function-level imports included), and Prefect and Ray stay in
+their layers. The layers and what each holds: docs/architecture.md, "The layering"."""
 
 from __future__ import annotations
 

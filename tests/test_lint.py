@@ -19,16 +19,24 @@ def test_ruff_finds_nothing(command):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def python_files(*skip: str) -> list[Path]:
+    """The repository's .py files, outside .venv, hidden folders and the top-level folders in ``skip``."""
+    return [
+        path
+        for path in sorted(ROOT.rglob("*.py"))
+        if (relative := path.relative_to(ROOT)).parts[0] not in (".venv", *skip)
+        and not any(part.startswith(".") for part in relative.parts)
+    ]
+
+
 MAX_MODULE_DOCSTRING_LINES = 12
 
 
 def test_module_docstrings_are_short():
     """A module docstring says what the module is and why it exists; the essays live in docs/."""
     offenders = []
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in python_files("tests"):
         relative = path.relative_to(ROOT)
-        if relative.parts[0] in (".venv", "tests") or any(part.startswith(".") for part in relative.parts):
-            continue
         docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
         if docstring is not None and len(docstring.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
             offenders.append(f"{relative}: {len(docstring.splitlines())} lines")
@@ -36,3 +44,15 @@ def test_module_docstrings_are_short():
         f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the details to docs/ and point there):\n"
         + "\n".join(offenders)
     )
+
+
+MAX_FILE_LINES = 400
+
+
+def test_no_python_file_is_over_400_lines():
+    """No source file, tests included, is over 400 lines: a longer one is split by topic (shared test helpers go
+    to a tests/<topic>_helpers.py or tests/conftest.py)."""
+    lengths = {path.relative_to(ROOT): len(path.read_text(encoding="utf-8").splitlines()) for path in python_files()}
+    assert Path("tests/test_lint.py") in lengths and Path("flows/cli.py") in lengths  # tests included
+    offenders = [f"{name}: {count} lines" for name, count in lengths.items() if count > MAX_FILE_LINES]
+    assert not offenders, f"files over {MAX_FILE_LINES} lines (split them by topic):\n" + "\n".join(offenders)

@@ -3,8 +3,9 @@ naming the samples or the mini-batch; ``skip`` drops the update with a warning, 
 ``training/nonfinite_skipped`` and goes on, without touching the trainer's state; a run whose every update was
 dropped does not end as a success.
 
-The runs plant NaN and inf rewards with a custom reward function (finite on the first train row, which preflight
-scores); the Learner tests plant non-finite advantages.
+The runs plant inf rewards with a custom reward function that returns finite scores beyond float32 (a non-finite
+score scores custom_reward_function.error_score instead: tests/test_scoring_failures.py), finite on the first
+train row, which preflight scores; the Learner tests plant non-finite advantages.
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ from ppoflow.workers.training.learner import Learner
 pytestmark = pytest.mark.reliability
 
 SCORERS = """
-import math
+BEYOND_FLOAT32 = 1e39  # finite, so a score; inf as a float32 reward
 
 def inf(data_source, solution_str, ground_truth, extra_info=None):  # the right answer only (preflight's) scores 1
-    return 1.0 if solution_str == ground_truth else math.inf
+    return 1.0 if solution_str == ground_truth else BEYOND_FLOAT32
 
-def some_nan(data_source, solution_str, ground_truth, extra_info=None):  # the prompts whose answer starts 0 or 1
-    return math.nan if ground_truth[0] in "01" else 0.5
+def some_inf(data_source, solution_str, ground_truth, extra_info=None):  # the prompts whose answer starts 0 or 1
+    return BEYOND_FLOAT32 if ground_truth[0] in "01" else 0.5
 
 def some_minus_inf(data_source, solution_str, ground_truth, extra_info=None):
-    return -math.inf if ground_truth[0] in "01" else 0.5
+    return -BEYOND_FLOAT32 if ground_truth[0] in "01" else 0.5
 
 def huge(data_source, solution_str, ground_truth, extra_info=None):  # finite, but a group's sum overflows float32
     return 3.0e38
@@ -115,12 +116,12 @@ def test_skipping_every_update_keeps_the_initial_policy_and_still_fails(tiny_ove
 
 
 def test_skipped_steps_are_counted_and_the_run_trains_on_and_resumes(tiny_overrides, scorers):
-    """NaN rewards at steps 2 and 3 (of 4): those updates are dropped, steps 1 and 4 train, the run succeeds;
+    """inf rewards at steps 2 and 3 (of 4): those updates are dropped, steps 1 and 4 train, the run succeeds;
     resumed from its step-4 checkpoint it goes on to step 7 (5 and 6 dropped too, 7 trained)."""
     words = run_words(
         tiny_overrides,
         scorers,
-        "some_nan",
+        "some_inf",
         "trainer.nonfinite=skip",
         "trainer.save_freq=2",
         "trainer.total_training_steps=4",

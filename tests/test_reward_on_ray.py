@@ -27,6 +27,11 @@ def counted_failure(data_source, solution_str, ground_truth, extra_info=None):
         calls.write(".")
     raise RuntimeError("the judge is down")
 
+def by_info(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 1:
+        raise KeyError("judge_url")
+    return float(extra_info["index"])
+
 def counted_hang(data_source, solution_str, ground_truth, extra_info=None):
     import time
     with open(__file__ + ".calls", "a") as calls:
@@ -45,6 +50,16 @@ def test_a_custom_scorer_process_on_ray_scores_as_in_the_flow(prefect_api, ray_l
         state = score_on_ray(sources, solutions, truths, scorer, chunks=2, return_state=True)
         assert state.is_completed(), state
         assert state.result() == score_responses(sources, solutions, truths, scorer)
+
+
+def test_extra_info_and_error_score_travel_to_ray_workers(prefect_api, ray_local, tmp_path):
+    (tmp_path / "scorers.py").write_text(SCORERS)
+    infos = [{"index": index} for index in range(5)]
+    sources, solutions, truths = ["my/task"] * 5, ["1"] * 5, ["1"] * 5
+    with ScorerProcess(str(tmp_path / "scorers.py"), "by_info", timeout_s=60, error_score=-1.0) as scorer:
+        state = score_on_ray(sources, solutions, truths, scorer, chunks=2, extra_infos=infos, return_state=True)
+        assert state.is_completed(), state
+        assert state.result() == ([0.0, -1.0, 2.0, 3.0, 4.0], {"scorer_errors": [0.0, 1.0, 0.0, 0.0, 0.0]})
 
 
 def failure_of(state, kind: type[Exception]) -> str:

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 from ppoflow.flows.stages import StepData
+from tests.async_modes_helpers import run_overrides
 from tests.flow_runs import task_runs_by_name
-from tests.test_async_modes import run_overrides
 
 
 def test_a_rounds_label():

@@ -1,27 +1,26 @@
-"""Rule-based reward scorers, their choice by data_source, custom scorers from config, and scorers that fail
-or hang: in the trainer, in a scorer process, and in a run."""
+"""Rule-based reward scorers, their choice by data_source (prefix families too), and custom scorers from config,
+in process and in a scorer process, with each row's extra_info; rows whose reward_model.style is not rule. Scorers
+that fail: tests/test_scoring_failures.py, that hang: tests/test_scoring_timeouts.py; the math and QA scorers:
+tests/test_math_scoring.py."""
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 import sys
-from pathlib import Path
 
 import pytest
 
+from ppoflow.algorithms.math_scoring import gsm8k_score, math_dapo_score, math_verify_score, qa_em_score
 from ppoflow.algorithms.scoring import (
-    ScorerFailed,
-    ScorerTimedOut,
+    BUILTIN_SCORERS,
     copy_score,
-    gsm8k_score,
     load_custom_scorer,
     score_responses,
     scorer_for,
     vault_score,
 )
-from ppoflow.storage import bounded
+from ppoflow.configs import ConfigError
+from ppoflow.data.datasets import read_prompt_rows, write_rows
 from ppoflow.workers.service.scorer_process import ScorerProcess
 
 # ------------------------------------------------------------------------------------- copy
@@ -132,14 +131,121 @@ def test_unknown_data_source():
     with pytest.raises(ValueError) as caught:
         score_responses(["synthetic/copy", "my/task"], ["1", "2"], ["1", "2"])
     assert str(caught.value) == (
-        "no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, "
-        "synthetic/vault, openai/gsm8k; or set custom_reward_function.path"
+        "no reward scorer for data_source 'my/task'; built-ins: synthetic/copy, synthetic/vault, openai/gsm8k, "
+        "lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, math_dapo, math, "
+        "math_dapo_reasoning, aime*, numina_*, searchR1_* (a * ends a family of names); or set "
+        "custom_reward_function.path"
     )
     assert scorer_for("synthetic/copy", None) is copy_score
     assert scorer_for("openai/gsm8k", None) is gsm8k_score
     custom = lambda *args, **kwargs: 0.0  # noqa: E731
     assert scorer_for("my/task", custom) is custom
     assert scorer_for("synthetic/copy", custom) is custom
+
+
+@pytest.mark.parametrize(
+    "source, scorer",
+    [
+        ("aime2024", math_dapo_score),  # verl: data_source.startswith("aime")
+        ("aime", math_dapo_score),
+        ("math", math_dapo_score),  # an exact name
+        ("numina_olympiads", math_verify_score),
+        ("numina_cn_k12", math_verify_score),
+        ("searchR1_nq", qa_em_score),
+        ("searchR1_hotpotqa", qa_em_score),
+        ("openai/gsm8k", gsm8k_score),
+    ],
+)
+def test_builtin_scorers_by_name_and_family(source, scorer):
+    assert BUILTIN_SCORERS[source] is scorer and source in BUILTIN_SCORERS
+    assert scorer_for(source, None) is scorer
+
+
+@pytest.mark.parametrize("source", ["aim", "numina", "maths", "searchr1_nq", "openai/gsm8k2", "xaime2024", None])
+def test_a_name_outside_every_family_has_no_builtin_scorer(source):
+    assert source not in BUILTIN_SCORERS and BUILTIN_SCORERS.get(source) is None
+    with pytest.raises(ValueError, match="^no reward scorer for data_source"):
+        scorer_for(source, None)
+
+
+# ------------------------------------------------------------------------------- extra_info
+
+SEEING_SCORERS = """
+def four(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float((extra_info or {}).get("index", -1)), "has_info": float(extra_info is not None)}
+
+def three(data_source, solution_str, ground_truth):
+    return float(solution_str == ground_truth)
+
+def keywords(data_source, solution_str, ground_truth, **kwargs):
+    return float(kwargs["extra_info"]["index"])
+"""
+
+
+def test_extra_info_reaches_scorers_of_either_signature_in_process_and_in_a_scorer_process(tmp_path):
+    """verl calls ``compute_score(data_source, solution_str, ground_truth, extra_info)``; a scorer that takes only
+    the first three (which verl also accepts) is called with those."""
+    path = tmp_path / "seeing.py"
+    path.write_text(SEEING_SCORERS)
+    infos = [{"split": "train", "index": 3}, {"split": "train", "index": 5, "tools_kwargs": {"vault": {"key": "1"}}}]
+    sources, solutions, truths = ["my/task"] * 2, ["12", "1"], ["12", "12"]
+    expected = {
+        "four": ([3.0, 5.0], {"has_info": [1.0, 1.0]}),
+        "three": ([1.0, 0.0], {}),
+        "keywords": ([3.0, 5.0], {}),
+    }
+    for name, result in expected.items():
+        in_process = score_responses(sources, solutions, truths, load_custom_scorer(str(path), name), None, infos)
+        with ScorerProcess(str(path), name, timeout_s=60) as scorer:
+            assert score_responses(sources, solutions, truths, scorer, extra_infos=infos) == result == in_process
+    missing = score_responses(["d"], ["x"], ["x"], load_custom_scorer(str(path), "four"))  # no extra_infos at all
+    assert missing == ([-1.0], {"has_info": [0.0]})
+
+
+def test_builtin_scorers_take_extra_info():
+    info = {"split": "test", "index": 0}
+    assert score_responses(
+        ["synthetic/copy", "openai/gsm8k"], ["12", "#### 7"], ["12", "7"], None, None, [info] * 2
+    ) == (
+        [1.0, 1.0],
+        {"exact": [1.0]},
+    )
+
+
+# -------------------------------------------------------------------------- reward_model.style
+
+
+@pytest.mark.parametrize("style", ["rule", None, "absent"])
+def test_rule_rows_and_rows_without_a_style_read(tmp_path, style):
+    reward_model = {"ground_truth": "12"} if style == "absent" else {"style": style, "ground_truth": "12"}
+    write_rows(str(tmp_path / "rows.jsonl"), [{"data_source": "d", "prompt": "12>", "reward_model": reward_model}])
+    rows = read_prompt_rows(str(tmp_path / "rows.jsonl"), _data(), key="data.train_files")
+    assert rows[0]["reward_model"]["ground_truth"] == "12"
+
+
+@pytest.mark.parametrize("style", ["model", "rules"])
+def test_a_row_whose_style_is_not_rule_is_refused_naming_it(tmp_path, style):
+    rows = [
+        {"data_source": "d", "prompt": "1>", "reward_model": {"style": "rule", "ground_truth": "1"}},
+        {"data_source": "d", "prompt": "2>", "reward_model": {"style": style, "ground_truth": "2"}},
+    ]
+    write_rows(str(tmp_path / "rows.parquet"), rows)
+    with pytest.raises(ConfigError) as caught:
+        read_prompt_rows(str(tmp_path / "rows.parquet"), _data(), key="data.val_files")
+    assert caught.value.problems == [
+        (
+            "data.val_files",
+            f"row 1 reward_model.style is {style!r}: ppoflow scores rows by rule (style 'rule', by data_source or "
+            "custom_reward_function); a reward model (style 'model') is not implemented yet",
+        )
+    ]
+
+
+def _data():
+    """The defaults' data section (only ``prompt_key`` matters to reading rows)."""
+    from ppoflow.configs import load_config
+
+    return load_config("grpo_tiny", ["data.train_files=unused.parquet"]).data
 
 
 # ---------------------------------------------------------------------------- custom scorers
@@ -232,60 +338,6 @@ def test_missing_or_uncallable_function(scorer_module, tmp_path):
     assert str(caught.value) == f"{str(path)!r} has no callable 'absent'"
 
 
-# ------------------------------------------------------------------------ scorers that fail
-
-BAD_SCORERS = """
-import os
-
-def raises(data_source, solution_str, ground_truth, extra_info=None):
-    raise KeyError("judge_url")
-
-def returns_text(data_source, solution_str, ground_truth, extra_info=None):
-    return "1.0"
-
-def no_score(data_source, solution_str, ground_truth, extra_info=None):
-    return {"accuracy": 1.0}
-
-def exits_on_the_second(data_source, solution_str, ground_truth, extra_info=None):
-    if solution_str == "second":
-        os._exit(3)
-    return 0.5
-"""
-
-
-@pytest.mark.reliability
-@pytest.mark.parametrize(
-    "result, message",
-    [
-        ("1.0", "returned a str ('1.0'), not a number or a dict with a number under 'score'"),
-        (None, "returned None, not a number"),
-        ({"accuracy": 1.0}, "returned a dict without 'score' (keys: 'accuracy')"),
-        ({"score": 1.0, "note": "ok"}, "returned a dict whose 'note' is a str ('ok')"),
-    ],
-)
-def test_a_return_that_is_not_a_score_names_the_scorer_and_the_response(result, message):
-    def judge(data_source, solution_str, ground_truth, extra_info=None):
-        return result
-
-    with pytest.raises(ScorerFailed) as caught:
-        score_responses(["my/task"], ["x"], ["y"], custom=judge, prompt_ids=["3-1"])
-    assert str(caught.value).startswith(
-        f"the custom scorer 'test_a_return_that_is_not_a_score_names_the_scorer_and_"
-        f"the_response.<locals>.judge' {message}"
-    )
-    assert str(caught.value).endswith("while scoring a response to prompt '3-1' (data source 'my/task')")
-
-
-@pytest.mark.reliability
-def test_a_builtin_scorer_that_raises_is_a_scorer_failure():
-    with pytest.raises(
-        ScorerFailed,
-        match=r"^the built-in scorer copy_score raised TypeError: .* while scoring "
-        r"response 1 \(data source 'synthetic/copy'\)$",
-    ):
-        score_responses(["synthetic/copy", "synthetic/copy"], ["1", "2"], ["1", 2])
-
-
 def test_a_scorer_process_scores_as_the_scorer_does_in_process(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(MODULE_TEXT)
@@ -299,186 +351,3 @@ def test_a_scorer_process_scores_as_the_scorer_does_in_process(tmp_path):
         child = scorer._sandbox.process.pid
         assert child != os.getpid() and scorer("d", "s", "t")["score"] == 7.0
         assert scorer._sandbox.process.pid == child  # one long-lived process for every call
-
-
-@pytest.mark.reliability
-def test_a_scorer_process_reports_what_its_scorer_did(tmp_path):
-    path = tmp_path / "bad_reward.py"
-    path.write_text(BAD_SCORERS)
-    expected = {
-        "raises": "raised KeyError: 'judge_url'",
-        "returns_text": "returned a str ('1.0'), not a number or a dict with a number under 'score'",
-        "no_score": "returned a dict without 'score' (keys: 'accuracy'), not a number or a dict with a number "
-        "under 'score'",
-        "absent": f"cannot be loaded: {str(path)!r} has no callable 'absent'",
-    }
-    for name, message in expected.items():
-        with ScorerProcess(str(path), name, timeout_s=60) as scorer, pytest.raises(ScorerFailed) as caught:
-            score_responses(["my/task"], ["x"], ["y"], scorer, prompt_ids=["2-0"])
-        assert str(caught.value) == (
-            f"the custom scorer '{path}:{name}' {message} while scoring a response to "
-            "prompt '2-0' (data source 'my/task')"
-        )
-    with ScorerProcess(str(path), "exits_on_the_second", timeout_s=60) as scorer:
-        with pytest.raises(ScorerFailed) as caught:
-            score_responses(["my/task"] * 2, ["first", "second"], ["t", "t"], scorer, prompt_ids=["5-0", "5-1"])
-        assert str(caught.value) == (
-            f"the custom scorer '{path}:exits_on_the_second' crashed: its process exited "
-            "with code 3 while scoring a response to prompt '5-1' (data source 'my/task')"
-        )
-        assert scorer("my/task", "first", "t") == {"score": 0.5}  # a fresh process took the dead one's place
-
-
-@pytest.mark.reliability
-def test_a_run_whose_scorer_exits_the_process_fails_naming_it(tmp_path, tiny_overrides):
-    """The scorer passes the preflight and step 1, then ends its process while step 2 is scored: the run fails
-    with a message naming the scorer, the prompt (uid ``2-*``: step 2) and its data source."""
-    from ppoflow.configs import load_config
-    from ppoflow.flows.train import train
-
-    calls = tmp_path / "calls"
-    (tmp_path / "my_reward.py").write_text(
-        "import os\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        f"    with open({str(calls)!r}, 'a') as calls:\n"
-        "        calls.write('.')\n"
-        f"    if os.path.getsize({str(calls)!r}) > 1 + 16:  # the preflight's row, then step 1's 4 x 4 responses\n"
-        "        os._exit(3)\n"
-        "    return float(solution_str == ground_truth)\n"
-    )
-    cfg = load_config(
-        "grpo_tiny",
-        tiny_overrides
-        + [f"custom_reward_function.path={tmp_path}/my_reward.py", "trainer.test_freq=0", "trainer.save_freq=0"],
-    )
-    with pytest.raises(ScorerFailed) as caught:
-        train(cfg, orchestrated=False)
-    assert str(caught.value).startswith(
-        f"the custom scorer '{tmp_path}/my_reward.py:compute_score' crashed: its "
-        "process exited with code 3 while scoring a response to prompt '2-"
-    )
-    assert str(caught.value).endswith("(data source 'synthetic/copy')")
-
-
-# ---------------------------------------------------------------------------- scorers that hang
-
-HANGING_SCORER = """
-import os
-import time
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    with open(f"{__file__}.{solution_str}.pid", "w") as pid:
-        pid.write(str(os.getpid()))
-    if solution_str == "hang":
-        time.sleep(10**9)
-    return {"score": 1.0, "length": len(solution_str)}
-"""
-
-
-@pytest.fixture
-def hanging_scorer(tmp_path):
-    """A scorer file whose ``compute_score`` sleeps forever on the response ``hang``; each call writes its
-    process id to ``<file>.<response>.pid``."""
-    path = tmp_path / "slow_reward.py"
-    path.write_text(HANGING_SCORER)
-    return path
-
-
-def hung_process_is_gone(scorer_file) -> bool:
-    """Whether the process that scored the response ``hang`` is gone (not even a zombie is left)."""
-    pid = int(Path(f"{scorer_file}.hang.pid").read_text())
-    return not os.path.exists(f"/proc/{pid}")
-
-
-@pytest.mark.reliability
-def test_a_scorer_call_past_its_deadline_kills_the_process_and_fails_naming_the_sample(hanging_scorer):
-    with ScorerProcess(str(hanging_scorer), "compute_score", timeout_s=1) as scorer:
-        with pytest.raises(ScorerTimedOut) as caught:
-            score_responses(["my/task"] * 2, ["ok", "hang"], ["t", "t"], scorer, prompt_ids=["4-0", "4-1"])
-        assert str(caught.value) == (
-            f"the custom scorer '{hanging_scorer}:compute_score' did not return within "
-            "custom_reward_function.timeout_s=1 s (its process was killed) while scoring a "
-            "response to prompt '4-1' (data source 'my/task')"
-        )
-        assert hung_process_is_gone(hanging_scorer)
-        assert scorer("my/task", "ok", "t") == {"score": 1.0, "length": 2.0}  # a fresh process scores the next one
-
-
-@pytest.mark.reliability
-def test_on_timeout_score_gives_the_timeout_score_counts_it_and_reports_the_stall(hanging_scorer, caplog, monkeypatch):
-    monkeypatch.setattr(bounded, "REPORT_EVERY_S", 0.2)  # report the stall within the 1 s deadline
-    with (
-        ScorerProcess(
-            str(hanging_scorer), "compute_score", timeout_s=1, on_timeout="score", timeout_score=-0.5
-        ) as scorer,
-        caplog.at_level(logging.WARNING),
-    ):
-        scores, extras = score_responses(
-            ["my/task"] * 3, ["ok", "hang", "fine"], ["t"] * 3, scorer, prompt_ids=["3-0", "3-1", "3-2"]
-        )
-        assert scores == [1.0, -0.5, 1.0]
-        assert extras == {"length": [2.0, 4.0], "scorer_timeouts": [0.0, 1.0, 0.0]}
-        assert hung_process_is_gone(hanging_scorer)
-    sample = "a response to prompt '3-1' (data source 'my/task')"
-    stalls = [record.getMessage() for record in caplog.records if "has been scoring" in record.getMessage()]
-    assert stalls and all(
-        re.fullmatch(
-            rf"the custom scorer '{re.escape(str(hanging_scorer))}:compute_score' has been "
-            rf"scoring {re.escape(sample)} for \d+ s \(custom_reward_function.timeout_s=1\)",
-            message,
-        )
-        for message in stalls
-    )
-    assert (
-        f"the custom scorer '{hanging_scorer}:compute_score' did not return within custom_reward_function."
-        f"timeout_s=1 s (its process was killed) while scoring {sample}: it scores custom_reward_function."
-        "timeout_score=-0.5 (on_timeout=score)"
-    ) in caplog.messages
-
-
-@pytest.mark.reliability
-@pytest.mark.parametrize("on_timeout", ["fail", "score"])
-def test_a_run_whose_scorer_hangs_fails_naming_it_or_scores_on(tmp_path, tiny_overrides, on_timeout):
-    """The scorer passes the preflight, then sleeps forever on its next call, the first response of step 1: with
-    ``on_timeout=fail`` the run fails naming the key, the prompt and its data source; with ``score`` both steps
-    train and ``reward/scorer_timeouts`` counts the one timeout. The hung process is gone either way."""
-    from ppoflow.configs import load_config
-    from ppoflow.flows.tracking import read_metrics
-    from ppoflow.flows.train import train
-
-    calls = tmp_path / "calls"
-    (tmp_path / "my_reward.py").write_text(
-        "import os\n"
-        "import time\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        f"    with open({str(calls)!r}, 'a') as calls:\n"
-        "        calls.write('.')\n"
-        f"    if os.path.getsize({str(calls)!r}) == 2:  # the preflight's row, then the first response of step 1\n"
-        "        open(__file__ + '.hang.pid', 'w').write(str(os.getpid()))\n"
-        "        time.sleep(10**9)\n"
-        "    return float(solution_str == ground_truth)\n"
-    )
-    cfg = load_config(
-        "grpo_tiny",
-        tiny_overrides
-        + [
-            f"custom_reward_function.path={tmp_path}/my_reward.py",
-            "custom_reward_function.timeout_s=1",
-            f"custom_reward_function.on_timeout={on_timeout}",
-            "trainer.test_freq=0",
-            "trainer.save_freq=0",
-        ],
-    )
-    if on_timeout == "fail":
-        with pytest.raises(ScorerTimedOut) as caught:
-            train(cfg, orchestrated=False)
-        assert str(caught.value) == (
-            f"the custom scorer '{tmp_path}/my_reward.py:compute_score' did not return "
-            "within custom_reward_function.timeout_s=1 s (its process was killed) while "
-            "scoring a response to prompt '1-0' (data source 'synthetic/copy')"
-        )
-    else:
-        train(cfg, orchestrated=False)
-        rows = read_metrics(cfg.trainer.default_local_dir)
-        assert [row["reward/scorer_timeouts"] for row in rows] == [1.0, 0.0]
-    assert hung_process_is_gone(tmp_path / "my_reward.py")

@@ -1,97 +1,24 @@
-"""Tests of the step cache's store (storage/step_cache/) and its fsspec helpers (storage/fs.py).
-
-They start from verl's skip tests (layout, valid-step scan, cache/repeat resolution) and add what
-verl leaves untested: commit markers, corruption, write failures, stage isolation, the V1 uid
-remapping and S3 listings seen from another process.
-"""
+"""The step cache's store (storage/step_cache/): verl's skip cases (layout, valid-step scan, cache/repeat
+resolution), its manifest, removal, stage isolation and the dump-wide scan. Damaged entries and write
+failures: tests/test_step_cache_damage.py; S3: tests/test_step_cache_s3.py; the uid remap:
+tests/test_step_cache_remap.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import pickle
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from tensordict import TensorDict
 
-from ppoflow.storage import fs as storage_fs
-from ppoflow.storage.batch import NON_TENSOR_FIELDS, non_tensor_column, with_non_tensor_columns
-from ppoflow.storage.step_cache import CacheCorrupt, CacheEntry, CacheWriteError, StepCache, config_dir, scan
+from ppoflow.storage.step_cache import CacheEntry, StepCache, config_dir, scan
 from ppoflow.storage.step_cache.manifest import STEP_MARKER, StepStatus, decode_manifest
 from ppoflow.storage.step_cache.store import encode_manifest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUCKET = "ppoflow-test"  # created by the s3_server fixture
-CONFIG = dict(experiment_name="ut_exp", project_name="ut_proj", gbs=4, n=2, max_prompt_length=8, max_response_length=16)
-CACHE_LOGGER = "ppoflow.storage.step_cache"
-
-
-def make_batch(uids: list[str], seed: int = 0, prompt_length: int = 3, response_length: int = 4) -> TensorDict:
-    """A small step batch with every rollout field; ``prompts[:, 0]`` holds the row number."""
-    rows = len(uids)
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, 1000, (rows, prompt_length), generator=generator)
-    prompts[:, 0] = torch.arange(rows)
-    first_seen = list(dict.fromkeys(uids))
-    batch = TensorDict(
-        {
-            "prompts": prompts,
-            "prompt_mask": torch.rand(rows, prompt_length, generator=generator) > 0.2,
-            "responses": torch.randint(0, 1000, (rows, response_length), generator=generator),
-            "response_mask": torch.rand(rows, response_length, generator=generator) > 0.2,
-            "rollout_log_probs": -torch.rand(rows, response_length, generator=generator),
-            "weight_version": torch.full((rows,), 3, dtype=torch.int64),
-            "group_index": torch.tensor([first_seen.index(uid) for uid in uids], dtype=torch.int64),
-        },
-        batch_size=[rows],
-    )
-    return with_non_tensor_columns(
-        batch,
-        {
-            "uid": uids,
-            "data_source": ["gsm8k" if row % 2 else "math" for row in range(rows)],
-            "ground_truth": [
-                {"answer": str(row), "steps": [row, seed]} if row % 2 else str(row) for row in range(rows)
-            ],
-        },
-    )
-
-
-def assert_same_batch(actual: TensorDict, expected: TensorDict) -> None:
-    assert set(actual.keys()) == set(expected.keys())
-    assert actual.batch_size == expected.batch_size
-    for name in expected.keys():
-        if name in NON_TENSOR_FIELDS:
-            assert non_tensor_column(actual, name) == non_tensor_column(expected, name), name
-        else:
-            assert actual[name].dtype == expected[name].dtype, name
-            assert torch.equal(actual[name], expected[name]), name
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> str:
-    return config_dir(str(tmp_path / "dump"), **CONFIG)
-
-
-@pytest.fixture
-def cache(root: str) -> StepCache:
-    return StepCache(root, write_retries=2, retry_backoff_s=0)
-
-
-def write_steps(cache: StepCache, steps: list[int]) -> None:
-    for step in steps:
-        cache.write(step, make_batch(["a", "a", "b", "b"], seed=step))
-
-
-def warnings_text(caplog: pytest.LogCaptureFixture) -> str:
-    return "\n".join(record.getMessage() for record in caplog.records if record.name.startswith(CACHE_LOGGER))
-
+from tests.step_cache_helpers import CONFIG, assert_same_batch, make_batch, write_steps
 
 # -- layout --------------------------------------------------------------------------------------
 
@@ -229,155 +156,6 @@ def test_only_canonical_integer_dirs_are_steps(cache: StepCache, root: str):
     (root_path / "4" / "0" / "meta.json").write_text('{"global_steps": 4}')
     assert cache.valid_steps() == [-3, 0, 1, 10]
     assert [status.step for status in cache.steps()] == [-3, 0, 1, 10]
-
-
-# -- damaged entries ------------------------------------------------------------------------------
-
-
-def assert_skipped(cache: StepCache, step: int, reason: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The entry reads invalid, both actions skip it with a warning naming its path, load refuses it."""
-    status = cache.status(step)
-    assert not status.valid
-    assert reason in status.reason
-    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        assert cache.resolve(step, "cache") is None
-        assert cache.resolve(step, "repeat") == 1  # falls back to the valid step 1
-    assert f"{cache.step_url(step)}: {status.reason}" in warnings_text(caplog)
-    assert step not in cache.valid_steps()
-    with pytest.raises(CacheCorrupt):
-        cache.load(step)
-
-
-def test_payload_without_marker_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFixture):
-    write_steps(cache, [1])
-    cache.write_payload(3, make_batch(["a", "a"]))  # a crash before the marker
-    assert_skipped(cache, 3, "missing meta.json", caplog)
-
-
-def test_truncated_payload_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFixture):
-    write_steps(cache, [1, 3])
-    payload = Path(cache.payload_url(3))
-    size = payload.stat().st_size
-    payload.write_bytes(payload.read_bytes()[:120])
-    assert_skipped(cache, 3, f"rollout.safetensors has 120 bytes, {size} recorded", caplog)
-
-
-def test_missing_payload_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFixture):
-    write_steps(cache, [1, 3])
-    Path(cache.payload_url(3)).unlink()
-    assert_skipped(cache, 3, "missing rollout.safetensors", caplog)
-
-
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "other_step", "other_stage"])
-def test_bad_marker_reads_invalid(cache: StepCache, caplog: pytest.LogCaptureFixture, damage: str):
-    write_steps(cache, [1, 3])
-    marker = Path(cache.marker_url(3))
-    manifest = json.loads(marker.read_bytes())
-    replacements = {
-        "garbage": b"\xff\xfe not json",
-        "truncated": marker.read_bytes()[:40],
-        "empty": b"",
-        "other_step": encode_manifest({**manifest, "global_steps": 4}),
-        "other_stage": encode_manifest({**manifest, "stage": "reward"}),
-    }
-    marker.write_bytes(replacements[damage])
-    reason = {"other_step": "global_steps 4", "other_stage": "stage 'reward'"}.get(damage, "unreadable meta.json")
-    assert_skipped(cache, 3, reason, caplog)
-
-
-def test_checksum_mismatch_with_same_size_fails_to_load(cache: StepCache):
-    write_steps(cache, [3])
-    payload = Path(cache.payload_url(3))
-    data = bytearray(payload.read_bytes())
-    data[-8:] = bytes(byte ^ 0xFF for byte in data[-8:])  # flip tensor bytes, keep the size
-    payload.write_bytes(bytes(data))
-    assert cache.status(3).valid  # the cheap check cannot see it...
-    with pytest.raises(CacheCorrupt, match="checksum") as raised:
-        cache.load(3)  # ...the load does
-    assert raised.value.path == cache.payload_url(3)
-
-
-def test_valid_steps_warns_about_each_invalid_dir(cache: StepCache, caplog: pytest.LogCaptureFixture):
-    write_steps(cache, [1, 2, 3])
-    Path(cache.marker_url(2)).write_bytes(b"{")
-    Path(cache.payload_url(3)).write_bytes(b"short")
-    with caplog.at_level(logging.WARNING, logger=CACHE_LOGGER):
-        assert cache.valid_steps() == [1]
-    text = warnings_text(caplog)
-    assert cache.step_url(2) in text and cache.step_url(3) in text
-
-
-# -- write failures -------------------------------------------------------------------------------
-
-
-def refuse_local_writes(monkeypatch: pytest.MonkeyPatch, should_fail) -> list[str]:
-    """Make LocalFileSystem.open raise OSError for writes to paths where ``should_fail(path)``."""
-    attempts: list[str] = []
-    original_open = LocalFileSystem.open
-
-    def open_or_fail(self, path, mode="rb", *args, **kwargs):
-        if "w" in mode and should_fail(path):
-            attempts.append(path)
-            raise OSError(28, "No space left on device")
-        return original_open(self, path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(LocalFileSystem, "open", open_or_fail)
-    return attempts
-
-
-def test_failing_payload_write_is_retried_then_raises(cache: StepCache, monkeypatch: pytest.MonkeyPatch):
-    attempts = refuse_local_writes(monkeypatch, lambda path: True)
-    with pytest.raises(CacheWriteError, match="3 attempts") as raised:
-        cache.write(4, make_batch(["a", "a"]))
-    assert raised.value.path == cache.payload_url(4)
-    assert len(attempts) == cache.write_retries + 1
-    assert not cache.status(4).valid
-    assert cache.valid_steps() == []
-    assert os.listdir(cache.step_url(4)) == []  # no temp file left behind
-
-
-def test_transient_write_failure_recovers(cache: StepCache, monkeypatch: pytest.MonkeyPatch):
-    attempts = refuse_local_writes(monkeypatch, lambda path: len(attempts) < 2)
-    cache.write(4, make_batch(["a", "a"]))
-    assert len(attempts) == 2
-    assert cache.valid_steps() == [4]
-
-
-def test_failing_marker_write_over_an_old_entry_leaves_it_invalid(cache: StepCache, monkeypatch: pytest.MonkeyPatch):
-    write_steps(cache, [4])
-    refuse_local_writes(monkeypatch, lambda path: "meta.json" in path)
-    with pytest.raises(CacheWriteError) as raised:
-        cache.write(4, make_batch(["x", "y"], seed=9))
-    assert raised.value.path == cache.marker_url(4)
-    assert cache.status(4).reason == "missing meta.json"  # the old marker went before the new payload
-    with pytest.raises(CacheCorrupt):
-        cache.load(4)
-
-
-def test_atomic_write_keeps_the_old_file_when_a_write_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    fs, path = storage_fs.open_fs(str(tmp_path / "dir" / "file.bin"))
-    storage_fs.atomic_write(fs, path, b"old")
-
-    def failing_fsync(fd):
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(OSError):
-        storage_fs.atomic_write(fs, path, b"new contents")
-    assert Path(path).read_bytes() == b"old"
-    assert os.listdir(tmp_path / "dir") == ["file.bin"]
-
-
-def test_step_cache_survives_pickling(cache: StepCache):
-    write_steps(cache, [1])
-    copy = pickle.loads(pickle.dumps(cache))  # as when shipped to a Ray worker
-    assert copy.valid_steps() == [1]
-
-
-def test_cache_errors_survive_pickling():
-    for error in (CacheCorrupt("s3://b/k", "bad"), CacheWriteError("s3://b/k", "full")):
-        copy = pickle.loads(pickle.dumps(error))
-        assert (type(copy), copy.path, copy.reason, str(copy)) == (type(error), "s3://b/k", error.reason, str(error))
 
 
 # -- remove and stages ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from ppoflow.storage.batch import non_tensor_column
 from ppoflow.storage.step_cache import remap_to_prompts
-from tests.test_step_cache import CACHE_LOGGER, make_batch, warnings_text
+from tests.step_cache_helpers import CACHE_LOGGER, make_batch, warnings_text
 
 
 def test_remap_reproduces_verls_worked_example(caplog: pytest.LogCaptureFixture):

@@ -11,7 +11,7 @@ import pytest
 import s3fs
 
 from ppoflow.storage.step_cache import CacheWriteError, StepCache, config_dir, scan
-from tests.test_step_cache import BUCKET, CONFIG, REPO_ROOT, assert_same_batch, make_batch, write_steps
+from tests.step_cache_helpers import BUCKET, CONFIG, REPO_ROOT, assert_same_batch, make_batch, write_steps
 
 CHILD_PROCESS = """
 import json, sys

@@ -8,7 +8,7 @@ import pytest
 
 from ppoflow.configs import ConfigError, load_config, reference_table
 from ppoflow.configs.verl_keys import RENAMED, UNSUPPORTED
-from tests.test_preflight import assert_user_error, run_cli
+from tests.preflight_helpers import assert_user_error, run_cli
 
 OUR_KEYS = set(re.findall(r"^\| `([^`]+)` \|", reference_table(), re.MULTILINE))
 TABLE = {**RENAMED, **UNSUPPORTED}
@@ -55,7 +55,7 @@ def test_every_entry_is_answered_in_one_round():
         ),
         ("reward_model.enable=false", "verl's key, not supported until reward models land"),
         ("trainer.device=cuda", "verl's key, not supported: the device follows the resources"),
-        ("actor_rollout_ref.model.use_remove_padding=True", "verl's key, planned, not supported yet"),
+        ("actor_rollout_ref.model.use_liger=True", "verl's key, not supported: models run on plain transformers"),
     ],
 )
 def test_the_command_line_answers_verls_keys_by_meaning(capsys, word, answer):

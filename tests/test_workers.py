@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ppoflow.configs import load_config
-from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
 from ppoflow.workers.models import load_tokenizer
 from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
 from ppoflow.workers.rollout.sampling import SamplingParams
@@ -17,16 +16,6 @@ from ppoflow.workers.training.policy import ActorWorker, ReferenceWorker
 @pytest.fixture
 def cfg(tiny_overrides):
     return load_config("grpo_tiny", tiny_overrides)
-
-
-@pytest.fixture
-def prompts(cfg):
-    ensure_datasets(cfg.data)
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-    dataset = load_prompt_dataset(cfg.data.train_files, cfg.data, tokenizer, key="data.train_files")
-    return dataset.batch([0, 1, 2], ["a", "b", "c"], tokenizer.pad_token_id).exclude(
-        "uid", "data_source", "ground_truth"
-    )
 
 
 def test_generate_returns_the_rollout_contract(cfg, prompts):

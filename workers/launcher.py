@@ -15,7 +15,7 @@ import uuid
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 from ppoflow.workers.resources import check_fits, ray_resources, role_resources, scoring_cpus
-from ppoflow.workers.roles import LocalRole, RayGroupRole, RayObjects, RayRole, Workers
+from ppoflow.workers.roles import ActorBaseRole, LocalRole, RayGroupRole, RayObjects, RayRole, Workers
 from ppoflow.workers.transport import send_batches_as_plain_values
 
 WORKER_ENV = {
@@ -104,7 +104,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     # group, so with several ranks no training role restarts.
     arr = cfg.actor_rollout_ref
     training = {"actor": (actor_worker_class(cfg), arr.actor.resources)}
-    if cfg.use_reference:
+    if cfg.use_reference and not cfg.ref_in_actor:
         training["ref"] = (ReferenceWorker, arr.ref.resources)
     if cfg.use_critic:
         training["critic"] = (CriticWorker, cfg.critic.resources)
@@ -141,6 +141,8 @@ def start_workers(cfg: PPOConfig) -> Workers:
         for role, group in groups.items()
     }
     roles_served.update({role: RayRole(handle, objects) for role, handle in handles.items()})
+    if cfg.ref_in_actor:
+        roles_served["ref"] = ActorBaseRole(roles_served["actor"])
     if cfg.colocated:
         roles_served["rollout"] = roles_served["actor"]
     if service is not None:
@@ -254,10 +256,13 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
     if cfg.data_parallel_size > 1:
         raise ValueError(f"{cfg.data_parallel_size} data-parallel ranks per training role need Ray")
     actor = LocalRole(actor_worker_class(cfg)(cfg))
+    ref = None
+    if cfg.use_reference:
+        ref = ActorBaseRole(actor) if cfg.ref_in_actor else LocalRole(ReferenceWorker(cfg))
     return Workers(
         rollout=actor if cfg.colocated else LocalRole(rollout_worker_class(cfg)(cfg)),
         actor=actor,
-        ref=LocalRole(ReferenceWorker(cfg)) if cfg.use_reference else None,
+        ref=ref,
         critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None,
         colocated=cfg.colocated,
         uses_ray=False,

@@ -18,7 +18,7 @@ def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
         roles[f"actor_rollout_ref.rollout ({replicas} replicas)"] = _scaled(rollout.resources, replicas)
     elif not cfg.colocated:
         roles["actor_rollout_ref.rollout"] = rollout.resources
-    if cfg.use_reference:
+    if cfg.use_reference and not cfg.ref_in_actor:
         roles[_times("actor_rollout_ref.ref", ranks, "ranks")] = _scaled(cfg.actor_rollout_ref.ref.resources, ranks)
     if cfg.use_critic:
         roles[_times("critic", ranks, "ranks")] = _scaled(cfg.critic.resources, ranks)

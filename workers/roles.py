@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ppoflow.workers.memory import MemoryReports, largest, memory_metrics
+
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
@@ -20,7 +22,17 @@ if TYPE_CHECKING:
     from ppoflow.workers.rollout.sampling import SamplingParams
 
 
-class ActorRole(Protocol):
+class MemoryRole(Protocol):
+    """What every role reports of its memory (:mod:`ppoflow.workers.memory`)."""
+
+    def memory_stats(self) -> dict[str, float]:
+        """The peaks of the role's processes since they last reported (the largest over ranks or replicas)."""
+
+    def start_memory_stats(self) -> list:
+        """References to each of the role's processes reporting (a rank, a replica): many roles at once."""
+
+
+class ActorRole(MemoryRole, Protocol):
     """The trained policy (:class:`~ppoflow.workers.training.policy.ActorWorker`)."""
 
     def compute_log_prob(self, batch: TensorDict, *, at_step_start: bool = False) -> TensorDict: ...
@@ -38,14 +50,15 @@ class ActorRole(Protocol):
         """A reference to the actor's side of a collective weight broadcast (the rollout takes part too)."""
 
 
-class ReferenceRole(Protocol):
-    """The frozen initial policy (:class:`~ppoflow.workers.training.policy.ReferenceWorker`)."""
+class ReferenceRole(MemoryRole, Protocol):
+    """The frozen initial policy (:class:`~ppoflow.workers.training.policy.ReferenceWorker`; with LoRA the actor's
+    base model, :class:`ActorBaseRole`)."""
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict | None: ...
     def weights_digest(self) -> str | None: ...
 
 
-class CriticRole(Protocol):
+class CriticRole(MemoryRole, Protocol):
     """The value model (:class:`~ppoflow.workers.training.critic.CriticWorker`)."""
 
     def compute_values(self, batch: TensorDict) -> TensorDict | None: ...
@@ -55,7 +68,7 @@ class CriticRole(Protocol):
     def load_checkpoint(self, directory: str, entries: dict[str, dict]) -> None: ...
 
 
-class RolloutRole(Protocol):
+class RolloutRole(MemoryRole, Protocol):
     """Generation: a rollout worker (:mod:`ppoflow.workers.rollout`), the colocated actor, or the rollout
     service (:class:`~ppoflow.workers.service.rollout_service.RolloutService`)."""
 
@@ -117,6 +130,33 @@ class Role:
 
     def start_apply_weights(self, update):
         return self._submit("apply_weights", update)
+
+    def start_memory_stats(self) -> list:
+        return [self._submit("memory_stats")]
+
+    def memory_stats(self) -> dict[str, float]:
+        return largest([self._fetch(reference) for reference in self.start_memory_stats()])
+
+
+class ActorBaseRole(Role):
+    """The reference when it is the actor's base model (``ref_in_actor``: LoRA): no worker of its own, the actor's
+    worker(s) with the adapter disabled for the pass, called through the actor's role."""
+
+    _METHODS = {"compute_log_prob": "compute_ref_log_prob", "weights_digest": "ref_weights_digest"}
+    """The reference's methods and the actor worker's methods that serve them."""
+
+    def __init__(self, actor: Role):
+        self.actor = actor
+
+    def _submit(self, method: str, *args, **kwargs):
+        return self.actor._submit(self._METHODS[method], *args, **kwargs)
+
+    def _fetch(self, reference):
+        return self.actor._fetch(reference)
+
+    def start_memory_stats(self) -> list:
+        """Nothing to ask: its memory is the actor's processes', reported as the actor's."""
+        return []
 
 
 class RayObjects:
@@ -195,6 +235,10 @@ class RayGroupRole(Role):
     def _fetch(self, reference):
         return self.objects.get(reference)
 
+    def start_memory_stats(self) -> list:
+        """Every rank reports (the role's figures are the largest of theirs)."""
+        return [handle.memory_stats.remote() for handle in self.handles]
+
 
 class LocalRole(Role):
     """A role served by an object in this process; ``_submit`` runs the call and returns its value."""
@@ -228,6 +272,7 @@ class Workers:
     objects: RayObjects = field(default_factory=RayObjects)
     _handles: list = field(default_factory=list)
     _placement_groups: list = field(default_factory=list)
+    _memory: MemoryReports | None = None
 
     def roles(self) -> list[str]:
         """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
@@ -244,6 +289,19 @@ class Workers:
             f"{role} on node{'s' if len(ids) > 1 else ''} {', '.join(node[:12] for node in ids)}"
             for role, ids in self.placement.items()
         )
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The step's memory figures of every role (:class:`~ppoflow.workers.memory.MemoryReports`), named
+        ``perf/<role>/...`` and, for the actor, as verl names them. In process every role is this process: its
+        figures are the actor's."""
+        if not self.uses_ray:
+            return memory_metrics({"actor": self.actor.memory_stats()})
+        if self._memory is None:
+            roles = {"actor": self.actor, "rollout": None if self.colocated else self.rollout}
+            roles.update(ref=self.ref, critic=self.critic)
+            served = {name: role for name, role in roles.items() if role is not None}
+            self._memory = MemoryReports(served, self.objects.get)
+        return self._memory.collect()
 
     def put(self, value):
         """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""

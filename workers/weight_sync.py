@@ -94,8 +94,8 @@ class WeightSender:
         self.group: str | None = None
 
     def prepare(self, weights: dict[str, torch.Tensor], version: int) -> tuple[WeightUpdate, dict]:
-        """The update to send (all of ``weights``, the model's full state dict, or only the tensors that changed
-        with ``delta``) and its source tensors."""
+        """The update to send (all of ``weights`` - the model's full state dict, or with LoRA the adapter's
+        tensors - or only the tensors that changed with ``delta``) and its source tensors."""
         state = {name: tensor.detach() for name, tensor in weights.items()}
         if self.sync.delta:
             state = {

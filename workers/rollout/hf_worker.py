@@ -1,23 +1,30 @@
 """The transformers rollout worker (``rollout.name=hf``): holds a copy of the policy in a long-lived Ray actor and
-samples with :func:`~ppoflow.workers.rollout.sampling.sample_responses`; takes the actor's new weights."""
+samples with :func:`~ppoflow.workers.rollout.sampling.sample_responses`; takes the actor's new weights (with LoRA: its
+adapter's tensors, into the same LoRA layers)."""
 
 from __future__ import annotations
 
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
+from ppoflow.workers.training.lora import rollout_holds_adapter, with_lora
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
-class HFRolloutWorker:
+class HFRolloutWorker(ReportsMemory):
     """Sampling with a transformers causal LM (CPU or GPU)."""
 
     def __init__(self, cfg: PPOConfig):
         self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
-        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
+        model_config = cfg.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model_config)
+        model = load_causal_lm(model_config)
+        if rollout_holds_adapter(cfg):  # LoRA: the actor's adapter, wrapped alike; a sync sends only its tensors
+            model = with_lora(model, model_config, seed=cfg.data.seed).get_base_model()
+        self.model = model.to(self.device).eval()
         self.weight_version = 0
         self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
         self.receiver = WeightReceiver()

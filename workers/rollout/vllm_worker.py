@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.memory import gpu_memory, largest, process_memory
 from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
 from ppoflow.workers.rollout.sampling import SamplingParams, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
@@ -186,7 +187,8 @@ class VLLMRolloutWorker:
         return repeated
 
     def apply_weights(self, update: WeightUpdate) -> int:
-        """Load the actor's weights into the running engine, bucket by bucket; returns the version now served."""
+        """Load the actor's weights into the running engine, bucket by bucket (with LoRA the actor sends the
+        merged full weights: vLLM's LoRA serving is not used); returns the version now served."""
         if update.layouts and not update.payloads:
             raise NotImplementedError(_COLLECTIVE_UNSUPPORTED.format(backend=self.backend))
         for layout, payload in zip(update.layouts, update.payloads):
@@ -199,6 +201,11 @@ class VLLMRolloutWorker:
 
     def join_weight_group(self, group: str) -> None:
         raise NotImplementedError(_COLLECTIVE_UNSUPPORTED.format(backend=self.backend))
+
+    def memory_stats(self) -> dict[str, float]:
+        """This process's figures with the GPU peaks of the engine's workers (processes of their own, where
+        the model and the KV cache live), the largest of each."""
+        return largest([process_memory(), *self.llm.collective_rpc("ppoflow_memory_stats")])
 
     def shutdown(self) -> None:
         """Stop the engine's processes and free its GPU memory (the Ray actor's exit does this too)."""
@@ -272,3 +279,7 @@ class VLLMWeightLoader:
         loaded = model.load_weights(weights=bucket_tensors(device_bucket, slots))
         torch.cuda.synchronize(self.device)
         return len(loaded) if loaded is not None else len(slots)
+
+    def ppoflow_memory_stats(self) -> dict[str, float]:
+        """This GPU worker's allocator peaks since the last call (:func:`~ppoflow.workers.memory.gpu_memory`)."""
+        return gpu_memory()

@@ -94,6 +94,7 @@ class AgentLoopWorker:
         tools_kwargs = _column(prompts, "tools_kwargs") or [None] * rows
         samples = _column(prompts, "sample_id") or [None] * rows
         sources, truths = _column(prompts, "data_source"), _column(prompts, "ground_truth")
+        infos = _column(prompts, "extra_info") or [None] * rows
         call_id = uuid.uuid4().hex[:8]
         groups = await asyncio.gather(
             *(
@@ -109,6 +110,7 @@ class AgentLoopWorker:
                     sample=samples[row],
                     source=sources[row] if sources else None,
                     truth=truths[row] if truths else None,
+                    extra_info=infos[row],
                 )
                 for row in range(rows)
             )
@@ -138,6 +140,7 @@ class AgentLoopWorker:
         sample: str | None,
         source: str | None,
         truth,
+        extra_info=None,
     ) -> tuple[TensorDict, str]:
         """One prompt's ``n`` trajectories (its prompt unpadded) and how the sample cache served them:
         replayed from the cache when it holds them (stamped with the weights served now: they stand in for
@@ -176,7 +179,11 @@ class AgentLoopWorker:
                 trajectory
                 if source is None
                 else self.scored(
-                    trajectory, source, truth, sample=f"response {index} to prompt {prompt} (data source {source!r})"
+                    trajectory,
+                    source,
+                    truth,
+                    extra_info=extra_info,
+                    sample=f"response {index} to prompt {prompt} (data source {source!r})",
                 )
             )
         finished = await asyncio.gather(*runs)
@@ -206,13 +213,13 @@ class AgentLoopWorker:
                 outcome = "dump_failed"
         return group, outcome
 
-    async def scored(self, trajectory, data_source: str, ground_truth, *, sample: str) -> tuple:
+    async def scored(self, trajectory, data_source: str, ground_truth, *, extra_info=None, sample: str) -> tuple:
         """The trajectory, and its score and extras, scored in a thread as soon as it finishes (a slow
         custom scorer does not hold up the event loop); ``sample`` names it in the scorer's messages."""
         output = await trajectory
         solution = solution_text(output.response_ids, self.tokenizer)
         return output, await asyncio.to_thread(
-            score_one, data_source, solution, ground_truth, self.custom_scorer, sample=sample
+            score_one, data_source, solution, ground_truth, self.custom_scorer, sample=sample, extra_info=extra_info
         )
 
 

@@ -12,6 +12,7 @@ import logging
 from tensordict import TensorDict
 
 from ppoflow.storage.batch import concatenate
+from ppoflow.workers.memory import largest, process_memory
 from ppoflow.workers.roles import RayObjects
 from ppoflow.workers.rollout.sampling import SamplingParams
 
@@ -89,6 +90,14 @@ class RolloutService:
             except ray.exceptions.RayError as error:
                 logger.warning("a generation ended at the end of the run failed: %r", error)
 
+    def memory_stats(self) -> dict[str, float]:
+        """The replicas' figures, the largest of each (the agent-loop workers hold no model)."""
+        return largest(self.objects.get(self.start_memory_stats()))
+
+    def start_memory_stats(self) -> list:
+        """References to every replica's figures (:func:`~ppoflow.workers.memory.process_memory`)."""
+        return [replica.__ray_call__.remote(_replica_memory) for replica in self.replicas]
+
     def sleep(self) -> list:
         """References to every replica going to sleep (:meth:`RolloutReplica.sleep`: requests in flight are
         aborted and resumed after :meth:`wake`; each returns how many it aborted)."""
@@ -126,3 +135,8 @@ class RolloutService:
                 self.weight_version,
             )
             ray.get([self.replicas[index].apply_weights.remote(self.last_update) for index in stale])
+
+
+def _replica_memory(replica) -> dict[str, float]:
+    """Run inside a replica (``__ray_call__``): its process's memory figures."""
+    return process_memory()

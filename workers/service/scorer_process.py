@@ -5,7 +5,8 @@ A :class:`ScorerProcess` is called like the scorer it runs and scores exactly as
 converts with :func:`~ppoflow.algorithms.scoring.as_score`; floats return as JSON). The child is a sandbox process of
 :mod:`ppoflow.workers.service.tools`, kept between calls and replaced after it died or passed
 ``custom_reward_function.timeout_s`` (:class:`ScorerTimedOut`, or ``timeout_score``). It pickles as its settings, so
-Ray reward chunks can take it. Built-in scorers stay in the trainer.
+Ray reward chunks can take it. Built-in scorers stay in the trainer, but for those that call math-verify (sympy can
+run for ever), each in a scorer process with the same deadline (:class:`RunBuiltinScorers`).
 Details: docs/reliability.md#a-custom-scorer-has-a-deadline.
 """
 
@@ -21,11 +22,16 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from ppoflow.algorithms.math_scoring import MATH_VERIFY_SCORERS
 from ppoflow.algorithms.scoring import (
     SCORER_TIMEOUTS,
+    BuiltinScorers,
+    Scorer,
     ScorerFailed,
     ScorerTimedOut,
+    ScorerUnavailable,
     as_score,
+    call_scorer,
     sample_being_scored,
     scorer_function,
 )
@@ -55,8 +61,10 @@ class ScorerProcess:
     ``start_timeout_s`` bounds starting the child and importing the scorer, ``timeout_s`` one call; a call past
     it kills the child and, with ``on_timeout="fail"``, is a :class:`ScorerTimedOut`, with ``"score"`` scores
     ``timeout_score`` with a warning (every score then carries :data:`SCORER_TIMEOUTS`: 1 for those, else 0).
-    Every other failure is a :class:`ScorerFailed` naming the scorer. :meth:`close` (or ``with``) ends the
-    child, and so do garbage collection and the interpreter's exit.
+    Every other failure is a :class:`ScorerFailed` naming the scorer (:class:`ScorerUnavailable` when the child
+    cannot start or import it): as ``title`` (default ``the custom scorer 'path:name'``). ``error_score`` is what
+    :func:`~ppoflow.algorithms.scoring.score_one` scores a failed response (None: it raises). :meth:`close` (or
+    ``with``) ends the child, and so do garbage collection and the interpreter's exit.
     """
 
     def __init__(
@@ -67,40 +75,45 @@ class ScorerProcess:
         timeout_s: float,
         on_timeout: str = "fail",
         timeout_score: float = 0.0,
+        error_score: float | None = None,
+        title: str | None = None,
         start_timeout_s: float = 60.0,
     ):
         self.path, self.name = path, name
         self.label = repr(scorer_function(path, name))
+        self.title = title or f"the custom scorer {self.label}"
         self.timeout_s, self.on_timeout, self.timeout_score = timeout_s, on_timeout, timeout_score
+        self.error_score = error_score
         self.start_timeout_s = start_timeout_s
         self._lock = threading.Lock()
         self._sandbox: Sandbox | None = None
         self._live: set[Sandbox] = set()
         self._finalizer = weakref.finalize(self, kill_sandboxes, self._live)
 
-    def __call__(self, *args) -> dict[str, float]:
-        """The score of ``args`` as ``{"score": ..., **extras}``; :class:`ScorerFailed` when the scorer cannot
+    def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict[str, float]:
+        """The score of one response as ``{"score": ..., **extras}``; :class:`ScorerFailed` when the scorer cannot
         be imported, raises, returns something that is not a score, passes its deadline (unless
         ``on_timeout="score"``) or ends its process."""
+        args = [data_source, solution_str, ground_truth, extra_info]
         try:
             request = {
-                "args": json.loads(json.dumps(list(args), default=_as_json)),
+                "args": json.loads(json.dumps(args, default=_as_json)),
                 "cpu_s": cpu_budget_s(self.timeout_s),
             }
         except (TypeError, ValueError) as error:
-            raise ScorerFailed(f"the custom scorer {self.label} cannot be sent its arguments: {error}") from None
+            raise ScorerFailed(f"{self.title} cannot be sent its arguments: {error}") from None
         with self._lock:
             sandbox = self._ready()
             try:
                 reply = self._reply(sandbox, request)
             except ProcessEnded as ended:
                 self._retire()
-                raise ScorerFailed(f"the custom scorer {self.label} crashed: its process {ended}") from None
+                raise ScorerFailed(f"{self.title} crashed: its process {ended}") from None
             if reply is None:
                 self._retire()
                 return self._timed_out()
         if reply.get("kind") != "ok":
-            raise ScorerFailed(f"the custom scorer {self.label} {reply.get('text')}")
+            raise ScorerFailed(f"{self.title} {reply.get('text')}")
         return reply["score"] if self.on_timeout == "fail" else {**reply["score"], SCORER_TIMEOUTS: 0.0}
 
     def import_error(self) -> str | None:
@@ -122,7 +135,15 @@ class ScorerProcess:
         self.close()
 
     def __reduce__(self):
-        return shared_scorer_process, (self.path, self.name, self.timeout_s, self.on_timeout, self.timeout_score)
+        return shared_scorer_process, (
+            self.path,
+            self.name,
+            self.timeout_s,
+            self.on_timeout,
+            self.timeout_score,
+            self.error_score,
+            self.title,
+        )
 
     def _reply(self, sandbox: Sandbox, request: dict) -> dict | None:
         """The child's reply to ``request``, or None when none came within :attr:`timeout_s`; while the call
@@ -136,8 +157,8 @@ class ScorerProcess:
             if reply is not None or waited >= self.timeout_s:
                 return reply
             logger.warning(
-                "the custom scorer %s has been scoring %s for %.0f s (custom_reward_function.timeout_s=%g)",
-                self.label,
+                "%s has been scoring %s for %.0f s (custom_reward_function.timeout_s=%g)",
+                self.title,
                 sample_being_scored(),
                 waited,
                 self.timeout_s,
@@ -147,11 +168,10 @@ class ScorerProcess:
         """A call past :attr:`timeout_s` (its child killed): :class:`ScorerTimedOut`, or the timeout score."""
         late = f"did not return within custom_reward_function.timeout_s={self.timeout_s:g} s (its process was killed)"
         if self.on_timeout == "fail":
-            raise ScorerTimedOut(f"the custom scorer {self.label} {late}")
+            raise ScorerTimedOut(f"{self.title} {late}")
         logger.warning(
-            "the custom scorer %s %s while scoring %s: it scores custom_reward_function.timeout_score=%g "
-            "(on_timeout=score)",
-            self.label,
+            "%s %s while scoring %s: it scores custom_reward_function.timeout_score=%g (on_timeout=score)",
+            self.title,
             late,
             sample_being_scored(),
             self.timeout_score,
@@ -174,13 +194,13 @@ class ScorerProcess:
             self._sandbox.wait_ready()
         except SandboxFailed as failure:
             self._retire()
-            raise ScorerFailed(f"the custom scorer {self.label} cannot start: {failure}") from None
+            raise ScorerUnavailable(f"{self.title} cannot start: {failure}") from None
         return self._sandbox
 
     def _ready(self) -> Sandbox:
         sandbox = self._started()
         if _SCORER in sandbox.import_errors:
-            raise ScorerFailed(f"the custom scorer {self.label} cannot be loaded: {sandbox.import_errors[_SCORER]}")
+            raise ScorerUnavailable(f"{self.title} cannot be loaded: {sandbox.import_errors[_SCORER]}")
         return sandbox
 
     def _retire(self) -> None:
@@ -190,16 +210,41 @@ class ScorerProcess:
             self._sandbox = None
 
 
-def configured_scorer(custom: CustomRewardConfig) -> ScorerProcess | None:
-    """The run's custom scorer (``custom_reward_function``) in a process of its own; None without one."""
+class RunBuiltinScorers(BuiltinScorers):
+    """A run's built-in scorers: those that call math-verify (:data:`MATH_VERIFY_SCORERS`) each in a scorer process
+    of this process's (:func:`shared_scorer_process`, started on the first call) with the custom scorer's deadline
+    and ``on_timeout``, the others in this process. Pickles as its settings."""
+
+    def __init__(self, *, timeout_s: float, on_timeout: str, timeout_score: float, error_score: float):
+        super().__init__(error_score)
+        self.timeout_s, self.on_timeout, self.timeout_score = timeout_s, on_timeout, timeout_score
+
+    def scorer(self, data_source: str) -> Scorer:
+        scorer = super().scorer(data_source)
+        if scorer not in MATH_VERIFY_SCORERS:
+            return scorer
+        name = scorer.__name__
+        settings = (self.timeout_s, self.on_timeout, self.timeout_score, None, f"the built-in scorer {name}")
+        return shared_scorer_process(scorer.__module__, name, *settings)
+
+
+def configured_scorer(custom: CustomRewardConfig) -> ScorerProcess | RunBuiltinScorers:
+    """The run's scorer: the custom one (``custom_reward_function``) in a process of its own, else the built-in
+    ones; a response either fails on scores ``custom_reward_function.error_score``."""
     if not custom.path:
-        return None
+        return RunBuiltinScorers(
+            timeout_s=custom.timeout_s,
+            on_timeout=custom.on_timeout,
+            timeout_score=custom.timeout_score,
+            error_score=custom.error_score,
+        )
     return ScorerProcess(
         custom.path,
         custom.name,
         timeout_s=custom.timeout_s,
         on_timeout=custom.on_timeout,
         timeout_score=custom.timeout_score,
+        error_score=custom.error_score,
     )
 
 
@@ -208,15 +253,27 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared_scorer_process(
-    path: str, name: str, timeout_s: float, on_timeout: str, timeout_score: float
+    path: str,
+    name: str,
+    timeout_s: float,
+    on_timeout: str,
+    timeout_score: float,
+    error_score: float | None = None,
+    title: str | None = None,
 ) -> ScorerProcess:
     """This process's one :class:`ScorerProcess` for these settings (what an unpickled one is), so that the
     reward chunks a Ray worker runs one after the other share one child."""
-    key = (path, name, timeout_s, on_timeout, timeout_score)
+    key = (path, name, timeout_s, on_timeout, timeout_score, error_score, title)
     with _SHARED_LOCK:
         if key not in _SHARED:
             _SHARED[key] = ScorerProcess(
-                path, name, timeout_s=timeout_s, on_timeout=on_timeout, timeout_score=timeout_score
+                path,
+                name,
+                timeout_s=timeout_s,
+                on_timeout=on_timeout,
+                timeout_score=timeout_score,
+                error_score=error_score,
+                title=title,
             )
         return _SHARED[key]
 
@@ -236,7 +293,7 @@ def _score(request: dict, callables: dict, import_errors: dict[str, str]) -> dic
     scorer did instead (raised, returned something that is not a score)."""
     set_soft_limit(resource.RLIMIT_CPU, math.ceil(time.process_time()) + request["cpu_s"])
     try:
-        result = callables[_SCORER](*request["args"])
+        result = call_scorer(callables[_SCORER], *request["args"])
     except BaseException as error:  # noqa: BLE001 - whatever a scorer raises (SystemExit too) is reported
         return {"kind": "raised", "text": f"raised {type(error).__name__}: {describe_error(error)}"}
     try:

@@ -10,12 +10,21 @@ from tensordict import TensorDict
 from ppoflow.algorithms.losses import compute_value_loss
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import load_value_model, set_up_worker_process, with_gradient_checkpointing
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
-from ppoflow.workers.training.learner import Learner, micro_batches, pad_responses, sequence_inputs, weights_digest
+from ppoflow.workers.training.learner import (
+    Learner,
+    autocast_dtype,
+    micro_batches,
+    pad_responses,
+    response_logits,
+    weights_digest,
+)
+from ppoflow.workers.training.packing import response_positions, to_rows
 
 
-class CriticWorker:
+class CriticWorker(ReportsMemory):
     """Values V(s_t) of every response position, and the value-function update; one rank of the critic's
     data-parallel group (``ranks``; None: the only one)."""
 
@@ -31,6 +40,7 @@ class CriticWorker:
             load_value_model(critic.model, seed=cfg.data.seed), critic.model.enable_gradient_checkpointing
         )
         self.model = self.parallel.shard(model.to(self.device), critic.fsdp_config)
+        self.compute_dtype = autocast_dtype(self.model, critic.fsdp_config, self.parallel)
         self.learner = Learner(
             self.model,
             critic.optim,
@@ -44,14 +54,15 @@ class CriticWorker:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
         computes its rows; rank 0 returns them all (the others: None)."""
         self.model.eval()
-        size = self.cfg.forward_micro_batch_size_per_gpu
-        count = self.parallel.micro_count(batch, size)
+        cfg, values, rows = self.cfg, [], []
+        budget = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         with torch.no_grad():
-            values = [
-                self._values(micro.to(self.device)).float().cpu()
-                for micro in micro_batches(self.parallel.local_rows(batch), size, count=count)
-            ]
-        values = self.parallel.gather_rows(batch, pad_responses(values, batch["responses"].shape[1]))
+            for group, micro in micro_batches(
+                batch, self.parallel, size=cfg.forward_micro_batch_size_per_gpu, max_tokens=budget
+            ):
+                values.append(self._values(micro.to(self.device)).float().cpu())
+                rows += group
+        values = self.parallel.gather_indexed(rows, pad_responses(values, batch["responses"].shape[1]), len(batch))
         return None if values is None else TensorDict({"values": values}, batch_size=batch.batch_size)
 
     def save_checkpoint(self, directory: str) -> dict[str, dict]:
@@ -94,6 +105,7 @@ class CriticWorker:
             epochs=cfg.ppo_epochs,
             mini_batch_size=self.mini_batch_size,
             micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
             shuffle=cfg.shuffle,
             generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
             prefix="critic",
@@ -102,10 +114,7 @@ class CriticWorker:
         return metrics if self.parallel.is_rank_zero else None
 
     def _values(self, batch: TensorDict) -> torch.Tensor:
-        input_ids, attention_mask, position_ids = sequence_inputs(batch)
-        scores = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits.squeeze(-1)
-        prompt_length, response_length = batch["prompts"].shape[1], batch["responses"].shape[1]
-        values = scores[:, prompt_length - 1 : prompt_length + response_length - 1]
-        return values * batch["response_mask"]
+        scores = response_logits(
+            self.model, batch, remove_padding=self.cfg.model.use_remove_padding, compute_dtype=self.compute_dtype
+        )
+        return to_rows(scores.squeeze(-1), response_positions(batch)) * batch["response_mask"]

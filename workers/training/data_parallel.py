@@ -131,22 +131,13 @@ class DataParallel:
             module.set_force_sum_reduction_for_comms(True)  # plain sums: gloo has no pre-multiplied sum
         return root
 
-    def local_rows(self, batch: TensorDict) -> TensorDict:
-        """This rank's rows of ``batch`` (all of them with one rank), by :func:`balanced_partition`."""
+    def shares(self, batch: TensorDict) -> list[list[int]]:
+        """Every rank's rows of ``batch`` (with one rank: all of them), by :func:`balanced_partition`."""
         if not self.sharded:
-            return batch
+            return [list(range(batch.batch_size[0]))]
         if batch.batch_size[0] < self.world_size:
             raise ValueError(f"{batch.batch_size[0]} rows cannot give each of {self.world_size} ranks one")
-        return batch[torch.tensor(self.rows_of(batch))]
-
-    def rows_of(self, batch: TensorDict) -> list[int]:
-        return balanced_partition(row_tokens(batch), self.world_size)[self.rank]
-
-    def gather_rows(self, batch: TensorDict, local: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: the full [N, ...] result whose rows :meth:`local_rows` gave each rank; others: None."""
-        if not self.sharded:
-            return local
-        return self.gather_indexed(self.rows_of(batch), local, batch.batch_size[0])
+        return balanced_partition(row_tokens(batch), self.world_size)
 
     def gather_indexed(self, rows: Sequence[int], values: torch.Tensor, total: int) -> torch.Tensor | None:
         """Rank 0: a [total, ...] tensor holding every rank's ``values`` at its ``rows``; others: None."""

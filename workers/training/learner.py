@@ -1,6 +1,7 @@
-"""What the actor and critic workers share: building model inputs from a step batch, walking
-mini- and micro-batches, and the optimizer loop of a PPO update (:class:`Learner`), which takes no
-optimizer step from a non-finite loss or gradient (``trainer.nonfinite``).
+"""What the actor and critic workers share: the one forward pass over a step batch's responses (padded or packed,
+:func:`response_logits`), walking mini- and micro-batches (rows or token budgets, :func:`micro_batches`), and the
+optimizer loop of a PPO update (:class:`Learner`), which takes no optimizer step from a non-finite loss or gradient
+(``trainer.nonfinite``).
 """
 
 from __future__ import annotations
@@ -12,34 +13,59 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.algorithms.finite import NonFiniteError, describe_values, nonfinite_values
-from ppoflow.configs.schema import OptimConfig
+from ppoflow.configs.schema import FSDPConfig, OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
 from ppoflow.workers.training.data_parallel import DataParallel, unique_state_names
+from ppoflow.workers.training.packing import pack, response_positions, sequence_lengths, token_budget_parts
 
 logger = logging.getLogger(__name__)
 
 
 def sequence_inputs(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` of prompt + response, [N, P + R].
+    """``input_ids``, the mask of real tokens and ``position_ids`` of prompt + response, [N, P + R].
 
-    Prompts are left-padded, so positions count real tokens only (the same positions the
-    generation engine used); the response part is right-padded and masked after EOS.
+    Prompts are left-padded, so positions count real tokens only (the same positions the generation engine
+    used); a response's tokens are those up to its extent (tool answers included, as the rollout saw them).
     """
     input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids
+    kept = torch.cat([batch["prompt_mask"].bool(), response_positions(batch)], dim=1)
+    position_ids = (kept.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, kept, position_ids
 
 
-def response_logits(model, batch: TensorDict) -> torch.Tensor:
-    """Logits that predict each response token, [N, R, vocab] (positions P-1 ... P+R-2)."""
-    input_ids, attention_mask, position_ids = sequence_inputs(batch)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits
-    prompt_length, response_length = batch["prompts"].shape[1], batch["responses"].shape[1]
-    return logits[:, prompt_length - 1 : prompt_length + response_length - 1]
+def response_logits(
+    model, batch: TensorDict, *, remove_padding: bool = False, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The model's logits (a value head's: its scores) that predict each response token inside its row's extent,
+    [K, ...] in row-major order (:func:`~.packing.to_rows` makes them [N, R, ...]). ``remove_padding``: over the
+    micro-batch packed into one row (:func:`~.packing.pack`), else over the padded rows with an attention mask.
+    ``compute_dtype``: under ``torch.autocast`` to it (mixed precision at one rank), the logits then in float32."""
+    input_ids, kept, position_ids = sequence_inputs(batch)
+    prompt_length, positions = batch["prompts"].shape[1], response_positions(batch)
+    if remove_padding:
+        input_ids, position_ids, index = pack(input_ids, kept, position_ids, prompt_length, positions)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}  # no mask: packed, by the position ids
+    else:
+        inputs = {"input_ids": input_ids, "attention_mask": kept.long(), "position_ids": position_ids}
+    autocast = torch.autocast(input_ids.device.type, dtype=compute_dtype, enabled=compute_dtype is not None)
+    with autocast:
+        logits = model(**inputs, use_cache=False).logits
+    logits = logits if compute_dtype is None else logits.float()
+    if remove_padding:
+        return logits[0, index]
+    return logits[:, prompt_length - 1 : prompt_length + positions.shape[1] - 1][positions]
+
+
+def autocast_dtype(model: torch.nn.Module, fsdp: FSDPConfig, parallel: DataParallel) -> torch.dtype | None:
+    """The dtype one rank's forward passes autocast to: ``fsdp_config.mixed_precision.param_dtype`` when it is a
+    half precision the model's parameters are not in (sharded, FSDP2's MixedPrecisionPolicy applies it instead);
+    the parameters, gradients and optimizer state keep the model's dtype. None: compute in the model's dtype."""
+    name = fsdp.mixed_precision.param_dtype
+    if parallel.sharded or name not in ("bfloat16", "float16"):
+        return None
+    dtype = getattr(torch, name)
+    return None if next(model.parameters()).dtype == dtype else dtype
 
 
 def weights_digest(model: torch.nn.Module, parallel: DataParallel) -> str | None:
@@ -49,21 +75,29 @@ def weights_digest(model: torch.nn.Module, parallel: DataParallel) -> str | None
     return tensors_digest(weights) if parallel.is_rank_zero else None
 
 
-def micro_batches(batch: TensorDict, size: int | None, *, count: int | None = None) -> Iterator[TensorDict]:
-    """Consecutive slices of at most ``size`` rows (all rows when ``size`` is None), each with its
-    response padding trimmed to its own longest response; ``count``: exactly that many near-equal slices
-    instead (data-parallel ranks must run the same number of forward passes)."""
-    if count is not None:
-        if count > batch.batch_size[0]:
-            raise ValueError(
-                f"{batch.batch_size[0]} rows cannot make {count} micro-batches (as many as another rank's)"
-            )
-        for rows in torch.arange(batch.batch_size[0]).tensor_split(count):
-            yield trim_response_padding(batch[rows])
-        return
-    size = size or batch.batch_size[0]
-    for start in range(0, batch.batch_size[0], size):
-        yield trim_response_padding(batch[start : start + size])
+def micro_batches(
+    batch: TensorDict, parallel: DataParallel, *, size: int | None, max_tokens: int | None = None
+) -> Iterator[tuple[list[int], TensorDict]]:
+    """This rank's rows of ``batch`` (:meth:`DataParallel.shares`) as micro-batches, each with the indices of its
+    rows in ``batch`` and its response padding trimmed to its own longest response: ``max_tokens`` (dynamic bsz):
+    balanced groups of at most that many real tokens (:func:`~.packing.token_budget_parts`); else slices of at
+    most ``size`` rows (all rows when None). With data-parallel ranks every rank cuts as many micro-batches as the
+    rank that needs most (each forward pass is a collective), near-equal slices in rows."""
+    shares = parallel.shares(batch)
+    rows = shares[parallel.rank]
+    if max_tokens is not None:
+        lengths = sequence_lengths(batch)
+        cuts = token_budget_parts([[lengths[row] for row in share] for share in shares], max_tokens)
+        groups = [[rows[index] for index in group] for group in cuts[parallel.rank]]
+    elif (count := parallel.micro_count(batch, size)) is not None:
+        groups = [part.tolist() for part in torch.tensor(rows, dtype=torch.long).tensor_split(count)]
+    else:
+        size = size or len(rows)
+        groups = [rows[start : start + size] for start in range(0, len(rows), size)]
+    if not all(groups):
+        raise ValueError(f"{len(rows)} rows cannot make {len(groups)} micro-batches (as many as another rank's)")
+    for group in groups:
+        yield group, trim_response_padding(batch[torch.tensor(group)])
 
 
 def pad_responses(parts: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -102,8 +136,9 @@ class Learner:
     ):
         self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
         self.nonfinite = nonfinite
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapter
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+            trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )
         warmup = optim.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -118,13 +153,15 @@ class Learner:
         epochs: int,
         mini_batch_size: int,
         micro_batch_size: int | None,
+        max_token_len: int | None = None,
         shuffle: bool,
         generator: torch.Generator,
         prefix: str,
         step: int,
     ) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate the micro-batch losses of this rank's rows (normalised by
-        the whole mini-batch), sum over ranks, clip, step; mean metrics.
+        the whole mini-batch, so however :func:`micro_batches` cuts it: ``micro_batch_size`` rows, or at most
+        ``max_token_len`` tokens each with dynamic bsz), sum over ranks, clip, step; mean metrics.
 
         A mini-batch whose loss, metrics or gradient norm is not finite takes no optimizer (or schedule) step:
         ``fail`` raises :class:`NonFiniteError` naming the step, stage, epoch and mini-batch; ``skip`` warns,
@@ -138,7 +175,7 @@ class Learner:
                 num_tokens = float(mini["response_mask"].sum())
                 num_seqs = float(mini["response_mask"].any(dim=1).sum())
                 totals: dict[str, float] = {}
-                for micro in micro_batches(self.parallel.local_rows(mini), micro_batch_size):
+                for _, micro in micro_batches(mini, self.parallel, size=micro_batch_size, max_tokens=max_token_len):
                     share = float(micro["response_mask"].sum()) / num_tokens if num_tokens else 0.0
                     loss, summed, averaged = micro_loss(micro.to(self.device), num_tokens, num_seqs)
                     loss.backward()
@@ -170,13 +207,14 @@ class Learner:
 
     def save(self, directory: str) -> dict[str, dict]:
         """Checkpoint the model, optimizer and LR schedule into ``directory``; manifest entries by file name
-        (rank 0; others: {}). One rank writes full weights (``model.safetensors``) and ``optimizer.pt``;
-        data-parallel ranks each write their shards at once (:meth:`DataParallel.save_sharded`)."""
+        (rank 0; others: {}). One rank writes full weights (``model.safetensors``; with LoRA the adapter's, see
+        :func:`trained_state_names`) and ``optimizer.pt``; data-parallel ranks each write their shards at once
+        (:meth:`DataParallel.save_sharded`)."""
         if self.parallel.sharded:
             return self.parallel.save_sharded(
                 directory, self.model, self.optimizer, {"scheduler": self.scheduler.state_dict()}
             )
-        names = unique_state_names(self.model)
+        names = trained_state_names(self.model)
         weights = {name: tensor for name, tensor in self.model.state_dict().items() if name in names}
         state = {
             "optimizer": self.parallel.full_optimizer_state(self.model, self.optimizer),
@@ -189,11 +227,8 @@ class Learner:
         if "model.safetensors" not in entries:
             state = DataParallel.load_sharded(directory, entries, self.model, self.optimizer)
         else:
-            shapes = {
-                name: tensor.shape
-                for name, tensor in self.model.state_dict().items()
-                if name in unique_state_names(self.model)
-            }
+            names = trained_state_names(self.model)
+            shapes = {name: tensor.shape for name, tensor in self.model.state_dict().items() if name in names}
             weights, state = load_module(directory, entries, shapes)
             self.parallel.load_full(self.model, self.optimizer, weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -208,6 +243,13 @@ class Learner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+
+def trained_state_names(model: torch.nn.Module) -> set[str]:
+    """The state a checkpoint holds: the model's (:func:`unique_state_names`) but its frozen parameters, which
+    load from ``model.path`` again (with LoRA: the adapter alone; in full fine-tuning: everything)."""
+    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    return unique_state_names(model) - frozen
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

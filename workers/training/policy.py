@@ -9,6 +9,8 @@ clip, step.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from tensordict import TensorDict
 
@@ -17,6 +19,8 @@ from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_fro
 from ppoflow.configs.modes import needs_of
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.storage.batch import StageResult
+from ppoflow.storage.fs import join
+from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import (
     load_causal_lm,
     load_tokenizer,
@@ -26,13 +30,24 @@ from ppoflow.workers.models import (
 )
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
-from ppoflow.workers.training.learner import Learner, micro_batches, pad_responses, response_logits, weights_digest
+from ppoflow.workers.training.learner import (
+    Learner,
+    autocast_dtype,
+    micro_batches,
+    pad_responses,
+    response_logits,
+    trained_state_names,
+    weights_digest,
+)
+from ppoflow.workers.training.lora import ADAPTER_DIR, Adapter, rollout_holds_adapter, with_lora
+from ppoflow.workers.training.packing import response_positions, to_rows
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
-class PolicyModel:
+class PolicyModel(ReportsMemory):
     """A causal LM on its device that computes response log-probs at the rollout temperature; one rank of
-    its role's data-parallel group (``ranks``; None: the only one), sharded by the role's engine."""
+    its role's data-parallel group (``ranks``; None: the only one), sharded by the role's engine. ``lora``: wrap
+    it with the LoRA adapter ``model.lora_rank`` / ``lora_adapter_path`` ask for (the actor; :attr:`adapter`)."""
 
     def __init__(
         self,
@@ -40,33 +55,54 @@ class PolicyModel:
         *,
         resources: ResourcesConfig,
         micro_batch_size: int | None,
+        max_token_len: int | None,
         engine: TrainingEngineConfig,
         ranks: RankInfo | None,
         gradient_checkpointing: bool = False,
+        lora: bool = False,
     ):
         self.device = set_up_worker_process(resources)
         self.parallel = DataParallel.join(ranks, self.device)
         rollout = cfg.actor_rollout_ref.rollout
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.max_token_len = micro_batch_size, max_token_len
+        self.remove_padding = cfg.actor_rollout_ref.model.use_remove_padding
         model = with_gradient_checkpointing(load_causal_lm(cfg.actor_rollout_ref.model), gradient_checkpointing)
+        self.adapter: Adapter | None = None
+        if lora and cfg.actor_rollout_ref.model.lora:  # the actor trains LoRA adapters on the frozen base
+            model = with_lora(model, cfg.actor_rollout_ref.model, seed=cfg.data.seed)
+            self.adapter = Adapter(model)
         self.model = self.parallel.shard(model.to(self.device), engine.fsdp_config)
+        self.compute_dtype = autocast_dtype(self.model, engine.fsdp_config, self.parallel)
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict | None:
         """Per-token ``log_probs`` of the responses, [N, R]; no gradient. Each rank computes its rows;
         rank 0 returns them all (the others: None)."""
         self.model.eval()
-        parts = []
-        count = self.parallel.micro_count(batch, self.micro_batch_size)
+        parts, rows = [], []
+        cuts = micro_batches(batch, self.parallel, size=self.micro_batch_size, max_tokens=self.max_token_len)
         with torch.no_grad():
-            for micro in micro_batches(self.parallel.local_rows(batch), self.micro_batch_size, count=count):
-                logits = response_logits(self.model, micro.to(self.device)) / self.temperature
-                parts.append(log_probs_from_logits(logits, micro["responses"].to(self.device)).float().cpu())
-        log_probs = self.parallel.gather_rows(batch, pad_responses(parts, batch["responses"].shape[1]))
+            for group, micro in cuts:
+                parts.append(self.token_log_probs(micro.to(self.device))[0].float().cpu())
+                rows += group
+        log_probs = self.parallel.gather_indexed(rows, pad_responses(parts, batch["responses"].shape[1]), len(batch))
         return None if log_probs is None else TensorDict({"log_probs": log_probs}, batch_size=batch.batch_size)
 
+    def token_log_probs(self, micro: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's response ``log_probs`` [n, r] (zero outside each row's extent) and the tempered
+        logits they come from, [K, vocab] (:func:`~.learner.response_logits`)."""
+        logits = response_logits(
+            self.model, micro, remove_padding=self.remove_padding, compute_dtype=self.compute_dtype
+        )
+        logits = logits / self.temperature
+        positions = response_positions(micro)
+        return to_rows(log_probs_from_logits(logits, micro["responses"][positions]), positions), logits
+
     def weights_digest(self) -> str | None:
-        """Checksum of the current weights (guards a cached log-prob pass)."""
+        """Checksum of the current weights (guards a cached log-prob pass); with LoRA, of the adapter and the
+        base's digest, which is computed once."""
+        if self.adapter is not None:
+            return self.adapter.digest()
         return weights_digest(self.model, self.parallel)
 
 
@@ -79,6 +115,7 @@ class ReferenceWorker(PolicyModel):
             cfg,
             resources=ref.resources,
             micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+            max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
             engine=ref,
             ranks=ranks,
         )
@@ -88,14 +125,16 @@ class ActorWorker(PolicyModel):
     """The trained policy: log-probs, the PPO update, and weight export for the rollout workers."""
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
-        actor = cfg.actor_rollout_ref.actor
+        actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         super().__init__(
             cfg,
             resources=actor.resources,
-            micro_batch_size=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+            micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
+            max_token_len=rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
             engine=actor,
             ranks=ranks,
             gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+            lora=True,
         )
         self.cfg = actor
         self.model_config = cfg.actor_rollout_ref.model
@@ -115,24 +154,45 @@ class ActorWorker(PolicyModel):
         self.sender = WeightSender(cfg.actor_rollout_ref.rollout.weight_sync, keep_copy=not on_policy)
         self._outgoing: dict[str, torch.Tensor] = {}
         self.weight_version = 0
+        # With LoRA the rollout takes the adapter alone when it holds one too, else the merged weights.
+        self.sends_adapter = rollout_holds_adapter(cfg)
+        # The log-prob passes of actor and reference (the same model with LoRA: its adapter switched off for one)
+        # run one at a time; in process the forward passes of a step are called side by side.
+        self._passes = threading.Lock()
 
     def snapshot_weights(self) -> None:
-        """Keep a copy of the current weights: the step's first π_old, for the later mini-batch updates of a
-        separate_async step (verl's CPU weight slot 0 for decoupled PPO)."""
-        self._step_start = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        """Keep a copy of the current trained weights (with LoRA: the adapter's): the step's first π_old, for the
+        later mini-batch updates of a separate_async step (verl's CPU weight slot 0 for decoupled PPO)."""
+        self._step_start = self._trained_state()
 
     def compute_log_prob(self, batch: TensorDict, *, at_step_start: bool = False) -> TensorDict:
         """Per-token ``log_probs`` of the responses, [N, R], no gradient; ``at_step_start``: under the weights
         :meth:`snapshot_weights` kept, loaded in place for the pass and the current ones put back after it
         (the optimizer's parameters stay the same tensors)."""
-        if not at_step_start:
-            return super().compute_log_prob(batch)
-        current = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
-        self.model.load_state_dict(self._step_start)
-        try:
-            return super().compute_log_prob(batch)
-        finally:
-            self.model.load_state_dict(current)
+        with self._passes:
+            if not at_step_start:
+                return super().compute_log_prob(batch)
+            current = self._trained_state()
+            self.model.load_state_dict(self._step_start, strict=False)
+            try:
+                return super().compute_log_prob(batch)
+            finally:
+                self.model.load_state_dict(current, strict=False)
+
+    def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
+        """The reference's ``log_probs`` when it is this model's base (``ref_in_actor``, LoRA): the same pass
+        with the adapter disabled."""
+        with self._passes, self.adapter.disabled():
+            return PolicyModel.compute_log_prob(self, batch)
+
+    def ref_weights_digest(self) -> str:
+        """The reference's weights digest when it is this model's base: the base model's, computed once."""
+        return self.adapter.base_digest()
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the state the optimizer trains (aliases of tied weights left out)."""
+        names = trained_state_names(self.model)
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items() if name in names}
 
     def update(self, batch: TensorDict, *, step: int) -> StageResult:
         """PPO epochs over ``batch`` (needs ``advantages``; ``ref_log_probs`` for a KL loss); metrics ``actor/*``.
@@ -158,8 +218,7 @@ class ActorWorker(PolicyModel):
             # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
             normalizers = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": self.response_length}
             mask = micro["response_mask"]
-            logits = response_logits(self.model, micro) / self.temperature
-            log_probs = log_probs_from_logits(logits, micro["responses"])
+            log_probs, logits = self.token_log_probs(micro)
             if on_policy:
                 own_log_probs.append(log_probs.detach().float().cpu())
                 own_rows.append(micro["row"].cpu())
@@ -176,7 +235,9 @@ class ActorWorker(PolicyModel):
                 rollout_is_weights=micro.get("rollout_is_weights", None),
                 **normalizers,
             )
-            entropy = agg_loss(entropy_from_logits(logits), mask, cfg.loss_agg_mode, **normalizers)
+            entropy = agg_loss(
+                to_rows(entropy_from_logits(logits), response_positions(micro)), mask, cfg.loss_agg_mode, **normalizers
+            )
             loss = pg_loss - cfg.entropy_coeff * entropy
             summed = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
             if cfg.use_kl_loss:
@@ -198,6 +259,7 @@ class ActorWorker(PolicyModel):
             epochs=cfg.ppo_epochs,
             mini_batch_size=self.mini_batch_size,
             micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
             shuffle=cfg.shuffle and not on_policy,
             generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step),
             prefix="actor",
@@ -230,7 +292,14 @@ class ActorWorker(PolicyModel):
         self.sender.forget()  # the next sync sends everything
 
     def save_pretrained(self, url: str) -> None:
-        """Write the current policy, unsharded, and its tokenizer as a Hugging Face model directory at ``url``."""
+        """Write the current policy, unsharded, and its tokenizer as a Hugging Face model directory at ``url``;
+        with LoRA the merged model (base + adapter: loads without peft), and the adapter alone in peft's format
+        in ``url/adapter``."""
+        if self.adapter is not None:
+            tokenizer = load_tokenizer(self.model_config)
+            save_pretrained(self.adapter.base, tokenizer, url, weights=self.adapter.merged_weights())
+            save_pretrained(self.model, tokenizer, join(url, ADAPTER_DIR), weights=self.model.state_dict())
+            return
         weights = self.parallel.full_state_dict(self.model)
         if self.parallel.is_rank_zero:
             save_pretrained(self.model, load_tokenizer(self.model_config), url, weights=weights)
@@ -239,9 +308,12 @@ class ActorWorker(PolicyModel):
         """Lay out (and, through the object store, publish) the current weights for the rollout worker,
         stamped ``version`` (the trainer's count of steps; default: this worker's count of updates, the same
         unless a step makes several, as separate_async does); ``again``: the weights pushed last time
-        instead, whole (for a restarted rollout worker)."""
+        instead, whole (for a restarted rollout worker). With LoRA: the adapter's tensors, or the merged full
+        weights for a rollout that holds no adapter (:func:`~ppoflow.workers.training.lora.rollout_holds_adapter`)."""
         version = self.weight_version if version is None else version
-        if not again:
+        if not again and self.adapter is not None:
+            weights = self.adapter.weights() if self.sends_adapter else self.adapter.merged_weights()
+        elif not again:
             weights = self.parallel.full_state_dict(self.model)  # every rank takes part in gathering them
         if not self.parallel.is_rank_zero:  # rank 0 sends, and keeps what it sent
             return None
