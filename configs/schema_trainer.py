@@ -144,6 +144,13 @@ class RayConfig(Section):
     num_cpus: int | None = Field(
         ge=1, description="CPUs of the local Ray (a whole number, as ray.init takes); null = enough for every role."
     )
+    worker_niceness: int = Field(
+        ge=0,
+        le=19,
+        description="Niceness of the local Ray's worker processes, which hold the models: 0 = the driver's priority "
+        "(Ray's own default, 15, makes the model yield to everything else on the machine; docs/benchmarks.md). "
+        "A cluster joined through `address` keeps its own setting.",
+    )
 
 
 class SkipStageConfig(Section):

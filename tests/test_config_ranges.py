@@ -218,6 +218,7 @@ RANGES = [
     Rule("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", [(0, ">= 1")], [1]),
     Rule("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", [(0, ">= 1")], [1]),
     Rule("critic.forward_max_token_len_per_gpu", [(0, ">= 1")], [1]),
+    Rule("ray.worker_niceness", [(-1, ">= 0 (got -1)"), (20, "less than or equal to 19 (got 20)")], [0, 19]),
     Rule("ray.num_cpus", [(0, ">= 1"), (1.5, "Input should be a valid integer (got 1.5)")], [1]),
     Rule("skip.rollout.steps", [("[1,0]", ">= 1 (got 0)")], ["[1]"], ("skip.rollout.enable=true",)),
     Rule("skip.rollout.timeout_s", [(0.0, "greater than 0 (got 0.0)")], [0.001]),

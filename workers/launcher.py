@@ -290,6 +290,7 @@ def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
         include_dashboard=False,
         runtime_env={"env_vars": worker_env()},
         log_to_driver=True,
+        _system_config={"worker_niceness": cfg.ray.worker_niceness},
     )
     return True
 
