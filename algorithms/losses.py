@@ -1,9 +1,10 @@
-"""Loss aggregation, the PPO policy and value losses, and logit helpers, with verl's semantics.
+"""Loss aggregation, the PPO value loss, and logit helpers, with verl's semantics.
 
 All per-token tensors are ``[batch, response_len]``. :func:`agg_loss` reduces a per-token loss matrix to a scalar
 with the normalisers (``num_tokens``/``num_seqs``) of the whole mini-batch, so that its micro-batches' losses,
 summed, equal the mini-batch's; the caller composes the entropy bonus with the same mode and normalisers.
-:func:`compute_policy_loss` and :func:`compute_value_loss` are verl's clipped losses. Deviations from verl:
+:func:`compute_value_loss` is verl's clipped value loss; the policy losses are in
+:mod:`ppoflow.algorithms.policy_losses`. Deviations from verl:
 docs/architecture.md#the-algorithms-and-where-they-differ-from-verl.
 """
 
@@ -50,68 +51,6 @@ def agg_loss(
     if loss_agg_mode == "seq-mean-token-sum-norm":
         loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return loss
-
-
-def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    loss_agg_mode: str,
-    rollout_is_weights: torch.Tensor | None = None,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """verl's ``vanilla`` PPO clipped policy loss with clip-higher and dual clip.
-
-    Tensors are ``[batch, response_len]``.  With ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``:
-    ``L_clip = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; where ``A < 0`` the
-    loss is further capped at ``-A * clip_ratio_c`` (dual clip).  ``rollout_is_weights`` (detached,
-    same shape) multiplies the per-token loss.  The result is aggregated with :func:`agg_loss`.
-
-    Metrics (detached scalar tensors, masked means): ``pg_clipfrac`` (the clipped term is the larger),
-    ``ppo_kl`` (mean of the clamped ``old_log_prob - log_prob``) and ``pg_clipfrac_lower`` (the dual-clip
-    cap is active, A < 0).
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip PPO lower bound) must be > 1.0, got {clip_ratio_c}.")
-    mask = response_mask.to(log_prob.dtype)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, mask)
-
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    clip_loss = torch.maximum(unclipped, clipped)
-    pg_clipfrac = masked_mean((clipped > unclipped).to(mask.dtype), mask)
-
-    dual_cap = -advantages * clip_ratio_c
-    negative = advantages < 0
-    pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_cap), clip_loss)
-    pg_clipfrac_lower = masked_mean(((clip_loss > dual_cap) & negative).to(mask.dtype), mask)
-
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-
-    pg_loss = agg_loss(
-        pg_losses,
-        mask,
-        loss_agg_mode,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        loss_scale_factor=loss_scale_factor,
-    )
-    metrics = {
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "ppo_kl": ppo_kl.detach(),
-        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
-    }
-    return pg_loss, metrics
 
 
 def compute_value_loss(

@@ -27,3 +27,11 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 """How per-token losses are reduced (:func:`ppoflow.algorithms.losses.agg_loss`)."""
+
+POLICY_LOSSES: tuple[str, ...] = ("vanilla", "gspo", "cispo", "geo_mean", "sapo", "clip_cov", "kl_cov")
+"""The built-in ``actor_rollout_ref.actor.policy_loss.loss_mode`` names, in registration order
+(:mod:`ppoflow.algorithms.policy_losses` registers them; a user's file may add more)."""
+
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+"""verl's names of the per-response value whose variance within a group decides whether a group is kept
+(``algorithm.filter_groups.metric``, :mod:`ppoflow.algorithms.dynamic_sampling`)."""

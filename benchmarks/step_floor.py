@@ -46,7 +46,8 @@ def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
     import torch
 
     from ppoflow.algorithms.advantages import compute_grpo_outcome_advantage
-    from ppoflow.algorithms.losses import compute_policy_loss, log_probs_from_logits
+    from ppoflow.algorithms.losses import log_probs_from_logits
+    from ppoflow.algorithms.policy_losses import compute_policy_loss
     from ppoflow.algorithms.scoring import copy_score
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
     from ppoflow.storage.batch import non_tensor_column

@@ -53,6 +53,7 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     Every problem comes in one :class:`ConfigError`: unknown keys and bad values from the schema, and the
     cross-field rules' problems too, checked on a stand-in config when the schema fails (:func:`_stand_in`).
     """
+    overrides = [_without_hydra_prefix(word) for word in overrides]
     defaults = read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
     preset = read_yaml(_preset_path(config or DEMO_NAME))
     given = _parse_overrides(overrides)
@@ -207,6 +208,12 @@ def read_yaml(path: Path) -> DictConfig:
 
 
 _YAML_11_BOOLEANS = {"yes", "no", "on", "off", "y", "n"}
+
+
+def _without_hydra_prefix(word: str) -> str:
+    """A verl command line's ``+key=value`` (Hydra: add a key) or ``++key=value`` (add or set) as ``key=value``:
+    every key has a default here, so both just set it."""
+    return word[2:] if word.startswith("++") else word[1:] if word.startswith("+") else word
 
 
 def _parse_overrides(overrides: Sequence[str]):

@@ -12,7 +12,9 @@ import os
 import re
 
 from ppoflow.configs.modes import mode_errors, needs_of
+from ppoflow.configs.rules_dapo import dapo_errors
 from ppoflow.configs.rules_lora import lora_errors
+from ppoflow.configs.rules_policy_loss import policy_loss_errors
 from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
@@ -58,14 +60,6 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                     f"{cfg.critic.ppo_micro_batch_size_per_gpu} does not divide the critic mini-batch of {critic_mini}",
                 )
             )
-    if data.gen_batch_size is not None and data.gen_batch_size != data.train_batch_size:
-        errors.append(
-            (
-                "data.gen_batch_size",
-                f"{data.gen_batch_size} != data.train_batch_size {data.train_batch_size}: dynamic sampling "
-                "(generating more prompts than are trained on) is not supported; leave it null",
-            )
-        )
     if cfg.algorithm.adv_estimator == "gae" and not cfg.use_critic:
         errors.append(("critic.enable", "algorithm.adv_estimator=gae needs a critic; set critic.enable=true or null"))
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
@@ -117,6 +111,8 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
                 )
             )
     errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg) + lora_errors(cfg)
+    errors += dapo_errors(cfg)
+    errors += policy_loss_errors(cfg)
     if (
         cfg.skip.get("advantage")
         and cfg.skip["advantage"].enable

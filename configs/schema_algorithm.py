@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, IS_LEVELS, KL_PENALTY_KINDS
+from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, FILTER_METRICS, IS_LEVELS, KL_PENALTY_KINDS
 from ppoflow.configs.schema_base import Section
 
 
@@ -34,14 +34,34 @@ class CustomRewardConfig(Section):
     )
 
 
+class OverlongBufferConfig(Section):
+    """DAPO's overlong reward shaping (verl's DAPO reward manager): a response of ``L`` tokens past
+    ``max_resp_len - len`` gets ``-(L - (max_resp_len - len)) / len * penalty_factor`` added to its score."""
+
+    enable: bool = Field(description="Shape the training reward of responses that enter the last `len` tokens.")
+    len: int = Field(ge=0, description="Tokens at the end of the response budget where the penalty grows.")
+    penalty_factor: float = Field(ge=0, description="The penalty of a response that uses the whole budget.")
+    log: bool = Field(description="Report reward/overlong_reward/mean and reward/overlong/mean (share penalised).")
+
+
+class RewardKwargsConfig(Section):
+    """verl's ``reward_model.reward_kwargs`` of the DAPO reward manager."""
+
+    overlong_buffer_cfg: OverlongBufferConfig
+    max_resp_len: int | None = Field(
+        ge=1, description="The response budget of the penalty; null = data.max_response_length."
+    )
+
+
 class RewardModelConfig(Section):
-    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``)."""
+    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), and DAPO's overlong shaping."""
 
     reward_manager: Literal["naive", "ray"] = Field(
         description="naive: score in the flow; ray: score chunks as Prefect tasks on Ray workers (prefect-ray), "
         "for slow scorers (sandboxed code, remote judges). ray needs PREFECT_API_URL."
     )
     num_workers: int = Field(ge=1, description="reward_manager=ray: chunks scored at once.")
+    reward_kwargs: RewardKwargsConfig
 
 
 class KLControlConfig(Section):
@@ -74,6 +94,20 @@ class RolloutCorrectionConfig(Section):
     )
 
 
+class FilterGroupsConfig(Section):
+    """DAPO's dynamic sampling: drop prompt groups whose `metric` is the same for every response and
+    generate more (``data.gen_batch_size`` prompts at a time) until ``data.train_batch_size`` groups remain."""
+
+    enable: bool = Field(description="Drop zero-variance groups and keep generating (docs/dynamic_sampling.md).")
+    metric: Literal[FILTER_METRICS] | None = Field(  # type: ignore[valid-type]
+        description="acc: the `acc` its scorer reports; score / seq_reward: the response's score; "
+        "seq_final_reward: its token rewards' sum (no in-reward KL). Needed when `enable`."
+    )
+    max_num_gen_batches: int = Field(
+        description="Generation batches a step may use; past it the step fails naming this key. <= 0: no limit."
+    )
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal[ADVANTAGE_ESTIMATORS] = Field(description="Advantage estimator (gae needs a critic).")  # type: ignore[valid-type]
     gamma: float = Field(ge=0, le=1, description="Discount factor.")
@@ -85,3 +119,4 @@ class AlgorithmConfig(Section):
     kl_penalty: Literal[KL_PENALTY_KINDS] = Field(description="KL estimator of the in-reward penalty.")  # type: ignore[valid-type]
     kl_ctrl: KLControlConfig
     rollout_correction: RolloutCorrectionConfig
+    filter_groups: FilterGroupsConfig

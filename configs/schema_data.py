@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -39,7 +39,9 @@ class DataConfig(Section):
     prompt_key: str = Field(description="Column holding the prompt (chat messages or text).")
     train_batch_size: int = Field(ge=1, description="Prompts per training step.")
     gen_batch_size: int | None = Field(
-        ge=1, description="Prompts per generation; null = train_batch_size (names the cache directory)."
+        ge=1,
+        description="Prompts per generation batch; null = train_batch_size (names the cache directory). Only "
+        "dynamic sampling (algorithm.filter_groups) may set it apart, in the per-step modes.",
     )
     val_batch_size: int | None = Field(
         ge=1, description="Prompts per validation generation; null = the whole validation set."
@@ -56,6 +58,14 @@ class DataConfig(Section):
         description="Seed of the dataloader's shuffle (also of the mini-batch shuffles and the critic's value head)."
     )
     shuffle: bool = Field(description="Shuffle the train set every epoch.")
+    return_raw_chat: bool = Field(
+        description="Accepted for verl's command lines, no effect: verl keeps the raw chat for its rollout to "
+        "template; here chat prompts are templated once, when the data is loaded."
+    )
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        description="Extra arguments of the tokenizer's `apply_chat_template` for chat prompts, e.g. "
+        "`{enable_thinking: false}` (Qwen3)."
+    )
     synthetic: SyntheticDataConfig | None = Field(
         description="Generate the data files from a built-in task when they are missing, announced on the console. "
         "A preset's task belongs to the preset's files: a `key=value` override of `data.train_files` or "

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from ppoflow.algorithms.names import KL_PENALTY_KINDS, LOSS_AGG_MODES
+from ppoflow.algorithms.names import KL_PENALTY_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from ppoflow.configs.schema_base import ResourcesConfig, Section, Seed
 
 
@@ -170,14 +170,63 @@ class PPOUpdateConfig(TrainingEngineConfig):
     resources: ResourcesConfig
 
 
+class PolicyLossConfig(Section):
+    """verl's ``actor.policy_loss``: which policy loss the actor trains with, and the covariance losses' settings
+    (:mod:`ppoflow.algorithms.policy_losses`)."""
+
+    loss_mode: str = Field(
+        description=f"The policy loss: {', '.join(POLICY_LOSSES)}, or one of your own registered with "
+        "ppoflow.algorithms.policy_losses.register_policy_loss (loss_module names its file). vanilla: the PPO clip "
+        "with dual clip; gspo: the sequence's geometric-mean ratio clipped to [1 - clip_ratio_low, 1 + "
+        "clip_ratio_high] (the paper: 3e-4, 4e-4); cispo: the clipped ratio as a detached weight of -A * log p; "
+        "geo_mean (GMPO): the geometric mean of the token ratios, each clipped in log space; sapo: a soft gate "
+        "(tau_pos, tau_neg) instead of the clip; clip_cov / kl_cov: the PPO clip with the gradient cut, or the "
+        "unclipped loss with a |log r| penalty (ppo_kl_coef), on the tokens of high covariance of advantage and "
+        "log-prob. gspo and sapo always reduce seq-mean-token-mean, geo_mean per sequence (verl)."
+    )
+    loss_module: str | None = Field(
+        description="A Python file (or importable module) imported before loss_mode is looked up, by the driver "
+        "and by the actor's workers: its @register_policy_loss functions become loss modes. Not verl's (verl "
+        "registers losses in its own code)."
+    )
+    clip_cov_ratio: float = Field(
+        gt=0, le=1, description="clip_cov: share of a micro-batch's tokens whose gradient is cut (at least one)."
+    )
+    clip_cov_lb: float = Field(
+        description="clip_cov: a token the PPO clip left alone is a candidate when its covariance term "
+        "(A - mean A) * (log p - mean log p) lies above this..."
+    )
+    clip_cov_ub: float = Field(description="clip_cov: ...and below this.")
+    kl_cov_ratio: float = Field(
+        gt=0,
+        le=1,
+        description="kl_cov: share of a micro-batch's tokens (the largest covariance terms; at least one) "
+        "that take the KL penalty.",
+    )
+    ppo_kl_coef: float = Field(ge=0, description="kl_cov: coefficient of the |log r| penalty.")
+
+    @field_validator("clip_cov_ub")
+    @classmethod
+    def _above_lower_bound(cls, upper: float, info: ValidationInfo) -> float:
+        lower = info.data.get("clip_cov_lb")  # absent when clip_cov_lb itself was invalid
+        if lower is not None and upper <= lower:
+            raise PydanticCustomError("clip_cov_bounds", "must be above clip_cov_lb={lower}", {"lower": lower})
+        return upper
+
+
 class ActorConfig(PPOUpdateConfig):
     clip_ratio_low: float = Field(
-        gt=0, lt=1, description="PPO clip: lower bound 1 - clip_ratio_low, a ratio in (0, 1)."
+        gt=0,
+        description="PPO clip: lower bound 1 - clip_ratio_low; 1 or more clips nothing from below (verl's CISPO "
+        "examples set 10).",
     )
     clip_ratio_high: float = Field(
         gt=0, description="PPO clip: upper bound 1 + clip_ratio_high (DAPO clip-higher when larger)."
     )
     clip_ratio_c: float = Field(gt=1, description="Dual-clip constant for negative advantages.")
+    policy_loss: PolicyLossConfig
+    tau_pos: float = Field(gt=0, description="sapo: temperature of the soft gate where the advantage is positive.")
+    tau_neg: float = Field(gt=0, description="sapo: temperature of the soft gate where it is not.")
     entropy_coeff: float = Field(ge=0, description="Entropy bonus coefficient.")
     use_kl_loss: bool = Field(description="Add a KL-to-reference loss (needs the ref worker).")
     kl_loss_coef: float = Field(ge=0, description="Coefficient of the KL loss.")

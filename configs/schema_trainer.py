@@ -12,7 +12,9 @@ from pydantic_core import PydanticCustomError
 from ppoflow.configs.modes import DEFAULT_MODE, mode_list
 from ppoflow.configs.schema_base import PATH_NAME_RULE, PathName, Section
 
-LOGGERS = ("console", "tensorboard")
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "file", "trackio")
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+"""Tracking-URI schemes MLflow's client opens (a plain path is a ``file`` store)."""
 
 
 class CustomSamplerConfig(Section):
@@ -103,7 +105,23 @@ class TrainerConfig(Section):
     resume_from_path: str | None = Field(description="A global_step_N checkpoint directory (resume_mode=resume_path).")
     val_before_train: bool = Field(description="Validate once before the first step (when test_freq > 0).")
     default_local_dir: str = Field(description="Run directory: metrics.jsonl, TensorBoard events, checkpoints.")
-    logger: list[str] = Field(description="Where metrics go besides metrics.jsonl: console, tensorboard.")
+    logger: list[str] = Field(
+        description="Where metrics go besides metrics.jsonl: console, tensorboard, wandb, mlflow, file, trackio "
+        "(docs/trackers.md). A tracker that fails warns once and the run goes on."
+    )
+    log_val_generations: int = Field(
+        ge=0, description="Validation samples logged per validation to the wandb table / MLflow artifact; 0 = none."
+    )
+    rollout_data_dir: str | None = Field(
+        description="Write each step's trained generations as <step>.jsonl here (any fsspec URL); null = no dump."
+    )
+    validation_data_dir: str | None = Field(
+        description="Write each validation's generations as <step>.jsonl here (any fsspec URL); null = no dump."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        description="MLflow tracking URI (trainer.logger=mlflow); null = env MLFLOW_TRACKING_URI, else verl's "
+        "sqlite:////tmp/mlruns.db."
+    )
     task_run_tags: bool = Field(
         description="Tag every stage's task run (stage:, kind:, mode:, experiment:) for the Prefect UI's tag filters. "
         "Off by default: Prefect asks its server for tag concurrency slots before each tagged task "
@@ -135,6 +153,19 @@ class TrainerConfig(Section):
                 {"unknown": ", ".join(map(repr, unknown)), "choices": ", ".join(LOGGERS)},
             )
         return names
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _readable_uri(cls, uri: str | None) -> str | None:
+        """A URI MLflow cannot open is refused before anything starts, not found out at the first step."""
+        scheme = uri.split("://", 1)[0].split("+", 1)[0] if uri and "://" in uri else None
+        if uri is not None and (not uri.strip() or (scheme is not None and scheme not in MLFLOW_SCHEMES)):
+            raise PydanticCustomError(
+                "unreadable_uri",
+                "{uri!r} is no MLflow tracking URI; use a path or a URI with one of {schemes}",
+                {"uri": uri, "schemes": ", ".join(MLFLOW_SCHEMES)},
+            )
+        return uri
 
 
 class RayConfig(Section):

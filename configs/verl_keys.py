@@ -13,6 +13,8 @@ from __future__ import annotations
 ACTOR, REF, ROLLOUT, MODEL = (f"actor_rollout_ref.{role}" for role in ("actor", "ref", "rollout", "model"))
 
 _FSDP1_OFFLOAD = ("param_offload", "optimizer_offload")
+_CRITIC_FSDP = ("critic.fsdp", "critic.model.fsdp_config")
+"""Where verl's critic keeps its FSDP engine settings (older and newer layouts); ours: critic.fsdp_config."""
 """verl's FSDP1-style offload switches; FSDP2's CPUOffloadPolicy (``fsdp_config.offload_policy``) moves
 parameters, gradients and optimizer state together."""
 
@@ -20,6 +22,7 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     # data
     "data.tokenizer": f"{MODEL}.tokenizer_path",
     "data.trust_remote_code": f"{MODEL}.trust_remote_code",
+    "data.tool_config_path": f"{ROLLOUT}.multi_turn.tool_config_path",
     # actor, ref and critic: the same concepts under each role
     **{
         f"{role}.fsdp_config.{offload}": f"{role}.fsdp_config.offload_policy"
@@ -31,11 +34,15 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
         for section in ("fsdp", "model.fsdp_config")
         for offload in (*_FSDP1_OFFLOAD, "offload_policy")
     },
-    "critic.fsdp.reshard_after_forward": "critic.fsdp_config.reshard_after_forward",
+    **{f"{section}.reshard_after_forward": "critic.fsdp_config.reshard_after_forward" for section in _CRITIC_FSDP},
     **{f"{role}.fsdp_config.strategy": f"{role}.strategy" for role in (ACTOR, REF)},
-    "critic.fsdp.strategy": "critic.strategy",
+    **{f"{section}.strategy": "critic.strategy" for section in _CRITIC_FSDP},
     **{f"{role}.fsdp_config.model_dtype": f"{MODEL}.dtype" for role in (ACTOR, REF)},
-    "critic.fsdp.model_dtype": "critic.model.dtype",
+    **{f"{section}.model_dtype": "critic.model.dtype" for section in _CRITIC_FSDP},
+    # verl's engine ``dtype`` is the compute dtype of mixed precision
+    **{f"{role}.fsdp_config.dtype": f"{role}.fsdp_config.mixed_precision.param_dtype" for role in (ACTOR, REF)},
+    **{f"{section}.dtype": "critic.fsdp_config.mixed_precision.param_dtype" for section in _CRITIC_FSDP},
+    f"{ACTOR}.use_remove_padding": f"{MODEL}.use_remove_padding",
     f"{ACTOR}.optim.clip_grad": f"{ACTOR}.grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",
     f"{ACTOR}.ppo_micro_batch_size": f"{ACTOR}.ppo_micro_batch_size_per_gpu",
@@ -49,6 +56,7 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     f"{ROLLOUT}.prompt_length": "data.max_prompt_length",
     f"{ROLLOUT}.response_length": "data.max_response_length",
     f"{ROLLOUT}.dtype": f"{MODEL}.dtype",
+    f"{MODEL}.torch_dtype": f"{MODEL}.dtype",
     f"{ROLLOUT}.nnodes": "rollout.nnodes",
     f"{ROLLOUT}.n_gpus_per_node": "rollout.n_gpus_per_node",
     f"{ROLLOUT}.checkpoint_engine.backend": f"{ROLLOUT}.weight_sync.backend",
@@ -59,6 +67,11 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.num_workers": "reward_model.num_workers",
+    "reward_manager.name": "reward_model.reward_manager",
+    **{  # the DAPO recipe's older layout
+        f"reward_model.overlong_buffer.{key}": f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}"
+        for key in ("enable", "len", "penalty_factor", "log")
+    },
     # ray
     "ray_kwargs.ray_init.num_cpus": "ray.num_cpus",
 }
@@ -76,6 +89,25 @@ _VLLM_ENGINE = "not supported: ppoflow sets the vLLM engine's other arguments it
 _MEGATRON = "not supported: the training engine is FSDP2 (strategy: fsdp2); there is no Megatron engine"
 _ENGINE_TUNING = "not supported: FSDP2 shards each decoder layer over the role's ranks with fixed settings"
 _MULTIMODAL = "not supported: prompts are text only"
+_KERNELS = "not supported: models run on plain transformers kernels"
+_PROFILER = "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI"
+_ENTROPY = "not supported: entropy is computed from the full logits in one pass (no chunking, no recomputation)"
+_OPTIMIZER = "not supported: the optimizer is torch's AdamW"
+_SCORERS = "not supported: the reward loop is ppoflow's; custom_reward_function.path plugs in a scorer"
+_ENGINE_OPTIONS = {
+    "fsdp_size": _ENGINE_TUNING,
+    "wrap_policy": _ENGINE_TUNING,
+    "forward_prefetch": _ENGINE_TUNING,
+    "use_orig_params": _ENGINE_TUNING,
+    "seed": "not supported: ppoflow seeds the training engine itself (data.seed)",
+    "full_determinism": "not supported: torch's deterministic-algorithms mode is not switched on",
+    "ulysses_sequence_parallel_size": _NO_PARALLELISM,
+    "entropy_from_logits_with_chunking": _ENTROPY,
+    "entropy_checkpointing": _ENTROPY,
+    "use_torch_compile": "not supported: models run eagerly",
+    "forward_only": "not needed: a role without an optimizer (ref) runs forward only",
+}
+"""The rest of verl's FSDP engine config (``fsdp_config``), for each role's copy of it."""
 
 UNSUPPORTED: dict[str, str] = {
     # data
@@ -84,45 +116,82 @@ UNSUPPORTED: dict[str, str] = {
     "data.val_max_samples": "not supported: every row of data.val_files is used; cut the file instead",
     "data.dataloader_num_workers": "not supported: the prompts are loaded in the driver, without loader workers",
     "data.filter_overlong_prompts_workers": "not supported: overlong prompts are filtered in the driver",
-    "data.return_raw_chat": "not supported: chat prompts go through the tokenizer's chat template in the rollout",
     "data.validation_shuffle": "not supported: validation prompts are read in file order",
     "data.custom_cls": "not supported: data files are read by ppoflow's parquet / JSONL loader",
     "data.use_shm": "not supported: data files are read through fsspec",
     "data.image_key": _MULTIMODAL,
     "data.video_key": _MULTIMODAL,
+    "data.image_patch_size": _MULTIMODAL,
+    "data.return_multi_modal_inputs": _MULTIMODAL,
+    "data.return_raw_input_ids": "not needed: it is for a reward model's own tokenizer; rewards come from scorers",
+    "data.return_full_prompt": "not supported: rows keep the prompt as given; the chat template is applied where "
+    "prompts are tokenized",
+    "data.sampler": "not supported: train prompts come in data.shuffle / data.seed order (no curriculum sampler)",
+    "data.datagen": "not supported: the prompt set is fixed (no dynamic data generation)",
     # model
-    f"{MODEL}.enable_activation_offload": "not supported: activations stay on the device",
-    f"{MODEL}.use_liger": "not supported: models run on plain transformers kernels",
-    f"{MODEL}.use_fused_kernels": "not supported: models run on plain transformers kernels",
+    f"{MODEL}.use_liger": _KERNELS,
+    f"{MODEL}.use_fused_kernels": _KERNELS,
+    f"{MODEL}.fused_kernel_options": _KERNELS,
     **{
-        f"{model}.exclude_modules": "not supported: target_modules alone says which modules LoRA adapts"
+        f"{model}.{key}": why
         for model in (MODEL, "critic.model")
+        for key, why in {
+            "exclude_modules": "not supported: target_modules alone says which modules LoRA adapts",
+            "enable_activation_offload": "not supported: activations stay on the device",
+            "external_lib": "not supported: models load through transformers (trust_remote_code for custom code)",
+            "use_shm": "not supported: models are read through fsspec",
+            "override_config": "not supported: the model's config is used as saved (model.build sets a built model's)",
+            "tiled_mlp": _KERNELS,
+        }.items()
     },
-    f"{MODEL}.external_lib": "not supported: models load through transformers (trust_remote_code for custom code)",
+    f"{MODEL}.hf_config_path": "not supported: the model's config is read from model.path",
     f"{MODEL}.custom_chat_template": "not supported: prompts use the tokenizer's own chat template",
-    f"{MODEL}.use_shm": "not supported: models are read through fsspec",
+    **{
+        f"{role}.mtp": "not supported: no multi-token prediction (neither training nor speculative decoding)"
+        for role in (MODEL, ROLLOUT)
+    },
     # actor, ref, critic
-    f"{ACTOR}.policy_loss": "not supported: the policy loss is verl's vanilla PPO clip (with the dual clip "
-    "clip_ratio_c); clip_ratio_low / clip_ratio_high set its bounds",
-    f"{ACTOR}.use_torch_compile": "not supported: models run eagerly",
+    **{f"{role}.use_torch_compile": "not supported: models run eagerly" for role in (ACTOR, REF)},
     f"{ACTOR}.loss_scale_factor": "not supported: loss_agg_mode decides how token losses are reduced",
-    f"{ACTOR}.checkpoint": "not supported: a checkpoint always holds the model, optimizer and scheduler state",
+    **{
+        f"{role}.checkpoint": "not supported: a checkpoint always holds the model, optimizer and scheduler state"
+        for role in (ACTOR, "critic")
+    },
+    f"{ACTOR}.freeze_vision_tower": _MULTIMODAL,
+    f"{ACTOR}.use_fused_kernels": _KERNELS,
+    f"{ACTOR}.calculate_entropy": "not needed: the entropy is always computed (actor/entropy)",
+    f"{ACTOR}.use_prefix_grouper": "not supported: each response is forwarded with its own copy of the prompt",
+    **{
+        f"{ACTOR}.{key}": "not supported: no estimator here uses the sum of squared token probabilities"
+        for key in ("calculate_sum_pi_squared", "sum_pi_squared_checkpointing")
+    },
+    **{f"{role}.{key}": _ENTROPY for role in (ACTOR, REF) for key in _ENGINE_OPTIONS if "entropy" in key},
+    **{
+        f"{role}.data_loader_seed": "not needed: mini-batches are shuffled with data.seed" for role in (ACTOR, "critic")
+    },
+    **{f"{role}.profiler": _PROFILER for role in (ACTOR, REF, ROLLOUT, "critic", "reward_model")},
+    **{f"{role}.router_replay": "not supported: no MoE routing replay" for role in (ACTOR, REF)},
+    f"{ROLLOUT}.enable_rollout_routing_replay": "not supported: no MoE routing replay",
+    "actor_rollout_ref.nccl_timeout": "not supported: torch.distributed's default timeout applies",
     f"{ACTOR}.megatron": _MEGATRON,
     f"{REF}.megatron": _MEGATRON,
     "critic.megatron": _MEGATRON,
     **{f"{role}.ulysses_sequence_parallel_size": _NO_PARALLELISM for role in (ACTOR, REF, "critic")},
     **{
-        f"{role}.fsdp_config.{option}": _ENGINE_TUNING
-        for role in (ACTOR, REF)
-        for option in ("fsdp_size", "wrap_policy", "forward_prefetch", "use_orig_params")
+        f"{section}.{option}": why
+        for section in (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", *_CRITIC_FSDP)
+        for option, why in _ENGINE_OPTIONS.items()
     },
-    **{f"critic.fsdp.{option}": _ENGINE_TUNING for option in ("fsdp_size", "wrap_policy", "forward_prefetch")},
     **{
         f"{role}.optim.{option}": _NO_SCHEDULE
         for role in (ACTOR, "critic")
         for option in ("lr_warmup_steps_ratio", "warmup_style", "lr_scheduler_type", "min_lr_ratio", "num_cycles")
     },
-    **{f"{role}.optim.optimizer": "not supported: the optimizer is torch's AdamW" for role in (ACTOR, "critic")},
+    **{
+        f"{role}.optim.{option}": _OPTIMIZER
+        for role in (ACTOR, "critic")
+        for option in ("optimizer", "optimizer_impl", "override_optimizer_config")
+    },
     **{
         f"{role}.optim.total_training_steps": "not needed: the warm-up counts updates from the start of training"
         for role in (ACTOR, "critic")
@@ -142,7 +211,21 @@ UNSUPPORTED: dict[str, str] = {
             "disable_log_stats",
             "cudagraph_capture_sizes",
             "logprobs_mode",
+            "scheduling_policy",
+            "multi_stage_wake_up",
+            "engine_kwargs",
+            "skip_tokenizer_init",
+            "quantization",
+            "quantization_config_file",
         )
+    },
+    f"{ROLLOUT}.checkpoint_engine.engine_kwargs": "not supported: the weight sync backend takes no other settings",
+    f"{ROLLOUT}.prometheus": "not supported: rollout metrics are in metrics.jsonl",
+    f"{ROLLOUT}.trace": "not supported: no rollout tracing backend; each step's generations can be kept with the "
+    "step cache (skip.rollout.*)",
+    **{
+        f"{ROLLOUT}.{key}": "not supported: keep and reuse each step's generations with the step cache (skip.rollout.*)"
+        for key in ("skip_rollout", "skip_dump_dir")
     },
     **{
         f"{ROLLOUT}.{option}": "not supported: the vllm engine is split by tensor_model_parallel_size only"
@@ -158,11 +241,19 @@ UNSUPPORTED: dict[str, str] = {
     f"{ROLLOUT}.multi_turn.max_user_turns": "not supported: a trajectory's turns are bounded by "
     "multi_turn.max_assistant_turns",
     f"{ROLLOUT}.multi_turn.max_parallel_calls": "not supported: a model turn makes one tool call",
+    f"{ROLLOUT}.multi_turn.tool_response_truncate_side": "not supported: multi_turn.max_tokens_per_turn bounds "
+    "a turn; a tool response is not truncated on its own",
+    f"{ROLLOUT}.multi_turn.interaction_config_path": "not supported: no simulated-user interactions; turns "
+    "alternate between the model and its tools",
+    f"{ROLLOUT}.multi_turn.use_inference_chat_template": "not supported: turns use the tokenizer's own chat template",
+    f"{ROLLOUT}.multi_turn.tokenization_sanity_check_mode": "not supported: no re-tokenization check of trajectories",
+    f"{ROLLOUT}.multi_turn.num_repeat_rollouts": "not needed: rollout.n sets the trajectories per prompt",
     f"{ROLLOUT}.agent.custom_async_server": "not supported: the replicas are ppoflow's own",
     # algorithm
-    "algorithm.filter_groups": "not supported: dynamic sampling (DAPO) generates more prompts than are trained "
-    "on, which ppoflow does not do (see data.gen_batch_size)",
-    "algorithm.use_pf_ppo": "not supported: every trajectory of a batch is trained on (no PF-PPO reweighting)",
+    **{
+        key: "not supported: every trajectory of a batch is trained on (no PF-PPO reweighting)"
+        for key in ("algorithm.use_pf_ppo", "algorithm.pf_ppo")
+    },
     "algorithm.rollout_correction.loss_type": "not supported: correction weights multiply the PPO loss",
     # reward models
     "reward_model.enable": _NO_REWARD_MODEL,
@@ -170,8 +261,38 @@ UNSUPPORTED: dict[str, str] = {
     "reward_model.enable_resource_pool": _NO_REWARD_MODEL,
     "reward_model.n_gpus_per_node": _NO_REWARD_MODEL,
     "reward_model.nnodes": _NO_REWARD_MODEL,
+    **{
+        f"reward_model.{key}": _NO_REWARD_MODEL
+        for key in (
+            "strategy",
+            "micro_batch_size",
+            "micro_batch_size_per_gpu",
+            "max_length",
+            "use_dynamic_bsz",
+            "forward_max_token_len_per_gpu",
+            "ulysses_sequence_parallel_size",
+            "rollout",
+        )
+    },
     "reward.reward_model": _NO_REWARD_MODEL,
-    "reward.sandbox_fusion": "not supported: write a scorer (custom_reward_function.path) that calls the sandbox",
+    **{
+        f"{section}.sandbox_fusion": "not supported: write a scorer (custom_reward_function.path) that calls the "
+        "sandbox"
+        for section in ("reward", "reward_model")
+    },
+    **{
+        key: _SCORERS
+        for key in (
+            "reward_model.reward_loop_source",
+            "reward_model.reward_loop_module_path",
+            "reward_model.reward_loop_class_name",
+            "reward_model.use_reward_loop",
+            "reward_manager.source",
+            "reward_manager.module",
+        )
+    },
+    "reward_model.launch_reward_fn_async": "not supported: reward_model.reward_manager says where scoring runs "
+    "(naive: in the flow; ray: on Ray workers)",
     # trainer
     "trainer.device": "not supported: the device follows the resources: trainer.n_gpus_per_node (0 = CPU) and "
     "each role's resources.num_gpus",
@@ -179,14 +300,13 @@ UNSUPPORTED: dict[str, str] = {
     "trainer.balance_batch": "not supported: training ranks get equal numbers of trajectories, not of tokens",
     "trainer.critic_warmup": "not supported: the actor trains from the first step",
     "trainer.val_only": "not supported: validation runs within training (trainer.test_freq, trainer.val_before_train)",
-    "trainer.log_val_generations": "not supported: each validation line shows a few sample completions",
-    "trainer.rollout_data_dir": "not supported: keep each step's generations with the step cache (skip.rollout.*)",
-    "trainer.validation_data_dir": "not supported: each validation line shows a few sample completions",
     "trainer.default_hdfs_dir": "not supported: trainer.default_local_dir takes any fsspec URL (s3://, hdfs://, ...)",
     "trainer.del_local_ckpt_after_load": "not supported: checkpoints stay where they were written",
     "trainer.max_actor_ckpt_to_keep": "not supported: every checkpoint is kept",
     "trainer.max_critic_ckpt_to_keep": "not supported: every checkpoint is kept",
     "trainer.ray_wait_register_center_timeout": "not supported: the workers are Ray actors started by the flow",
+    "trainer.esi_redundant_time": "not supported: checkpoints are saved every trainer.save_freq steps",
+    "trainer.use_legacy_worker_impl": "not supported: ppoflow has one worker implementation",
     "trainer.v1.sampler.sync_refill_failed_groups": "not needed: the replay buffer always evicts and "
     "replaces failed prompt groups",
     "trainer.v1.separate_async.hybrid_rollout": "not supported: the trainer's GPUs are not lent to generation",
@@ -195,7 +315,7 @@ UNSUPPORTED: dict[str, str] = {
     "(or the cluster's, with ray.address)",
     "ray_kwargs.timeline_json_file": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the "
     "Prefect UI",
-    "global_profiler": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI",
+    "global_profiler": _PROFILER,
     "transfer_queue": "not supported: the async modes' replay buffer is ppoflow's own (trainer.v1.sampler)",
 }
 """verl key (or section) -> why ppoflow has no such setting."""

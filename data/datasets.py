@@ -235,7 +235,7 @@ def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) ->
     ``data.max_prompt_length``; a prompt that cannot be used is a :class:`ConfigError` naming ``key``."""
     prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos = [], [], [], [], [], [], []
     for index, row in enumerate(rows):
-        ids = _tokenize_prompt(row[data.prompt_key], tokenizer, key=key, index=index)
+        ids = _tokenize_prompt(row[data.prompt_key], tokenizer, data.apply_chat_template_kwargs, key=key, index=index)
         if len(ids) > data.max_prompt_length:
             if data.filter_overlong_prompts:
                 continue
@@ -308,7 +308,7 @@ class PromptLoader:
         return order
 
 
-def _tokenize_prompt(prompt, tokenizer, *, key: str, index: int) -> list[int]:
+def _tokenize_prompt(prompt, tokenizer, template_kwargs: dict, *, key: str, index: int) -> list[int]:
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
@@ -316,7 +316,7 @@ def _tokenize_prompt(prompt, tokenizer, *, key: str, index: int) -> list[int]:
             raise ConfigError(
                 [(key, f"row {index}: the prompt is a list of chat messages but the tokenizer has no chat_template")]
             )
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **template_kwargs)
     else:
         raise ConfigError(
             [

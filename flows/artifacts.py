@@ -123,11 +123,13 @@ class RunArtifacts:
         final_model: str | None,
         caches: list[str],
         cache_lines: list[str] = (),
+        links: list[tuple[str, str]] = (),
     ) -> str:
         """Write the reward curve to the run directory and publish the metrics table, the summary, the
         config, the staleness histogram (when some sample was off-policy) and the experiment's ``latest``
         pointer; ``rows`` are the run's per-step metrics (each with ``step``), ``cache_lines`` the summary's
-        "Step cache" section (markdown lines: what the step cache replayed, rejected and missed). Returns
+        "Step cache" section (markdown lines: what the step cache replayed, rejected and missed), ``links``
+        the summary's ``(label, where)`` rows of the trackers' runs and the generation dumps. Returns
         the PNG's location."""
         before = [{"step": 0, **self.validation_before_training}] if self.validation_before_training else []
         curve_rows = before + rows
@@ -141,7 +143,9 @@ class RunArtifacts:
                 table=metrics_table(rows), key=f"{self.prefix}-metrics", description=f"{name}: metrics per step"
             )
             create_markdown_artifact(
-                markdown=self.summary(rows, checkpoint, final_model, caches, png_url, png, cache_lines=cache_lines),
+                markdown=self.summary(
+                    rows, checkpoint, final_model, caches, png_url, png, cache_lines=cache_lines, links=links
+                ),
                 key=f"{self.prefix}-summary",
                 description=f"{name}: run summary",
             )
@@ -172,6 +176,7 @@ class RunArtifacts:
         png: bytes,
         *,
         cache_lines: list[str] = (),
+        links: list[tuple[str, str]] = (),
     ) -> str:
         """The summary artifact's markdown: short enough to read without scrolling past the curve (with a
         "Step cache" section of ``cache_lines``, given as they are, when there are any)."""
@@ -183,6 +188,7 @@ class RunArtifacts:
             ("checkpoint", checkpoint),
             ("final model", final_model),
             *(("cache", cache) for cache in caches),
+            *links,
         ]
         return "\n".join(
             [

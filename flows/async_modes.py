@@ -60,11 +60,6 @@ class StreamingTrainer(TrainerMode):
         self.dispatch_step = 1
         """The step prompts fed now are dispatched at (the step being trained, or the first)."""
 
-    @property
-    def batch_size(self) -> int:
-        """Prompt groups per sample (per update)."""
-        return self.run.cfg.data.train_batch_size
-
     # -- feeding the rollout --------------------------------------------------------------------------
 
     def feed(self, count: int) -> None:
@@ -157,10 +152,12 @@ class StreamingTrainer(TrainerMode):
         self.dispatch_step = step.step
         self.feed(self.run.cfg.data.train_batch_size)
 
-    def sample(self, step: StepData) -> None:
-        """Stage 1: the step's batch, the oldest finished groups in the buffer (the ``sample`` task)."""
+    def sample(self, step: StepData, groups: int | None = None) -> None:
+        """Stage 1: the step's batch, the oldest ``groups`` (default: :attr:`batch_size`) finished groups in the
+        buffer (the ``sample`` task)."""
+        batch_size = groups or self.batch_size
         result = self.run.stages.sample(
-            step, buffer=self.buffer, batch_size=self.batch_size, poll=self.poll, in_order=self.replayable
+            step, buffer=self.buffer, batch_size=batch_size, poll=self.poll, in_order=self.replayable
         )
         uids = non_tensor_column(result.fields, "uid")
         rows = [self.prompts[uid] for uid in uids]
@@ -168,6 +165,14 @@ class StreamingTrainer(TrainerMode):
         step.merge(type(result)(with_non_tensor_columns(result.fields, columns), result.metrics))
         for uid in set(uids):
             del self.prompts[uid]
+
+    def sample_more(self, step: StepData, groups: int) -> StepData:
+        """Dynamic sampling's refill, as verl's V1 buffer evicts filtered groups: feed ``groups`` fresh prompts
+        and sample as many groups (the oldest finished, as :meth:`sample`)."""
+        more = StepData(step.step, round=step.round)
+        self.feed(groups)
+        self.sample(more, groups)
+        return more
 
     def on_train_end(self) -> None:
         """End the generations still running - prompts fed ahead of the last step - before the run's actors

@@ -1,4 +1,5 @@
-"""The ``ppoflow`` command line: ``train``, ``config``, ``cache ls|show|rm``, ``server``, ``build-tiny-model``.
+"""The ``ppoflow`` command line: ``train``, ``config``, ``cache ls|show|rm``, ``dump show``,
+``server``, ``build-tiny-model``.
 
 ``ppoflow train [--config NAME_OR_PATH] [key=value ...]`` runs the training flow (no arguments: the tiny GRPO demo);
 ``ppoflow server`` starts a Prefect server set up for training runs (:data:`SERVER_ENV`). A user error ends with exit
@@ -17,6 +18,8 @@ import signal
 import sys
 
 from ppoflow.flows.cli_cache import cache
+from ppoflow.flows.cli_dump import add_parser as add_dump_parser
+from ppoflow.flows.cli_dump import dump
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 default=1 << 30,
                 help="refuse a payload larger than this many bytes before reading it (default 1 GiB)",
             )
+
+    add_dump_parser(commands)
 
     serve = commands.add_parser("serve", help="register the ppo-train and regression-replay deployments and run them")
     serve.add_argument("--replay-dir", default="regression/golden", help="golden directory of `ppoflow replay record`")
@@ -333,6 +338,7 @@ COMMANDS = {
     "train": _train,
     "config": _config,
     "cache": cache,
+    "dump": dump,
     "serve": _serve,
     "server": _server,
     "build-tiny-model": _build_tiny_model,

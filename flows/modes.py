@@ -73,6 +73,11 @@ class TrainerMode:
     updates_per_step: int = 1
     """Sample-and-update rounds per step before ``on_step_end`` (separate_async: ``parameter_sync_step``)."""
 
+    @property
+    def batch_size(self) -> int:
+        """Prompt groups per update (``data.train_batch_size``): what dynamic sampling fills."""
+        return self.run.cfg.data.train_batch_size
+
     def __init__(self, run: RunContext, state: TrainerState):
         self.run, self.state = run, state
         self.synced_version = 0
@@ -101,6 +106,11 @@ class TrainerMode:
         """Stage 1: take the step's batch into ``step``."""
         raise NotImplementedError
 
+    def sample_more(self, step: StepData, groups: int) -> StepData:
+        """Stage 1 again for dynamic sampling (``algorithm.filter_groups``): a further batch for ``step``, in a
+        StepData of its own, to replace ``groups`` filtered prompt groups."""
+        raise NotImplementedError(f"trainer mode {self.name!r} does not support algorithm.filter_groups")
+
     def push_weights(self, again: bool = False) -> None:
         """Stage 6: the rollout worker takes the actor's current weights (``again``: the ones pushed last).
         A rollout colocated with the actor samples with the actor's own model: there is nothing to move,
@@ -125,7 +135,10 @@ class TrainerMode:
 class PerStepTrainer(TrainerMode):
     """The per-step family: each step's batch comes from the generate stage (replayed from its step cache when
     that holds the step), started when it is needed unless the mode started it earlier; a batch that a
-    restarted rollout worker sampled with other weights is generated again."""
+    restarted rollout worker sampled with other weights is generated again.
+
+    Generation batches are numbered as the steps (uids, sample ids and the generate cache are keyed by that
+    number), except under dynamic sampling, where a step may take several: they count on (verl's ``gen_steps``)."""
 
     def __init__(self, run: RunContext, state: TrainerState):
         super().__init__(run, state)
@@ -133,19 +146,27 @@ class PerStepTrainer(TrainerMode):
         """Generation started for a step, not yet consumed."""
         self.launch_versions: dict[int, int] = {}
         """The weight version the rollout served when each in-flight generation started."""
+        self.generations: dict[int, int] = {}
+        """The generation batch of each step's in-flight generation."""
+        self.gen_step = 0
+        """Under dynamic sampling, the last generation batch started."""
 
     def on_sample_begin(self, step: StepData) -> None:
         """Start the step's generation unless it already runs (started a step ahead, or restored)."""
         if step.step not in self.in_flight:
             self.launch(step.step, background=False)
 
-    def launch(self, step: int, *, background: bool) -> None:
-        """Start generating ``step``'s batch with the weights the rollout serves now; with ``background``
-        as a Prefect future that runs while this thread goes on (replays never start in the background)."""
+    def launch(self, step: int, *, background: bool, generation: int | None = None) -> None:
+        """Start generating a batch for ``step`` (the next generation batch, or ``generation``) with the weights
+        the rollout serves now; with ``background`` as a Prefect future that runs while this thread goes on
+        (replays never start in the background)."""
         run = self.run
-        prompts = run.prompts(step, *self.state.drawn_prompts(step))
-        self.launch_versions[step] = self.synced_version
-        self.in_flight[step] = run.stages.generate(step, prompts=prompts, background=background)
+        if generation is None and run.cfg.algorithm.filter_groups.enable:
+            self.gen_step = generation = self.gen_step + 1
+        generation = step if generation is None else generation
+        prompts = run.prompts(generation, *self.state.drawn_prompts(generation))
+        self.launch_versions[step], self.generations[step] = self.synced_version, generation
+        self.in_flight[step] = run.stages.generate(generation, prompts=prompts, background=background)
 
     def sample(self, step: StepData) -> None:
         """Stage 1: wait for the step's batch and take it into ``step``. A batch that a restarted rollout
@@ -157,11 +178,14 @@ class PerStepTrainer(TrainerMode):
             # (generation ran ahead), those are the weights pushed last, which the actor kept.
             moved_on = self.launch_versions.get(step.step, self.synced_version) != self.state.weight_version
             self.push_weights(again=moved_on)
-            self.launch(step.step, background=False)
+            self.launch(step.step, background=False, generation=self.generations[step.step])
             pending = self.in_flight.pop(step.step)
             generated = pending.result()
             step.metrics["training/rollout_regenerated"] = 1.0
         self.launch_versions.pop(step.step, None)
+        generation = self.generations.pop(step.step, step.step)
+        if generation != step.step:  # a dynamic-sampling batch: the loop forgets only the step's own prompts
+            self.state.finish_step(generation)
         step.merge(generated)
         if not _replayed(generated):  # a replayed batch's weight versions are history
             staleness = (step.step - 1 - step.batch["weight_version"]).float()
@@ -192,14 +216,29 @@ class PerStepTrainer(TrainerMode):
         )
         return True
 
+    def sample_more(self, step: StepData, groups: int) -> StepData:
+        """The next generation batch (``data.gen_batch_size`` prompts, whatever ``groups``), generated now with
+        the weights the step's batch was sampled with."""
+        more = StepData(step.step, round=step.round)
+        self.launch(step.step, background=False)
+        self.sample(more)
+        return more
+
     def state_dict(self) -> dict:
-        """What a checkpoint must keep of the mode: a batch generated for a later step (its fields)."""
-        return {"in_flight": {str(step): pending.result().fields for step, pending in self.in_flight.items()}}
+        """What a checkpoint must keep of the mode: a batch generated for a later step (its fields and its
+        generation batch), and the last generation batch started."""
+        return {
+            "in_flight": {str(step): pending.result().fields for step, pending in self.in_flight.items()},
+            "generations": {str(step): generation for step, generation in self.generations.items()},
+            "gen_step": self.gen_step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for step, fields in state.get("in_flight", {}).items():
             self.in_flight[int(step)] = PendingStage.done(StageResult(fields))
             self.launch_versions[int(step)] = int(fields["weight_version"].max())
+        self.generations = {int(step): int(generation) for step, generation in state.get("generations", {}).items()}
+        self.gen_step = int(state.get("gen_step", 0))
 
 
 def _replayed(generated: StageResult) -> bool:

@@ -180,10 +180,20 @@ class Stages:
     # -- 2. reward -----------------------------------------------------------------------------------------
 
     def reward(
-        self, step: StepData, *, batch: TensorDict, tokenizer, scorer: Scorer | None, ray_chunks: int
+        self,
+        step: StepData,
+        *,
+        batch: TensorDict,
+        tokenizer,
+        scorer: Scorer | None,
+        ray_chunks: int,
+        keep_extras: bool = False,
     ) -> StageResult:
-        """``token_level_scores`` of each response (``ray_chunks`` > 0: scored in that many Prefect tasks on Ray)."""
+        """``token_level_scores`` of each response (``ray_chunks`` > 0: scored in that many Prefect tasks on Ray;
+        ``keep_extras``: each response's extras too, for dynamic sampling's ``acc``)."""
         arguments = {"batch": batch, "tokenizer": tokenizer, "custom_scorer": scorer, "ray_chunks": ray_chunks}
+        if keep_extras:
+            arguments["keep_extras"] = True
         return self._call(step, StageCall(REWARD, arguments))
 
     # -- 3. the forward passes -----------------------------------------------------------------------------

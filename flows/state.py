@@ -21,7 +21,7 @@ class TrainerState:
 
     def __init__(self, cfg: PPOConfig, num_prompts: int):
         data, ctrl = cfg.data, cfg.algorithm.kl_ctrl
-        self.loader = PromptLoader(num_prompts, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        self.loader = PromptLoader(num_prompts, cfg.gen_batch_size, shuffle=data.shuffle, seed=data.seed)
         self.kl_controller = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
         self.weight_version = 0
         """How many times the actor has been updated: the version its weights carry when pushed."""

@@ -1,5 +1,6 @@
-"""One training step, the algorithm stage by stage: 1 generate, 2 reward, 3 the forward passes (``old_log_prob``,
-``ref_log_prob``, ``values``, submitted together), 4 advantage, 5 update, 6 weight_sync.
+"""One training step, the algorithm stage by stage: 1 generate (1b: DAPO's dynamic sampling, which rewards and
+filters the groups and generates more), 2 reward, 3 the forward passes (``old_log_prob``, ``ref_log_prob``,
+``values``, submitted together), 4 advantage, 5 update, 6 weight_sync.
 
 Stages 2-5 are :func:`ppo_update`; when 1 and 6 happen is the trainer mode's business (:mod:`ppoflow.flows.modes`),
 and :func:`train_steps` is the loop of the mode's hooks around them. A non-finite value fails the run or drops the
@@ -11,7 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import torch
+
 from ppoflow.algorithms.correction import correct_off_policy
+from ppoflow.algorithms.dynamic_sampling import kept_groups
 from ppoflow.algorithms.finite import NonFiniteError, describe_rows, nonfinite_rows
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
 from ppoflow.flows.modes import TrainerMode
@@ -19,6 +23,7 @@ from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
 from ppoflow.storage.batch import concatenate, non_tensor_column
+from ppoflow.tasks.reward import shape_overlong
 from ppoflow.tasks.stages import GENERATE
 
 logger = logging.getLogger(__name__)
@@ -47,13 +52,7 @@ def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
     actor took no optimizer step (a loss or gradient: the update's worker skips or raises, per mini-batch)."""
     cfg, stages, batch = run.cfg, run.stages, step.batch
     correction = cfg.algorithm.rollout_correction
-    # 2. reward: score each response, on its last token (a rollout that streams the reward has scored each
-    #    trajectory as it finished)
-    if "token_level_scores" not in batch.keys():
-        stages.reward(
-            step, batch=batch, tokenizer=run.tokenizer, scorer=run.custom_scorer, ray_chunks=run.reward_chunks
-        )
-    check_finite(step, "reward", "token_level_scores")
+    reward(run, step)  # 2. reward (done already for a batch that dynamic sampling filtered)
     # 3. log-probs of the pre-update policy (bypass mode: the rollout's own; an on-policy update: its own,
     #    in stage 5), reference log-probs, values; the batch is placed once for the passes that run
     recompute_old = not correction.bypass_mode and not cfg.old_log_probs_from_update
@@ -82,6 +81,90 @@ def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
         correct_for_the_rollout(step, correction)
         step.metrics["training/old_log_prob_skipped"] = 1.0
     step.metrics.update(data_metrics(batch))
+
+
+def reward(run: RunContext, step: StepData) -> None:
+    """Stage 2: score each response, on its last token (a rollout that streams the reward has scored each
+    trajectory as it finished), then DAPO's overlong shaping; each once. :class:`NonFiniteError` on a
+    non-finite reward. ``reward/useful_group_ratio``: the share of prompt groups whose scores differ (GRPO's
+    signal; dynamic sampling trains only such groups)."""
+    cfg, batch = run.cfg, step.batch
+    if "token_level_scores" not in batch.keys():
+        filtering = cfg.algorithm.filter_groups
+        run.stages.reward(
+            step,
+            batch=batch,
+            tokenizer=run.tokenizer,
+            scorer=run.custom_scorer,
+            ray_chunks=run.reward_chunks,
+            keep_extras=filtering.enable and filtering.metric == "acc",
+        )
+    overlong, kwargs = cfg.reward_model.reward_kwargs.overlong_buffer_cfg, cfg.reward_model.reward_kwargs
+    if overlong.enable and "overlong_reward" not in batch.keys():
+        step.merge(shape_overlong(batch, overlong, kwargs.max_resp_len or cfg.data.max_response_length))
+    check_finite(step, "reward", "token_level_scores")
+    uids = non_tensor_column(batch, "uid")
+    useful = kept_groups(uids, batch["token_level_scores"].sum(dim=-1).tolist())
+    step.metrics["reward/useful_group_ratio"] = len(useful) / len(set(uids))  # groups whose scores differ
+
+
+def dynamic_sampling(run: RunContext, mode: TrainerMode, step: StepData) -> None:
+    """Stage 1b, DAPO's dynamic sampling (``algorithm.filter_groups``): reward the batch, drop the prompt groups
+    whose ``metric`` is the same for every response, and take further batches from the mode (a per-step mode
+    generates ``data.gen_batch_size`` more prompts, a streaming one refills the filtered groups) until
+    ``mode.batch_size`` groups remain; the first that many are trained. Past ``max_num_gen_batches`` batches
+    the step fails naming the key, as verl's. Metrics: ``train/num_gen_batches`` and
+    ``training/filter_groups/*``."""
+    settings, target = run.cfg.algorithm.filter_groups, mode.batch_size
+    batches, parts, generated, kept = [step], [], 0, 0
+    while True:
+        current = batches[-1]
+        reward(run, current)
+        uids = non_tensor_column(current.batch, "uid")
+        keep = set(kept_groups(uids, filter_metric(current.batch, settings.metric)))
+        parts.append(current.batch[torch.tensor([uid in keep for uid in uids])])
+        generated, kept = generated + len(set(uids)), kept + len(keep)
+        if kept >= target:
+            break
+        if 0 < settings.max_num_gen_batches <= len(batches):
+            raise RuntimeError(
+                f"step {step.step}: {kept} of {target} prompt groups have a {settings.metric} that varies after "
+                f"{len(batches)} generation batches (algorithm.filter_groups.max_num_gen_batches="
+                f"{settings.max_num_gen_batches}); the prompts may be too easy or too hard for the policy, or set "
+                "it to 0 for no limit"
+            )
+        with step.timed(GENERATE.timing):
+            batches.append(mode.sample_more(step, target - kept))
+    batch = concatenate(*parts, pad_token_id=run.tokenizer.pad_token_id)
+    uids = non_tensor_column(batch, "uid")
+    trained = dict.fromkeys(list(dict.fromkeys(uids))[:target], 0)  # the first `target` groups, in order
+    for uid in uids:
+        if uid in trained:
+            trained[uid] += 1
+    batch = batch[torch.tensor([uid in trained for uid in uids])]
+    batch["group_index"] = torch.repeat_interleave(torch.arange(len(trained)), torch.tensor(list(trained.values())))
+    step.batch = batch
+    step.metrics = aggregate_updates([part.metrics for part in batches])
+    step.metrics.update(
+        {
+            "train/num_gen_batches": float(len(batches)),
+            "training/filter_groups/evicted_samples": float(generated - kept),
+            "training/filter_groups/discarded_surplus_samples": float(kept - target),
+            "training/filter_groups/kept_group_ratio": kept / generated,
+        }
+    )
+
+
+def filter_metric(batch, metric: str) -> list[float]:
+    """Each response's value of ``algorithm.filter_groups.metric``: ``acc`` its scorer's (``ValueError`` when
+    the scorer reports none), ``score`` / ``seq_reward`` the sum of its (shaped) scores, ``seq_final_reward``
+    that of its token rewards (the scores: the in-reward KL is not known yet)."""
+    if metric != "acc":
+        return batch["token_level_scores"].sum(dim=-1).tolist()
+    extras = non_tensor_column(batch, "reward_extras")
+    if any("acc" not in found for found in extras):
+        raise ValueError("algorithm.filter_groups.metric=acc: the scorer reports no `acc` for a response; use score")
+    return [float(found["acc"]) for found in extras]
 
 
 def check_finite(step: StepData, stage: str, *fields: str) -> None:
@@ -137,6 +220,8 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
                 mode.on_sample_begin(update)
                 with update.timed(GENERATE.timing):
                     mode.sample(update)  # 1. generate (a streaming mode: sample its replay buffer)
+                if run.cfg.algorithm.filter_groups.enable:
+                    dynamic_sampling(run, mode, update)  # 1b. drop groups without signal, sample more
                 mode.on_sample_end(update)
                 if ppo_update(run, state, update):  # 2.-5.
                     made.append(update)

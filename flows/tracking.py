@@ -1,5 +1,7 @@
 """Where step metrics go: ``metrics.jsonl`` in the run directory (always), a console progress bar
-with the live reward (``console``), and TensorBoard event files (``tensorboard``).
+with the live reward (``console``), TensorBoard event files (``tensorboard``) and the experiment trackers of
+:mod:`ppoflow.flows.trackers` (``wandb``, ``mlflow``, ``file``, ``trackio``); a tracker that fails warns once and is
+left out for the rest of the run (``metrics.jsonl`` is the record).
 
 ``metrics.jsonl`` is appended to, one JSON row per step, so a crash (a power loss, a full disk) can leave
 its last line torn. Readers skip such a line with a warning; a resumed run moves it, with the rows of
@@ -15,6 +17,7 @@ import math
 from datetime import UTC, datetime
 
 from ppoflow.algorithms.validation_metrics import CORE_MEAN
+from ppoflow.flows.trackers import BACKENDS, backend
 from ppoflow.storage.fs import atomic_write, open_fs
 
 logger = logging.getLogger(__name__)
@@ -26,7 +29,16 @@ PROGRESS_KEYS = {"critic/score/mean": "score", "timing_s/step": "s/step"}
 class Tracker:
     """Fan one ``{metric: value}`` row per step out to the configured sinks."""
 
-    def __init__(self, run_dir: str, loggers: list[str], total_steps: int, *, first_step: int = 1):
+    def __init__(
+        self,
+        run_dir: str,
+        loggers: list[str],
+        total_steps: int,
+        *,
+        first_step: int = 1,
+        cfg=None,
+        resume_ids: dict[str, str] | None = None,
+    ):
         self.fs, self.run_dir = open_fs(run_dir)
         self.fs.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = f"{self.run_dir}/metrics.jsonl"
@@ -47,6 +59,42 @@ class Tracker:
             if "file" not in self.fs.protocol:
                 raise ValueError(f"trainer.logger=tensorboard needs a local trainer.default_local_dir, got {run_dir!r}")
             self.tensorboard = SummaryWriter(log_dir=f"{self.run_dir}/tensorboard")
+        self.backends, self.ids = [], {}
+        for name in (name for name in loggers if name in BACKENDS):
+            backend_ = backend(name)
+            try:
+                self.ids[name] = backend_.start(cfg, resume_id=(resume_ids or {}).get(name), first_step=first_step)
+            except Exception as error:  # a tracker that is down or misconfigured: the run goes on without it
+                logger.warning("trainer.logger=%s: could not start (%r); the run goes on without it", name, error)
+                continue
+            self.backends.append(backend_)
+
+    def _each(self, what: str, *args) -> None:
+        """Call ``what`` on every backend; one that fails is warned about once and left out from then on."""
+        for backend_ in list(self.backends):
+            try:
+                getattr(backend_, what)(*args)
+            except Exception as error:
+                logger.warning("trainer.logger=%s failed (%r); the run goes on without it", backend_.name, error)
+                self.backends.remove(backend_)
+
+    def state_dict(self) -> dict[str, str]:
+        """The tracker runs' ids, kept in a checkpoint so that a resumed run continues them."""
+        return {name: run_id for name, run_id in self.ids.items() if run_id is not None}
+
+    def links(self) -> list[tuple[str, str]]:
+        """``(logger, where to see the run)`` of each working tracker, and the TensorBoard directory."""
+        links = [(f"{backend_.name} run", backend_.link()) for backend_ in self.backends]
+        if self.tensorboard is not None:
+            links.append(("tensorboard", self.tensorboard.log_dir))
+        return [(label, where) for label, where in links if where]
+
+    def log_table(self, step: int, samples: list[dict]) -> None:
+        """Validation samples (``input``, ``output``, ``score``) to the trackers that keep tables."""
+        self._each("log_table", step, samples)
+
+    def log_file(self, name: str, data: bytes) -> None:
+        self._each("log_file", name, data)
 
     def _set_aside_rows_from(self, first_step: int) -> None:
         """Keep the rows of steps before ``first_step``; move the rows of later steps (which the resumed
@@ -81,6 +129,7 @@ class Tracker:
         if self.tensorboard is not None:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, value, global_step=step)
+        self._each("log", step, metrics)
         if self.progress is not None:
             shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_KEYS.items() if key in metrics}
             validation = [value for key, value in metrics.items() if CORE_MEAN.match(key)]
@@ -94,6 +143,7 @@ class Tracker:
             self.progress.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        self._each("finish")
 
 
 def read_metrics(run_dir: str) -> list[dict]:

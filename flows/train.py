@@ -10,6 +10,7 @@ trainer modes. Details: docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import random
 from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
@@ -34,6 +35,7 @@ from ppoflow.flows.artifacts import RunArtifacts
 from ppoflow.flows.async_modes import load_sampler
 from ppoflow.flows.cache_report import report_caches
 from ppoflow.flows.checkpointing import restore_newest, save_checkpoint
+from ppoflow.flows.dumps import GenerationDumper, generation_rows
 from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.modes import TRAINER_MODES, make_trainer
 from ppoflow.flows.ownership import own_run_directory
@@ -44,6 +46,7 @@ from ppoflow.flows.step import train_steps
 from ppoflow.flows.tracking import Tracker, read_metrics
 from ppoflow.flows.validation import validate, validation_line
 from ppoflow.storage.checkpoint import exported_model_url, latest
+from ppoflow.storage.fs import open_fs
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
     state = TrainerState(cfg, len(run.train_set))
     mode = make_trainer(run, state)
     step = StepData(0)
-    tracker = None
+    tracker = dumper = None
     try:
         restored = restore_newest(cfg, run.workers)  # the newest checkpoint that loads, per trainer.resume_mode
         resume = restored.directory if restored else None
@@ -71,14 +74,22 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
             first_step = restored.step + 1
             mode.push_weights()  # the rollout worker serves the restored weights
         mode.on_init_end()
-        tracker = Tracker(cfg.trainer.default_local_dir, cfg.trainer.logger, run.total_steps, first_step=first_step)
+        tracker = Tracker(
+            cfg.trainer.default_local_dir,
+            cfg.trainer.logger,
+            run.total_steps,
+            first_step=first_step,
+            cfg=cfg,
+            resume_ids=restored.parts.get("trackers") if restored else None,
+        )
+        dumper = GenerationDumper(run.tokenizer)
         artifacts = RunArtifacts(cfg, run.total_steps, first_step=first_step)
         if resume:
             note(f"resumed from {resume}: continuing at step {first_step}")
         test_freq = cfg.trainer.test_freq if run.val_set is not None else 0
         save_freq = cfg.trainer.save_freq
         if test_freq > 0 and cfg.trainer.val_before_train and first_step == 1:
-            val_metrics, samples = validate(run, step=0)
+            val_metrics, samples = validate_and_dump(run, 0, tracker, dumper)
             artifacts.validated_before_training(val_metrics)
             note(validation_line(0, val_metrics, samples))
         steps, dropped = range(first_step, run.total_steps + 1), 0
@@ -87,15 +98,21 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
             last = step.step == run.total_steps
             if test_freq > 0 and (step.step % test_freq == 0 or last):
                 mode.on_validate_begin(step.step)
-                val_metrics, samples = validate(run, step.step)
+                val_metrics, samples = validate_and_dump(run, step.step, tracker, dumper)
                 mode.on_validate_end(step.step)
                 step.metrics.update(val_metrics)
                 note(validation_line(step.step, val_metrics, samples))
+            if cfg.trainer.rollout_data_dir or cfg.trainer.validation_data_dir:
+                dumper.dump(cfg.trainer.rollout_data_dir, step.step, batch=step.batch)
+                step.metrics.update(dumper.metrics())
             tracker.log(step.step, step.metrics)
             artifacts.step(step.step, step.metrics, step.batch)
             if save_freq > 0 and (step.step % save_freq == 0 or last):
                 directory = save_checkpoint(
-                    cfg, run.workers, step.step, {"trainer": state.state_dict(), "mode": mode.state_dict()}
+                    cfg,
+                    run.workers,
+                    step.step,
+                    {"trainer": state.state_dict(), "mode": mode.state_dict(), "trackers": tracker.state_dict()},
                 )
                 note(f"checkpoint written to {directory}")
         if steps and dropped == len(steps):
@@ -114,13 +131,45 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
             final_model=final_model,
             caches=[cache.entries.root for cache in run.stages.caches.values()],
             cache_lines=cache_lines,
+            links=tracker.links() + dump_links(cfg),
         )
+        fs, path = open_fs(curve)
+        tracker.log_file("reward_curve.png", fs.cat_file(path))
         note(f"reward curve written to {curve}")
     finally:
+        if dumper is not None:
+            dumper.close()
         if tracker is not None:
             tracker.close()
         run.workers.shutdown()
     return step.metrics
+
+
+def validate_and_dump(run, step: int, tracker: Tracker, dumper: GenerationDumper) -> tuple[dict[str, float], list[str]]:
+    """:func:`validate`, its generations dumped to ``trainer.validation_data_dir`` and ``trainer.log_val_generations``
+    of them (verl's pick: sorted by input, shuffled with seed 42) logged to the trackers' tables."""
+    trainer = run.cfg.trainer
+    if not (trainer.validation_data_dir or trainer.log_val_generations):
+        return validate(run, step)
+    rows: list[dict] = []
+    metrics, samples = validate(
+        run, step, rows_of=lambda batch: rows.extend(generation_rows(batch, run.tokenizer, step))
+    )
+    dumper.dump(trainer.validation_data_dir, step, rows=rows)
+    if trainer.log_val_generations:
+        picked = sorted(
+            ({key: row[key] for key in ("input", "output", "score")} for row in rows), key=lambda r: r["input"]
+        )
+        random.Random(42).shuffle(picked)
+        tracker.log_table(step, picked[: trainer.log_val_generations])
+    return metrics, samples
+
+
+def dump_links(cfg: PPOConfig) -> list[tuple[str, str]]:
+    """The summary's rows for the generation dumps."""
+    trainer = cfg.trainer
+    dirs = (("rollout dumps", trainer.rollout_data_dir), ("validation dumps", trainer.validation_data_dir))
+    return [(label, where) for label, where in dirs if where]
 
 
 def check_mode(cfg: PPOConfig) -> None:

@@ -19,10 +19,10 @@ from ppoflow.tasks.reward import decode_responses
 from ppoflow.workers.rollout.sampling import SamplingParams
 
 
-def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
+def validate(run: RunContext, step: int, rows_of=None) -> tuple[dict[str, float], list[str]]:
     """``val-core/`` and ``val-aux/{data_source}/{variable}/{metric}`` over the validation set
     (:func:`~ppoflow.algorithms.validation_metrics.validation_metrics`), and a few decoded samples
-    (:func:`sample_texts`)."""
+    (:func:`sample_texts`); ``rows_of``, when given, is called with each scored batch (the dumps' rows)."""
     sampling = SamplingParams.for_validation(run.cfg)
     val_set, stages = run.val_set, run.stages
     rows = list(range(len(val_set)))
@@ -48,6 +48,8 @@ def validate(run: RunContext, step: int) -> tuple[dict[str, float], list[str]]:
         uids += non_tensor_column(batch, "uid")
         rewards += sequence_scores
         extras += non_tensor_column(batch, "reward_extras")
+        if rows_of is not None:
+            rows_of(batch)
         if not samples:
             samples = sample_texts(batch[:3], run.tokenizer, sequence_scores)
     return validation_metrics(sources, uids, {**extra_columns(extras), "reward": rewards}), samples
@@ -74,14 +76,19 @@ def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
 
 
 def turn_texts(tokens: list[int], turn_ids: list[int], tokenizer) -> str:
-    """A multi-turn response turn by turn: ``model '?' | tool '58' | model '58'`` (``turn_ids``: ``k`` on
-    the model's turn ``k``, ``-c`` on the answer to its ``c``-th tool call)."""
+    """A multi-turn response turn by turn: ``model '?' | tool '58' | model '58'``."""
+    return " | ".join(f"{role} {text!r}" for role, text in turn_pieces(tokens, turn_ids, tokenizer))
+
+
+def turn_pieces(tokens: list[int], turn_ids: list[int], tokenizer) -> list[tuple[str, str]]:
+    """A multi-turn response's turns as ``(model|tool, text)`` (``turn_ids``: ``k`` on the model's turn ``k``,
+    ``-c`` on the answer to its ``c``-th tool call)."""
     pieces, start = [], 0
     for turn, positions in groupby(turn_ids):
         end = start + len(list(positions))
-        pieces.append(f"{'tool' if turn < 0 else 'model'} {solution_text(tokens[start:end], tokenizer)!r}")
+        pieces.append(("tool" if turn < 0 else "model", solution_text(tokens[start:end], tokenizer)))
         start = end
-    return " | ".join(pieces)
+    return pieces
 
 
 def validation_line(step: int, metrics: dict[str, float], samples: list[str]) -> str:

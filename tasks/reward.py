@@ -11,12 +11,14 @@ Details: docs/configuration.md#models-data-rewards-resources, docs/reliability.m
 
 from __future__ import annotations
 
+import torch
 from prefect import flow
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect_ray import RayTaskRunner
 from tensordict import TensorDict
 
+from ppoflow.algorithms.dynamic_sampling import overlong_penalty
 from ppoflow.algorithms.scoring import (
     PRED,
     SCORER_ERRORS,
@@ -28,6 +30,7 @@ from ppoflow.algorithms.scoring import (
 )
 from ppoflow.storage.batch import (
     StageResult,
+    last_model_token,
     non_tensor_column,
     response_extent,
     scores_on_last_tokens,
@@ -150,6 +153,24 @@ def reward(
     if keep_extras:
         with_non_tensor_columns(fields, {"reward_extras": response_extras(extras, len(scores))})
     return StageResult(fields, extra_means(extras))
+
+
+def shape_overlong(batch: TensorDict, overlong, max_resp_len: int) -> StageResult:
+    """DAPO's overlong reward shaping (``reward_model.reward_kwargs.overlong_buffer_cfg``): each response's
+    :func:`~ppoflow.algorithms.dynamic_sampling.overlong_penalty` added to its score, on its last token, and kept
+    as ``overlong_reward`` [N]; with ``log``, ``reward/overlong_reward/mean`` and ``reward/overlong/mean`` (the
+    share penalised), verl's names."""
+    penalty = overlong_penalty(response_extent(batch), max_resp_len, overlong.len, overlong.penalty_factor)
+    mask = batch["response_mask"]
+    last = torch.nn.functional.one_hot(last_model_token(mask), mask.shape[1]).to(torch.float32) * mask
+    fields = {"token_level_scores": batch["token_level_scores"] + penalty[:, None] * last, "overlong_reward": penalty}
+    metrics = {}
+    if overlong.log:
+        metrics = {
+            "reward/overlong_reward/mean": float(penalty.mean()),
+            "reward/overlong/mean": float((penalty < 0).float().mean()),
+        }
+    return StageResult(TensorDict(fields, batch_size=batch.batch_size), metrics)
 
 
 def response_extras(extras: dict[str, list], count: int) -> list[dict]:

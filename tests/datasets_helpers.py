@@ -22,6 +22,8 @@ def data_config(**changes) -> DataConfig:
         truncation="error",
         seed=1,
         shuffle=True,
+        return_raw_chat=True,
+        apply_chat_template_kwargs={},
         synthetic=None,
     )
     values.update(changes)

@@ -8,7 +8,8 @@ import torch
 
 from ppoflow.algorithms.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
 from ppoflow.algorithms.kl import kl_penalty
-from ppoflow.algorithms.losses import agg_loss, compute_policy_loss
+from ppoflow.algorithms.losses import agg_loss
+from ppoflow.algorithms.policy_losses import compute_policy_loss
 from ppoflow.storage.batch import last_model_token, response_extent, trim_response_padding
 from ppoflow.workers.service.agent_loop import AgentLoopOutput, outputs_to_batch
 from tests.agent_loop_helpers import multi_turn_outputs

@@ -242,7 +242,7 @@ def test_unknown_keys_bad_values_and_rule_problems_come_in_one_round():
         [
             "actor_rollout_ref.actor.clip_ratio=0.2",  # unknown (verl's) key
             "actor_rollout_ref.rollout.top_p=1.5",  # bad value
-            "trainer.logger=[console,wandb]",  # bad logger
+            "trainer.logger=[console,swanlab]",  # bad logger
             "actor_rollout_ref.rollout.name=vllm",  # rollout.name problems
             "actor_rollout_ref.rollout.mode=async",
         ],

@@ -48,6 +48,10 @@ RANGES = [
         ("data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1"),
     ),
     Rule("data.val_batch_size", [(0, ">= 1")], [1]),
+    # DAPO
+    Rule("reward_model.reward_kwargs.overlong_buffer_cfg.len", [(-1, ">= 0")], [0]),
+    Rule("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", [(-0.5, ">= 0")], [0.0]),
+    Rule("reward_model.reward_kwargs.max_resp_len", [(0, ">= 1")], [1]),
     Rule("data.max_prompt_length", [(0, ">= 1")], [1]),
     Rule("data.max_response_length", [(0, ">= 1")], [1]),
     Rule("data.seed", [(-1, ">= 0 (got -1)"), (SEED_MAX + 1, SEED_TOO_LARGE)], [0, SEED_MAX]),
@@ -108,11 +112,27 @@ RANGES = [
     Rule("actor_rollout_ref.actor.grad_clip", [(0.0, "greater than 0 (got 0.0)")], [1e-6]),
     Rule(
         "actor_rollout_ref.actor.clip_ratio_low",
-        [(0.0, "greater than 0 (got 0.0)"), (1.0, "less than 1 (got 1.0)")],
-        [0.001, 0.999],
+        [(0.0, "greater than 0 (got 0.0)")],
+        [0.001, 10.0],
     ),
     Rule("actor_rollout_ref.actor.clip_ratio_high", [(0.0, "greater than 0 (got 0.0)")], [0.001, 10.0]),
     Rule("actor_rollout_ref.actor.clip_ratio_c", [(1.0, "greater than 1 (got 1.0)")], [1.001]),
+    Rule("actor_rollout_ref.actor.tau_pos", [(0.0, "greater than 0 (got 0.0)")], [1e-6]),
+    Rule("actor_rollout_ref.actor.tau_neg", [(0.0, "greater than 0 (got 0.0)")], [1e-6]),
+    Rule(
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+        [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1")],
+        [1e-6, 1.0],
+    ),
+    Rule(
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ub", [(1.0, "must be above clip_cov_lb=1.0 (got 1.0)")], [1.001]
+    ),
+    Rule(
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+        [(0.0, "greater than 0 (got 0.0)"), (1.01, "less than or equal to 1")],
+        [1e-6, 1.0],
+    ),
+    Rule("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", [(-0.01, ">= 0 (got -0.01)")], [0.0]),
     Rule("actor_rollout_ref.actor.entropy_coeff", [(-0.01, ">= 0 (got -0.01)")], [0.0]),
     Rule("actor_rollout_ref.actor.kl_loss_coef", [(-0.01, ">= 0 (got -0.01)")], [0.0]),
     Rule("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", [(0, ">= 1")], [1]),
@@ -188,6 +208,7 @@ RANGES = [
     Rule("trainer.test_freq", [(-2, "greater than or equal to -1 (got -2)")], [-1, 0, 1]),
     Rule("trainer.save_freq", [(-2, "greater than or equal to -1 (got -2)")], [-1, 0, 1]),
     Rule("trainer.run_dir_wait_s", [(0.0, "greater than 0 (got 0.0)")], [0.001]),
+    Rule("trainer.log_val_generations", [(-1, "greater than or equal to 0 (got -1)")], [0, 3]),
     Rule("trainer.v1.colocate_async.num_warmup_batches", [(-1, ">= 0 (got -1)")], [0]),
     Rule("trainer.v1.separate_async.num_warmup_batches", [(-1, ">= 0 (got -1)")], [0]),
     Rule("trainer.v1.separate_async.parameter_sync_step", [(0, ">= 1")], [1]),
@@ -229,6 +250,9 @@ OPEN = {
     "custom_reward_function.timeout_score": "a score in the reward's own units: any finite number "
     "(a penalty may be negative)",
     "custom_reward_function.error_score": "a score in the reward's own units, as timeout_score",
+    "algorithm.filter_groups.max_num_gen_batches": "verl's: any int, <= 0 meaning no limit",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb": "a bound on a covariance term, any sign "
+    "(clip_cov_ub, above it, has the rule)",
 }
 """Numeric keys whose every finite value is valid, and why (a non-finite float is refused for every key)."""
 
@@ -357,13 +381,13 @@ def test_ppoflow_config_lists_every_out_of_range_key(capsys):
     from tests.preflight_helpers import assert_user_error, run_cli
 
     code, stderr = run_cli(
-        capsys, "config", "data.seed=-1", "actor_rollout_ref.actor.clip_ratio_low=1.0", "skip.rollout.steps=[0]"
+        capsys, "config", "data.seed=-1", "actor_rollout_ref.actor.clip_ratio_low=0", "skip.rollout.steps=[0]"
     )
     assert_user_error(
         code,
         stderr,
         "(3 problems)",
         "  data.seed: Input should be greater than or equal to 0 (got -1)",
-        "  actor_rollout_ref.actor.clip_ratio_low: Input should be less than 1 (got 1.0)",
+        "  actor_rollout_ref.actor.clip_ratio_low: Input should be greater than 0 (got 0)",
         "  skip.rollout.steps.0: Input should be greater than or equal to 1 (got 0)",
     )

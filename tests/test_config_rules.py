@@ -38,8 +38,8 @@ from tests.config_helpers import only_problem, problems_of
         (
             ["data.gen_batch_size=32"],
             "data.gen_batch_size",
-            "32 != data.train_batch_size 16: dynamic sampling (generating more prompts than are trained on) is not "
-            "supported; leave it null",
+            "32 != data.train_batch_size 16: only dynamic sampling (algorithm.filter_groups.enable=true) generates "
+            "more prompts than are trained on; leave it null",
         ),
         (
             ["algorithm.adv_estimator=gae", "critic.enable=false"],
@@ -202,16 +202,17 @@ def test_shipped_presets_are_one_rank_per_role(preset):
 
 def test_several_cross_field_problems_at_once():
     problems = problems_of("grpo_tiny", ["actor_rollout_ref.rollout.n=1", "data.gen_batch_size=32"])
-    assert [key for key, _ in problems] == ["data.gen_batch_size", "actor_rollout_ref.rollout.n"]
+    assert [key for key, _ in problems] == ["actor_rollout_ref.rollout.n", "data.gen_batch_size"]
 
 
 def test_unknown_loggers_are_refused_by_the_schema():
-    assert only_problem(["trainer.logger=[console,wandb,mlflow]"]) == (
+    assert only_problem(["trainer.logger=[console,swanlab,clearml]"]) == (
         "trainer.logger",
-        "unknown logger 'wandb', 'mlflow'; choose from console, tensorboard (got ['console', 'wandb', 'mlflow'])",
+        "unknown logger 'swanlab', 'clearml'; choose from console, tensorboard, wandb, mlflow, file, trackio "
+        "(got ['console', 'swanlab', 'clearml'])",
     )
-    cfg = load_config("grpo_tiny", ["trainer.logger=[console,tensorboard]"])
-    assert cfg.trainer.logger == ["console", "tensorboard"]
+    cfg = load_config("grpo_tiny", ["trainer.logger=[console,tensorboard,wandb,mlflow,file,trackio]"])
+    assert cfg.trainer.logger == ["console", "tensorboard", "wandb", "mlflow", "file", "trackio"]
 
 
 # --------------------------------------------------------- resources, rollout correction, resume

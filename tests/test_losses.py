@@ -9,11 +9,11 @@ from torch.testing import assert_close
 from ppoflow.algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
-    compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
     log_probs_from_logits,
 )
+from ppoflow.algorithms.policy_losses import compute_policy_loss
 
 T = torch.tensor
 

@@ -71,12 +71,12 @@ def test_a_key_inside_an_unknown_section_gets_its_own_answer():
             "critic.fsdp.param_offload=False",
             "critic.fsdp.fsdp_size=-1",
             "ray_kwargs.ray_init.num_cpus=4",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model]",
             "ray_kwargs.zzz=1",
         ]
     )
     assert [key for key, _ in problems] == [
-        "actor_rollout_ref.actor.policy_loss",
+        "actor_rollout_ref.actor.checkpoint",
         "critic.fsdp.param_offload",
         "critic.fsdp.fsdp_size",
         "ray_kwargs.ray_init.num_cpus",

@@ -15,8 +15,9 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.algorithms.kl import kl_penalty
-from ppoflow.algorithms.losses import agg_loss, compute_policy_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.algorithms.losses import agg_loss, entropy_from_logits, log_probs_from_logits
 from ppoflow.configs.modes import needs_of
+from ppoflow.configs.rules_policy_loss import configured_policy_loss
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
 from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import join
@@ -137,6 +138,7 @@ class ActorWorker(PolicyModel):
             lora=True,
         )
         self.cfg = actor
+        self.policy_loss = configured_policy_loss(actor.policy_loss)  # imports a user's loss_module here too
         self.model_config = cfg.actor_rollout_ref.model
         self.mini_batch_size = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length
@@ -214,6 +216,9 @@ class ActorWorker(PolicyModel):
             batch = batch.copy()
             batch["row"] = torch.arange(rows)
 
+        # A loss that samples tokens (clip_cov) draws from its own seeded stream, so a replayed step repeats it.
+        loss_generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 500_000_000)
+
         def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
             # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
             normalizers = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": self.response_length}
@@ -223,16 +228,15 @@ class ActorWorker(PolicyModel):
                 own_log_probs.append(log_probs.detach().float().cpu())
                 own_rows.append(micro["row"].cpu())
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
-            pg_loss, pg_metrics = compute_policy_loss(
+            pg_loss, pg_metrics = self.policy_loss(
                 old_log_probs,
                 log_probs,
                 micro["advantages"],
                 mask,
-                clip_ratio_low=cfg.clip_ratio_low,
-                clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
+                config=cfg,
                 rollout_is_weights=micro.get("rollout_is_weights", None),
+                generator=loss_generator,
                 **normalizers,
             )
             entropy = agg_loss(

@@ -1,0 +1,133 @@
+"""Trackers and generation dumps end to end: a tiny in-process run logging to a real ``mlflow server``
+(SQLite, temp artifacts) and verl's file logger, dumping its generations locally; read back independently."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from ppoflow.configs import ConfigError, load_config
+from ppoflow.flows.cli import main
+from ppoflow.flows.dumps import read_dump
+from ppoflow.flows.tracking import read_metrics
+from ppoflow.flows.train import train
+from tests.conftest import free_port, small_run
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` on 127.0.0.1 (SQLite backend, temp artifact root); stopped afterwards."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "art")]
+    command += ["--workers", "1"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not start")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_run_logs_to_mlflow_and_the_file_logger_and_dumps_its_generations(
+    mlflow_server, tiny_model, tmp_path, monkeypatch, capsys
+):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "files"))
+    words = small_run(tiny_model, tmp_path) + [
+        "trainer.logger=[file,mlflow]",
+        f"trainer.mlflow_tracking_uri={mlflow_server}",
+        "trainer.project_name=trk",
+        "trainer.experiment_name=e1",
+        "trainer.save_freq=1",
+        "trainer.log_val_generations=2",
+        f"trainer.rollout_data_dir={tmp_path}/rollouts",
+        f"trainer.validation_data_dir={tmp_path}/val",
+    ]
+    train(load_config("grpo_tiny", words), orchestrated=False)
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["step"] for row in rows] == [1, 2]
+
+    # verl's file logger: {"step", "data"} per step, the same values as metrics.jsonl
+    lines = [json.loads(line) for line in (tmp_path / "files" / "trk" / "e1.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert lines[1]["data"]["critic/score/mean"] == pytest.approx(rows[1]["critic/score/mean"], abs=1e-12)
+
+    # the dumps: one file per step, 4 prompts x n=4 samples; their mean score is the step's logged score
+    for row in rows:
+        dumped = read_dump(str(tmp_path / "rollouts"), row["step"])
+        assert len(dumped) == 16 and {"uid", "input", "output", "gts", "data_source", "weight_version"} <= set(
+            dumped[0]
+        )
+        assert sum(line["score"] for line in dumped) / 16 == pytest.approx(row["critic/score/mean"], abs=1e-6)
+    assert len(read_dump(str(tmp_path / "val"), 2)) == 8  # 8 validation rows, val_kwargs.n=1
+    capsys.readouterr()  # the run's own output
+    assert main(["dump", "show", str(tmp_path / "rollouts"), "--step", "2", "--worst", "3"]) == 0
+    shown = capsys.readouterr().out
+    worst = sorted(line["score"] for line in read_dump(str(tmp_path / "rollouts"), 2))[:3]
+    assert shown.startswith("step 2: the 3 lowest-scoring of 16 samples")
+    assert [float(part.split(",")[0]) for part in shown.split("score ")[1:]] == pytest.approx(worst, abs=1e-3)
+
+    # MLflow: one run in experiment "trk" named "e1", every step's metrics once, the config, the artifacts
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("trk").experiment_id])
+    assert run.info.run_name == "e1" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [m.step for m in history] == [row["step"] for row in rows]
+    assert [m.value for m in history] == pytest.approx([row["critic/score/mean"] for row in rows], abs=1e-6)
+    assert run.data.params["data/train_batch_size"] == "4"
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"reward_curve.png", "val_step2.json"} <= artifacts
+    table = json.loads(open(client.download_artifacts(run.info.run_id, "val_step2.json", str(tmp_path))).read())
+    assert len(table) == 2 and set(table[0]) == {"input", "output", "score"}
+
+    # resume from step 1's checkpoint up to step 3: the same MLflow run, each step once
+    words = [word for word in words if not word.startswith("trainer.total_training_steps")]
+    words += ["trainer.total_training_steps=3", "trainer.resume_mode=resume_path"]
+    words += [f"trainer.resume_from_path={tmp_path}/run/global_step_1"]
+    train(load_config("grpo_tiny", words), orchestrated=False)
+    (again,) = client.search_runs([run.info.experiment_id])
+    assert again.info.run_id == run.info.run_id
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")]
+    assert steps == [1, 2, 3]
+
+
+def test_a_tracker_that_is_down_warns_and_the_run_goes_on(tiny_model, tmp_path, caplog):
+    words = small_run(tiny_model, tmp_path) + [
+        "trainer.logger=[mlflow]",
+        f"trainer.mlflow_tracking_uri=http://127.0.0.1:{free_port()}",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=1",
+    ]
+    train(load_config("grpo_tiny", words), orchestrated=False)
+    assert [row["step"] for row in read_metrics(str(tmp_path / "run"))] == [1]
+    assert any("trainer.logger=mlflow: could not start" in record.message for record in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "word, key",
+    [
+        ("trainer.logger=[console,swanlab]", "trainer.logger"),
+        ("trainer.mlflow_tracking_uri=ftp://x", "trainer.mlflow_tracking_uri"),
+    ],
+)
+def test_an_unknown_logger_or_unreadable_uri_is_a_config_error(word, key):
+    with pytest.raises(ConfigError) as error:
+        load_config("grpo_tiny", [word])
+    assert [problem[0] for problem in error.value.problems] == [key]

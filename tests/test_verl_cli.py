@@ -1,0 +1,138 @@
+"""verl's command lines: every key of verl's ppo_trainer.yaml and of its GRPO / DAPO example scripts is accepted
+or answered by name (configs/verl_keys.py), and verl's chat-template keys reach the template.
+
+The fixtures in tests/data/ come from a verl checkout (scripts/verl_fixtures.py; the commit heads each file).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ppoflow.configs import ConfigError, load_config, reference_table
+from ppoflow.configs.verl_keys import RENAMED, UNSUPPORTED
+from ppoflow.data.datasets import load_prompt_dataset, write_rows
+from tests.conftest import model_config
+from tests.datasets_helpers import chat_row, data_config
+
+DATA = Path(__file__).parent / "data"
+OUR_KEYS = set(re.findall(r"^\| `([^`]+)` \|", reference_table(), re.MULTILINE))
+TABLE = {**RENAMED, **UNSUPPORTED}
+
+
+def fixture_lines(name: str) -> list[str]:
+    return [line for line in (DATA / name).read_text().splitlines() if line and not line.startswith("#")]
+
+
+VERL_KEYS = dict(line.split("=", 1) for line in fixture_lines("verl_keys.txt"))
+
+
+def example_scripts() -> dict[str, list[str]]:
+    """Each example script's overrides, Hydra's ``+`` dropped to name the keys (the loader takes it too:
+    :func:`test_hydra_prefixes_set_the_key`)."""
+    scripts: dict[str, list[str]] = {}
+    for line in fixture_lines("verl_example_overrides.txt"):
+        if line.startswith("["):
+            words = scripts.setdefault(line.strip("[]"), [])
+        else:
+            words.append(line.lstrip("+"))
+    return scripts
+
+
+def problems_of(words: list[str]) -> list[tuple[str, str]]:
+    try:
+        load_config("grpo_tiny", words)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def table_entry(key: str) -> str | None:
+    """The table's entry for ``key`` or for a section holding it."""
+    parts = key.split(".")
+    return next((".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in TABLE), None)
+
+
+def test_the_fixture_is_verls_whole_config():
+    assert len(VERL_KEYS) > 500  # every leaf, not a sample
+    assert {"data.return_raw_chat", "actor_rollout_ref.actor.clip_ratio", "trainer.device"} <= set(VERL_KEYS)
+
+
+def test_every_key_of_verls_config_is_ours_renamed_or_refused():
+    assert [key for key in VERL_KEYS if key not in OUR_KEYS and table_entry(key) is None] == []
+
+
+def test_every_key_of_verls_config_with_its_default_gets_its_own_answer():
+    """verl's defaults (``???`` as null) in one load: every unknown key is answered by the table, by name."""
+    words = [f"{key}={'null' if value == '???' else value}" for key, value in VERL_KEYS.items()]
+    problems = problems_of(words)
+    generic = [(key, why) for key, why in problems if why.startswith("unknown key") and key not in TABLE]
+    assert generic == []
+    answered = {key for key, why in problems if key in TABLE}
+    assert answered == {table_entry(key) for key in VERL_KEYS if key not in OUR_KEYS}
+    for key in answered:
+        why = dict(problems)[key]
+        assert why.startswith("unknown key; did you mean" if key in RENAMED else "unknown key; verl's key, not "), key
+
+
+def test_verls_chat_keys_are_accepted():
+    cfg = load_config(
+        "grpo_tiny", ["data.return_raw_chat=False", "data.apply_chat_template_kwargs.enable_thinking=False"]
+    )
+    assert cfg.data.return_raw_chat is False
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert load_config("grpo_tiny").data.apply_chat_template_kwargs == {}  # verl's default
+
+
+@pytest.mark.parametrize("script", sorted(example_scripts()))
+def test_verls_example_scripts_load_once_the_refused_keys_are_dropped(tmp_path, script):
+    """Each override of the script is accepted or refused by name; without the refused ones, the config loads."""
+    parquet = str(tmp_path / "gsm8k.parquet")
+    write_rows(parquet, [chat_row("12", "12", source="openai/gsm8k")])
+    # this machine: local data, no GPU (the scripts' vllm rollout and GPU counts are refused by name on a CPU)
+    local = {
+        "data.train_files": parquet,
+        "data.val_files": parquet,
+        "actor_rollout_ref.rollout.name": "hf",
+        "trainer.n_gpus_per_node": "0",
+    }
+    words = [
+        f"{key}={local.get(key, value)}" for key, _, value in (w.partition("=") for w in example_scripts()[script])
+    ]
+    problems = problems_of(words)
+    given = [word.partition("=")[0] for word in words]
+    named = [key for key, _ in problems if any(key == one or one.startswith(f"{key}.") for one in given)]
+    assert sorted(named) == sorted(key for key, _ in problems)  # each problem names a key the script sets ...
+    assert [(key, why) for key, why in problems if why.startswith("unknown key") and key not in TABLE] == []
+    kept = [word for word, key in zip(words, given) if not any(key == k or key.startswith(f"{k}.") for k in named)]
+    assert problems_of(kept) == []  # ... and what is left loads as it is
+    assert load_config("grpo_tiny", kept).data.train_files == parquet
+
+
+def test_apply_chat_template_kwargs_reach_the_chat_template(tmp_path, tiny_model):
+    from ppoflow.workers.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_config(tiny_model))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking is defined and not "
+        "enable_thinking %}|{% endif %}{% if add_generation_prompt %}a:{% endif %}"
+    )
+    write_rows(str(tmp_path / "p.jsonl"), [chat_row("12", "12")])
+    thinking = load_prompt_dataset(str(tmp_path / "p.jsonl"), data_config(), tokenizer, key="data.train_files")
+    quiet = load_prompt_dataset(
+        str(tmp_path / "p.jsonl"),
+        data_config(apply_chat_template_kwargs={"enable_thinking": False}),
+        tokenizer,
+        key="data.train_files",
+    )
+    # the tiny character tokenizer: digit d -> 4 + d, '|' -> 20, 'a' -> 22, ':' -> 18
+    assert thinking.prompt_ids == [[5, 6, 22, 18]]
+    assert quiet.prompt_ids == [[5, 6, 20, 22, 18]]
+
+
+def test_hydra_prefixes_set_the_key():
+    """verl's scripts add keys with Hydra's ``+key=value`` / ``++key=value``: here every key has a default."""
+    plain = load_config("grpo_tiny", ["data.seed=7"])
+    assert load_config("grpo_tiny", ["+data.seed=7"]) == plain == load_config("grpo_tiny", ["++data.seed=7"])
