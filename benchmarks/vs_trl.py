@@ -194,6 +194,7 @@ def ppoflow_overrides(args, model_dir: Path, prompts_file: Path, variant: str, r
         "trainer.test_freq=-1",
         f"trainer.default_local_dir={run_dir}",
         *VARIANTS[variant]["overrides"],
+        *args.override,
     ]
 
 
@@ -231,8 +232,6 @@ def run_ppoflow(args, model_dir: Path, prompts_file: Path, variant: str, run_dir
     from ppoflow.flows.tracking import read_metrics
 
     env = side_env(args.threads) | {"PREFECT_API_URL": PREFECT_API_URL.value()}
-    if args.worker_niceness is not None:
-        env["RAY_worker_niceness"] = str(args.worker_niceness)
     command = [*PPOFLOW, "train", *ppoflow_overrides(args, model_dir, prompts_file, variant, run_dir)]
     peak, wall = watched("ppoflow train", command, env, run_dir.with_suffix(".log"), {server_pid: "prefect server"})
     rows = [row for row in read_metrics(str(run_dir)) if row["step"] > args.warmup]
@@ -358,7 +357,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of either side's model")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--gc", action="store_true", help="gradient checkpointing in every variant")
-    parser.add_argument("--worker-niceness", type=int, help="RAY_worker_niceness for ppoflow's run (Ray's: 15)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a ppoflow key=value added to every ppoflow run (e.g. ray.worker_niceness=15); repeatable",
+    )
     parser.add_argument("--scratch", default="outputs/bench/vs_trl", help="models, prompts and run directories")
     args = parser.parse_args()
     args.response_length = args.response_length or SHAPES[args.shape]["response_length"]
