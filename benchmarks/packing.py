@@ -26,21 +26,22 @@ from vs_trl import build_model, parameter_count  # benchmarks/ is the script's f
 PROMPT = 16
 
 
-def long_tailed_batch(sequences: int, max_response: int):
-    """Prompts of 4-16 tokens (left-padded), responses of 8 to ``max_response`` (one of each extreme), advantages."""
+def long_tailed_batch(sequences: int, max_response: int, *, prompt: int = PROMPT, vocab: int = 32):
+    """Prompts of 4 to ``prompt`` tokens (left-padded), responses of 8 to ``max_response`` (one of each extreme; most
+    short: 8 + (max - 8) * u^6), token ids from 4 to ``vocab``, random advantages."""
     import torch
     from tensordict import TensorDict
 
     generator = torch.Generator().manual_seed(0)
     lengths = (8 + (max_response - 8) * torch.rand(sequences, generator=generator) ** 6).long()
     lengths[0], lengths[1] = 8, max_response
-    prompt_lengths = torch.randint(4, PROMPT + 1, (sequences,), generator=generator)
-    prompt_mask = torch.arange(PROMPT) >= (PROMPT - prompt_lengths).unsqueeze(1)
+    prompt_lengths = torch.randint(4, prompt + 1, (sequences,), generator=generator)
+    prompt_mask = torch.arange(prompt) >= (prompt - prompt_lengths).unsqueeze(1)
     response_mask = torch.arange(max_response) < lengths.unsqueeze(1)
-    tokens = lambda width: torch.randint(4, 32, (sequences, width), generator=generator)  # noqa: E731
+    tokens = lambda width: torch.randint(4, vocab, (sequences, width), generator=generator)  # noqa: E731
     return TensorDict(
         {
-            "prompts": tokens(PROMPT) * prompt_mask,
+            "prompts": tokens(prompt) * prompt_mask,
             "prompt_mask": prompt_mask,
             "responses": tokens(max_response) * response_mask,
             "response_mask": response_mask,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check of ppoflow in one go, for one CUDA machine (sized for an H200: under 8 minutes):
+# Every GPU check of ppoflow in one go, for one CUDA machine (sized for an H200: under 10 minutes):
 #   1. a virtual environment with ppoflow[vllm,dev] installed (vLLM brings its own CUDA build of torch),
 #   2. pytest -m gpu (tests/test_vllm_rollout_gpu.py: vLLM vs transformers parity, log-probs, seeds,
 #      sampling options, weight updates, the Ray rollout actor),
-#   3. a summary: PASS only if every GPU test ran and passed (a skipped GPU test means a prerequisite
-#      is missing, so it counts as a failure here).
+#   3. the real-models check (benchmarks/real_models_gpu.py: gradient checkpointing, remove padding, LoRA and
+#      bf16 against the plain path on Qwen2.5-0.5B's shapes, with peak memory and tokens/s; about 2 minutes),
+#   4. a summary: PASS only if every GPU test ran and passed (a skipped GPU test means a prerequisite
+#      is missing, so it counts as a failure here) and the real-models check passed.
 # Usage: scripts/gpu_check.sh [--bench] [extra pytest arguments]
 #   --bench             also run benchmarks/vllm_vs_hf.py (small settings) after the checks
 # Environment:
@@ -80,8 +82,12 @@ EOF
 )
 ok=$?
 echo "$summary" | sed 's/^/[gpu_check] /'
-if [ "$rc" -eq 0 ] && [ "$ok" -eq 0 ]; then verdict=PASS; else verdict=FAIL; fi
 [ "$rc" -eq 124 ] || [ "$rc" -eq 130 ] && say "pytest ran out of its ${left}s"
+say "the real-models check: benchmarks/real_models_gpu.py (at most 300s)"
+timeout --signal=INT --kill-after=20 300 python benchmarks/real_models_gpu.py
+real_models=$?
+[ "$real_models" -eq 0 ] || summary="$summary; the real-models check FAILED"
+if [ "$rc" -eq 0 ] && [ "$ok" -eq 0 ] && [ "$real_models" -eq 0 ]; then verdict=PASS; else verdict=FAIL; fi
 
 if [ "$bench" -eq 1 ]; then
     say "benchmark: benchmarks/vllm_vs_hf.py (small settings)"

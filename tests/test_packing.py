@@ -272,3 +272,19 @@ def test_a_tool_answer_inside_a_response_is_context_packed_as_padded(tiny_overri
     torch.testing.assert_close(padded_changed[15, :10], padded[15, :10], **FLOAT32)  # before the answer: the same
     # after it: moved, beyond the first token (whose logits come from the answer's last position in any case)
     assert (padded_changed[15, 16:] - padded[15, 16:]).abs().min() > 1e-4
+
+
+@pytest.mark.parametrize("device, remove_padding, cudnn_after", [("cuda", False, False), ("cuda", True, True),
+                                                                  ("cpu", False, True)])  # fmt: skip
+def test_a_padded_gpu_worker_keeps_attention_off_cudnn(device, remove_padding, cudnn_after):
+    """cuDNN's SDPA gave NaN bf16 gradients for left padding's unattended rows on an H200: a GPU worker on the padded
+    path turns that backend off for its process; packed passes and CPU workers leave it as it is."""
+    from ppoflow.workers.models import keep_attention_off_cudnn_if_padded
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        keep_attention_off_cudnn_if_padded(torch.device(device), remove_padding)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_after
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

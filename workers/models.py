@@ -41,6 +41,15 @@ def set_up_worker_process(resources: ResourcesConfig) -> torch.device:
     return torch.device("cuda" if resources.num_gpus > 0 else "cpu")
 
 
+def keep_attention_off_cudnn_if_padded(device: torch.device, remove_padding: bool) -> None:
+    """In a worker that runs padded forward passes on a GPU, keep PyTorch's SDPA off its cuDNN backend for the
+    process: a left-padded row's pad positions attend to no key, and cuDNN's kernels then give NaN gradients in
+    bf16 (seen on an H200, docs/benchmarks.md#on-a-gpu); the memory-efficient and flash kernels handle such
+    rows. Packed passes (``use_remove_padding``) have no padding and keep every backend."""
+    if device.type == "cuda" and not remove_padding:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def holds_model(path: str) -> bool:
     """Whether ``path`` (local or fsspec URL) contains a Hugging Face model (a ``config.json``)."""
     fs, config_path = _config_json(path)

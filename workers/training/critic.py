@@ -11,7 +11,12 @@ from ppoflow.algorithms.losses import compute_value_loss
 from ppoflow.algorithms.masked import masked_mean
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import ReportsMemory
-from ppoflow.workers.models import load_value_model, set_up_worker_process, with_gradient_checkpointing
+from ppoflow.workers.models import (
+    keep_attention_off_cudnn_if_padded,
+    load_value_model,
+    set_up_worker_process,
+    with_gradient_checkpointing,
+)
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
     Learner,
@@ -32,6 +37,7 @@ class CriticWorker(ReportsMemory):
         critic = cfg.critic
         self.device = set_up_worker_process(critic.resources)
         self.parallel = DataParallel.join(ranks, self.device)
+        keep_attention_off_cudnn_if_padded(self.device, critic.model.use_remove_padding)
         self.cfg = critic
         self.mini_batch_size = critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
         self.response_length = cfg.data.max_response_length

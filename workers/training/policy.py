@@ -23,6 +23,7 @@ from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import join
 from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import (
+    keep_attention_off_cudnn_if_padded,
     load_causal_lm,
     load_tokenizer,
     save_pretrained,
@@ -68,6 +69,7 @@ class PolicyModel(ReportsMemory):
         self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
         self.micro_batch_size, self.max_token_len = micro_batch_size, max_token_len
         self.remove_padding = cfg.actor_rollout_ref.model.use_remove_padding
+        keep_attention_off_cudnn_if_padded(self.device, self.remove_padding)
         model = with_gradient_checkpointing(load_causal_lm(cfg.actor_rollout_ref.model), gradient_checkpointing)
         self.adapter: Adapter | None = None
         if lora and cfg.actor_rollout_ref.model.lora:  # the actor trains LoRA adapters on the frozen base
