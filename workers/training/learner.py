@@ -137,8 +137,14 @@ class Learner:
         self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
         self.nonfinite = nonfinite
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapter
+        # fused: one kernel over all tensors instead of a loop of element-wise ops per tensor (what transformers'
+        # Trainer, and so TRL, uses by default); sharded parameters (DTensors) keep the per-tensor loop.
         self.optimizer = torch.optim.AdamW(
-            trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+            trainable,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            weight_decay=optim.weight_decay,
+            fused=not parallel.sharded,
         )
         warmup = optim.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
