@@ -79,6 +79,17 @@ def test_pack_lays_sequences_end_to_end_and_to_rows_puts_them_back():
     assert to_rows(torch.tensor([1.0, 2.0, 3.0]), positions).tolist() == [[1, 2, 0], [3, 0, 0]]
 
 
+def test_pack_in_rows_fills_them_first_fit_and_gives_each_remainder_a_block_of_its_own():
+    input_ids = torch.tensor([[0, 0, 5, 6, 0, 0], [9, 10, 11, 12, 13, 0], [0, 1, 2, 3, 0, 0], [0, 0, 7, 8, 4, 0]])
+    kept = input_ids != 0  # lengths 2, 5, 3, 3; rows of 5: [5], [3, 2], [3] (by decreasing length, first fit)
+    positions = kept[:, 3:]
+    ids, position_ids, index = pack(input_ids, kept, (kept.cumsum(1) - 1).clamp(min=0), 3, positions, width=5)
+    assert ids.tolist() == [[9, 10, 11, 12, 13], [1, 2, 3, 5, 6], [7, 8, 4, 0, 0]]
+    assert position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+    # each index predicts a response token of its own sequence, in row-major order: 6 | 12, 13 | 3 | 8, 4
+    assert ids.flatten()[index + 1].tolist() == [6, 12, 13, 3, 8, 4]
+
+
 def test_karmarkar_karp_balances_and_the_budget_cut_fits_every_share():
     # differencing: 8-7 -> 1, 6-5 -> 1, then 4 against them: 16 and 14 (the heaviest group first; the optimum 15 / 15)
     assert karmarkar_karp([8, 7, 6, 5, 4], 2) == [[1, 3, 4], [0, 2]]

@@ -43,8 +43,9 @@ def response_logits(
     ``compute_dtype``: under ``torch.autocast`` to it (mixed precision at one rank), the logits then in float32."""
     input_ids, kept, position_ids = sequence_inputs(batch)
     prompt_length, positions = batch["prompts"].shape[1], response_positions(batch)
-    if remove_padding:
-        input_ids, position_ids, index = pack(input_ids, kept, position_ids, prompt_length, positions)
+    if remove_padding:  # flash attention's varlen kernels take one row; the others, rows of the longest sequence
+        width = None if attention_implementation(model).startswith("flash") else int(kept.sum(dim=1).max())
+        input_ids, position_ids, index = pack(input_ids, kept, position_ids, prompt_length, positions, width=width)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}  # no mask: packed, by the position ids
     else:
         inputs = {"input_ids": input_ids, "attention_mask": kept.long(), "position_ids": position_ids}
@@ -53,8 +54,13 @@ def response_logits(
         logits = model(**inputs, use_cache=False).logits
     logits = logits if compute_dtype is None else logits.float()
     if remove_padding:
-        return logits[0, index]
+        return logits.flatten(0, 1)[index]
     return logits[:, prompt_length - 1 : prompt_length + positions.shape[1] - 1][positions]
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention kernels transformers runs ``model`` with (``sdpa``, ``eager``, ``flash_attention_2``, ...)."""
+    return getattr(model.config, "_attn_implementation", None) or "sdpa"
 
 
 def autocast_dtype(model: torch.nn.Module, fsdp: FSDPConfig, parallel: DataParallel) -> torch.dtype | None:

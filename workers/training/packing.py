@@ -1,10 +1,11 @@
 """Padding-free forward passes and token-budget micro-batches (verl's ``use_remove_padding``, ``use_dynamic_bsz``).
 
 A row's tokens are its prompt without the left padding and its response up to its extent (its last model or tool
-token). :func:`pack` lays a micro-batch's rows end to end in one row [1, T] whose position ids restart at 0 per
-sequence: transformers then keeps attention inside each sequence (a block-diagonal causal mask for sdpa and eager,
-varlen kernels for flash attention). :func:`to_rows` puts per-token outputs back as [N, R]. :func:`token_budget_parts`
-cuts rows into micro-batches of at most a budget of tokens, as many on every data-parallel rank.
+token). :func:`pack` lays a micro-batch's sequences end to end, in one row for flash attention's varlen kernels or
+in rows as wide as the longest sequence for sdpa and eager (whose block-diagonal causal mask costs the square of
+a row's width), position ids restarting at 0 per sequence so that transformers keeps attention inside each.
+:func:`to_rows` puts per-token outputs back as [N, R]. :func:`token_budget_parts` cuts rows into micro-batches of
+at most a budget of tokens, as many on every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -31,15 +32,52 @@ def sequence_lengths(batch: TensorDict) -> list[int]:
 
 
 def pack(
-    input_ids: torch.Tensor, kept: torch.Tensor, position_ids: torch.Tensor, prompt_length: int, positions: torch.Tensor
+    input_ids: torch.Tensor,
+    kept: torch.Tensor,
+    position_ids: torch.Tensor,
+    prompt_length: int,
+    positions: torch.Tensor,
+    *,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``kept`` tokens of padded ``input_ids`` [N, P + R] as one row: ``(input_ids [1, T], position_ids
-    [1, T], index [K])``, ``index`` the packed positions whose outputs predict the response tokens at
-    ``positions`` [N, R], in row-major order (those of column P - 1 + j predict response token j)."""
-    packed_index = (kept.flatten().cumsum(0) - 1).view_as(kept)
+    """The ``kept`` tokens of padded ``input_ids`` [N, P + R] laid end to end: ``(input_ids [B, W], position_ids
+    [B, W], index [K])``, ``index`` the positions in the flattened [B * W] outputs that predict the response tokens
+    at ``positions`` [N, R], in row-major order (those of column P - 1 + j predict response token j).
+
+    ``width`` None: one row, the sequences in their order (flash attention's varlen kernels take it at no cost per
+    pair). Else rows of at most ``width`` tokens, filled first-fit by decreasing length, each row's remainder a
+    block of its own (token 0, positions from 0): sdpa and eager attention then cost B x W x W pairs, not T x T."""
+    lengths = kept.sum(dim=1)
+    if width is None:
+        rows, starts, used = torch.zeros_like(lengths), lengths.cumsum(0) - lengths, lengths.sum().view(1)
+    else:
+        rows, starts, used = (part.to(kept.device) for part in first_fit(lengths.tolist(), width))
+    row_width = int(used.max()) if len(used) else 0
+    flat_start = (rows * row_width + starts).unsqueeze(1)
+    packed_index = flat_start + (kept.cumsum(dim=1) - 1)  # where each kept token goes in the flattened rows
+    destination = packed_index[kept]
+    packed_ids = input_ids.new_zeros(len(used) * row_width)
+    packed_ids[destination] = input_ids[kept]
+    columns = torch.arange(row_width, device=kept.device)
+    packed_positions = (columns - used.unsqueeze(1)).flatten()  # from 0 in each row's remainder
+    packed_positions[destination] = position_ids[kept]
     response_length = positions.shape[1]
     index = packed_index[:, prompt_length - 1 : prompt_length + response_length - 1][positions]
-    return input_ids[kept].unsqueeze(0), position_ids[kept].unsqueeze(0), index
+    shape = (len(used), row_width)
+    return packed_ids.view(shape), packed_positions.view(shape), index
+
+
+def first_fit(lengths: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences of ``lengths`` in rows of at most ``width`` tokens, first-fit by decreasing length: each one's
+    row and start in it, and each row's tokens used."""
+    rows, starts, used = [0] * len(lengths), [0] * len(lengths), []
+    for sequence in sorted(range(len(lengths)), key=lambda index: -lengths[index]):
+        row = next((row for row, tokens in enumerate(used) if tokens + lengths[sequence] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        rows[sequence], starts[sequence] = row, used[row]
+        used[row] += lengths[sequence]
+    return torch.tensor(rows), torch.tensor(starts), torch.tensor(used)
 
 
 def to_rows(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
