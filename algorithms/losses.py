@@ -86,15 +86,61 @@ def compute_value_loss(
     return vf_loss, vf_clipfrac.detach()
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution of each ``[..., vocab]`` logit row -> ``[...]``.
-
-    ``H = logsumexp(z) - sum(softmax(z) * z)``, stable for large logits.
-    """
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+CHUNK_ELEMENTS = 2**24
+"""Logit entries a chunk of tokens holds in :func:`log_probs_and_entropy`'s temporaries (64 MiB of float32)."""
 
 
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label: ``[..., vocab]`` logits and ``[...]`` int64 labels -> ``[...]``."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+def log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each label's log-probability and (``with_entropy``) the entropy of each ``[K, vocab]`` logit row, in float32
+    (or float64 for float64 logits):
+    ``log softmax(z)[label]`` and ``H = -sum(softmax(z) * log softmax(z))``.
+
+    One pass over chunks of tokens that keeps only the logits for the backward pass, which recomputes each chunk's
+    softmax: the separate log-softmax and softmax would each keep another ``[K, vocab]`` tensor."""
+    log_probs, entropy = _LogProbsAndEntropy.apply(logits, labels, with_entropy)
+    return log_probs, entropy if with_entropy else None
+
+
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """Gradients: ``d log p_t / d z_i = [i = t] - p_i`` and ``d H / d z_i = -p_i (log p_i + H)``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        log_probs = logits.new_empty(logits.shape[0], dtype=dtype)
+        entropy = torch.zeros_like(log_probs)
+        normalizers = torch.empty_like(log_probs)
+        for rows in _chunks(logits):
+            chunk = logits[rows].to(dtype)
+            normalizers[rows] = torch.logsumexp(chunk, dim=-1)
+            log_probs[rows] = chunk.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1) - normalizers[rows]
+            if with_entropy:
+                entropy[rows] = normalizers[rows] - (torch.softmax(chunk, dim=-1) * chunk).sum(dim=-1)
+        ctx.save_for_backward(logits, labels, normalizers, entropy)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, labels, normalizers, entropy = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for rows in _chunks(logits):
+            token_log_probs = logits[rows].to(normalizers.dtype) - normalizers[rows].unsqueeze(-1)
+            probs = token_log_probs.exp()
+            grad = torch.zeros_like(probs)
+            if grad_log_probs is not None:
+                grad -= probs * grad_log_probs[rows].unsqueeze(-1)
+                grad.scatter_add_(-1, labels[rows].unsqueeze(-1), grad_log_probs[rows].unsqueeze(-1))
+            if grad_entropy is not None:
+                grad -= probs * (token_log_probs + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
+            grad_logits[rows] = grad.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def _chunks(logits: torch.Tensor) -> list[slice]:
+    """Slices of ``logits``' rows of at most :data:`CHUNK_ELEMENTS` entries each."""
+    size = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    return [slice(start, start + size) for start in range(0, logits.shape[0], size)]

@@ -46,7 +46,7 @@ def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
     import torch
 
     from ppoflow.algorithms.advantages import compute_grpo_outcome_advantage
-    from ppoflow.algorithms.losses import log_probs_from_logits
+    from ppoflow.algorithms.losses import log_probs_and_entropy
     from ppoflow.algorithms.policy_losses import compute_policy_loss
     from ppoflow.algorithms.scoring import copy_score
     from ppoflow.data.datasets import ensure_datasets, load_prompt_dataset
@@ -113,7 +113,9 @@ def floor_steps(cfg, *, steps: int, after_step=None) -> list[dict[str, float]]:
             ).logits[:, input_ids.shape[1] - 1 : -1]
             / rollout.temperature
         )
-        log_probs = log_probs_from_logits(logits, responses)
+        log_probs = log_probs_and_entropy(logits.flatten(0, 1), responses.flatten(), with_entropy=False)[0].view_as(
+            responses
+        )
         loss, _ = compute_policy_loss(
             log_probs.detach(),
             log_probs,

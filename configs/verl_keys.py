@@ -91,7 +91,10 @@ _ENGINE_TUNING = "not supported: FSDP2 shards each decoder layer over the role's
 _MULTIMODAL = "not supported: prompts are text only"
 _KERNELS = "not supported: models run on plain transformers kernels"
 _PROFILER = "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI"
-_ENTROPY = "not supported: entropy is computed from the full logits in one pass (no chunking, no recomputation)"
+_ENTROPY = (
+    "not needed: log-probs and entropy always come from one pass over chunks of tokens that keeps only the logits "
+    "and recomputes the softmax in the backward pass"
+)
 _OPTIMIZER = "not supported: the optimizer is torch's AdamW"
 _SCORERS = "not supported: the reward loop is ppoflow's; custom_reward_function.path plugs in a scorer"
 _ENGINE_OPTIONS = {

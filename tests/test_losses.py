@@ -10,8 +10,7 @@ from ppoflow.algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_value_loss,
-    entropy_from_logits,
-    log_probs_from_logits,
+    log_probs_and_entropy,
 )
 from ppoflow.algorithms.policy_losses import compute_policy_loss
 
@@ -220,25 +219,53 @@ def test_value_loss_clipped_and_clipfrac():
 # ---------------------------------------------------------------- logits helpers
 
 
-def test_entropy_from_logits():
+def test_entropy_of_logit_rows():
     logits = T(
         [
-            [[0.0, 0.0, 0.0, 0.0], [math.log(1.0), math.log(3.0), -1e4, -1e4]],
-            [[1000.0, 1000.0, -1e4, -1e4], [5.0, 5.0, 5.0, 5.0]],
+            [0.0, 0.0, 0.0, 0.0],
+            [math.log(1.0), math.log(3.0), -1e4, -1e4],
+            [1000.0, 1000.0, -1e4, -1e4],
+            [5.0, 5.0, 5.0, 5.0],
         ]
     )
     # uniform over 4 -> ln 4 ; p = (1/4, 3/4) -> -(0.25 ln 0.25 + 0.75 ln 0.75) ; huge equal pair -> ln 2 ; ln 4
     h13 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    expected = T([[math.log(4), h13], [math.log(2), math.log(4)]])
-    out = entropy_from_logits(logits.double())
-    assert out.shape == (2, 2)
-    assert_close(out, expected.double())
+    expected = T([math.log(4), h13, math.log(2), math.log(4)])
+    labels = torch.zeros(4, dtype=torch.long)
+    assert_close(log_probs_and_entropy(logits.double(), labels)[1], expected.double())
     # float32: logits near 1000 have an ulp of ~6e-5, so only that precision is reachable, but no inf/nan
-    assert_close(entropy_from_logits(logits), expected, atol=1e-4, rtol=0)
+    assert_close(log_probs_and_entropy(logits, labels)[1], expected, atol=1e-4, rtol=0)
 
 
-def test_log_probs_from_logits():
-    logits = T([[[math.log(1.0), math.log(3.0)], [0.0, 0.0], [1000.0, 0.0]]])
-    labels = T([[1, 0, 1]])
+def test_log_probs_of_labels():
+    logits = T([[math.log(1.0), math.log(3.0)], [0.0, 0.0], [1000.0, 0.0]])
     # ln(3/4) ; ln(1/2) ; 0 - logsumexp(1000, 0) = -1000
-    assert_close(log_probs_from_logits(logits, labels), T([[math.log(0.75), math.log(0.5), -1000.0]]))
+    log_probs, entropy = log_probs_and_entropy(logits, T([1, 0, 1]), with_entropy=False)
+    assert_close(log_probs, T([math.log(0.75), math.log(0.5), -1000.0])) and entropy is None
+
+
+@pytest.mark.parametrize("chunk_elements", [2**26, 7])  # one chunk; chunks of one row (7 < vocab 9)
+def test_log_probs_and_entropy_and_their_gradients_equal_the_unfused_ones(monkeypatch, chunk_elements):
+    monkeypatch.setattr("ppoflow.algorithms.losses.CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(5, 9, generator=generator, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, 9, (5,), generator=generator)
+    weights = torch.randn(2, 5, generator=generator, dtype=torch.float64)  # any downstream use of both
+    log_probs, entropy = log_probs_and_entropy(logits, labels)
+    (weights[0] @ log_probs + weights[1] @ entropy).backward()
+    fused = logits.grad.clone()
+    logits.grad = None
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    expected = (log_softmax.gather(-1, labels[:, None]).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
+    (weights[0] @ expected[0] + weights[1] @ expected[1]).backward()
+    assert_close((log_probs, entropy), expected) and assert_close(fused, logits.grad)
+    assert torch.autograd.gradcheck(lambda z: log_probs_and_entropy(z, labels), (logits.detach().requires_grad_(),))
+
+
+def test_the_fused_pass_keeps_only_the_logits_for_the_backward_pass():
+    """The log-softmax and the softmax of the unfused pair each kept another [tokens, vocab] tensor."""
+    logits = torch.randn(64, 1000, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor.numel()) or tensor, lambda t: t):
+        log_probs, entropy = log_probs_and_entropy(logits * 1.0, torch.zeros(64, dtype=torch.long))
+    assert sorted(kept, reverse=True)[:2] == [64 * 1000, 64]  # the logits, then per-token values

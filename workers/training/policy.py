@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.algorithms.kl import kl_penalty
-from ppoflow.algorithms.losses import agg_loss, entropy_from_logits, log_probs_from_logits
+from ppoflow.algorithms.losses import agg_loss, log_probs_and_entropy
 from ppoflow.configs.modes import needs_of
 from ppoflow.configs.rules_policy_loss import configured_policy_loss
 from ppoflow.configs.schema import PPOConfig, ResourcesConfig, TrainingEngineConfig
@@ -91,15 +91,19 @@ class PolicyModel(ReportsMemory):
         log_probs = self.parallel.gather_indexed(rows, pad_responses(parts, batch["responses"].shape[1]), len(batch))
         return None if log_probs is None else TensorDict({"log_probs": log_probs}, batch_size=batch.batch_size)
 
-    def token_log_probs(self, micro: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's response ``log_probs`` [n, r] (zero outside each row's extent) and the tempered
-        logits they come from, [K, vocab] (:func:`~.learner.response_logits`)."""
+    def token_log_probs(
+        self, micro: TensorDict, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's response ``log_probs`` [n, r] at the rollout temperature and (``with_entropy``) the
+        entropy of each position's distribution, [n, r]; zero outside each row's extent."""
         logits = response_logits(
             self.model, micro, remove_padding=self.remove_padding, compute_dtype=self.compute_dtype
         )
-        logits = logits / self.temperature
         positions = response_positions(micro)
-        return to_rows(log_probs_from_logits(logits, micro["responses"][positions]), positions), logits
+        log_probs, entropy = log_probs_and_entropy(
+            logits / self.temperature, micro["responses"][positions], with_entropy=with_entropy
+        )
+        return to_rows(log_probs, positions), None if entropy is None else to_rows(entropy, positions)
 
     def weights_digest(self) -> str | None:
         """Checksum of the current weights (guards a cached log-prob pass); with LoRA, of the adapter and the
@@ -225,7 +229,7 @@ class ActorWorker(PolicyModel):
             # Global normalisers; the padded horizon is max_response_length, whatever padding was trimmed.
             normalizers = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": self.response_length}
             mask = micro["response_mask"]
-            log_probs, logits = self.token_log_probs(micro)
+            log_probs, token_entropy = self.token_log_probs(micro, with_entropy=True)
             if on_policy:
                 own_log_probs.append(log_probs.detach().float().cpu())
                 own_rows.append(micro["row"].cpu())
@@ -241,9 +245,7 @@ class ActorWorker(PolicyModel):
                 generator=loss_generator,
                 **normalizers,
             )
-            entropy = agg_loss(
-                to_rows(entropy_from_logits(logits), response_positions(micro)), mask, cfg.loss_agg_mode, **normalizers
-            )
+            entropy = agg_loss(token_entropy, mask, cfg.loss_agg_mode, **normalizers)
             loss = pg_loss - cfg.entropy_coeff * entropy
             summed = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
             if cfg.use_kl_loss:
