@@ -5,8 +5,10 @@ correction, the advantage estimator.
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, FILTER_METRICS, IS_LEVELS, KL_PENALTY_KINDS
 from ppoflow.configs.schema_base import Section
@@ -53,8 +55,41 @@ class RewardKwargsConfig(Section):
     )
 
 
+class RemoteRewardConfig(Section):
+    """An HTTP reward service the reward_model stage posts each batch to (docs/reward_models.md)."""
+
+    url: str | None = Field(description="http(s) URL of the reward service; null = none.")
+    format: Literal["ppoflow", "openrlhf", "verl"] = Field(
+        description="Request and answer schema: ppoflow's, OpenRLHF's remote RM (query/prompts/labels -> rewards) "
+        "or verl's compute_score arguments (docs/reward_models.md)."
+    )
+    batch_size: int = Field(ge=1, description="Responses per request.")
+    max_concurrency: int = Field(ge=1, description="Requests in flight at once.")
+    timeout_s: float = Field(gt=0, description="How long one request may take before it counts as failed.")
+    max_retries: int = Field(ge=0, description="Retries of a failed request (timeout, connection, 5xx, bad answer).")
+    backoff_s: float = Field(ge=0, description="Wait before the first retry; doubles with each further one.")
+    api_key_env: str | None = Field(description="Environment variable whose value authenticates; null = none.")
+    auth_header: str = Field(description="The header that carries the key.")
+    auth_scheme: str = Field(description='Written before the key in that header ("Bearer"); "" = the key alone.')
+    on_error: Literal["fail", "score"] = Field(
+        description="A request that still fails after its retries: fail the step naming the URL, or give its "
+        "responses `error_score` (logged, counted in reward_model/remote_errors)."
+    )
+    error_score: float = Field(allow_inf_nan=False, description="The score of a response whose request failed.")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """Only http(s) with a host: urllib would also open ``file://`` and ``ftp://`` URLs."""
+        parts = urlsplit(url) if url is not None else None
+        if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
+            raise PydanticCustomError("http_url", "must be an http:// or https:// URL with a host")
+        return url
+
+
 class RewardModelConfig(Section):
-    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), and DAPO's overlong shaping."""
+    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), DAPO's overlong shaping, and the
+    model-based rewards: a reward model or a remote reward service, combined with the rule scores by ``combine``."""
 
     reward_manager: Literal["naive", "ray"] = Field(
         description="naive: score in the flow; ray: score chunks as Prefect tasks on Ray workers (prefect-ray), "
@@ -62,6 +97,17 @@ class RewardModelConfig(Section):
     )
     num_workers: int = Field(ge=1, description="reward_manager=ray: chunks scored at once.")
     reward_kwargs: RewardKwargsConfig
+    combine: Literal["sum", "rule_first"] = Field(
+        description="How a model-based score meets a rule score: sum (rule score + model score; a response whose "
+        "data source has no scorer gets the model score), rule_first (the rule score where the data source has a "
+        "scorer, the model score elsewhere)."
+    )
+    remote: RemoteRewardConfig
+
+    @property
+    def model_based(self) -> bool:
+        """Whether a reward service scores each response too (the reward_model stage runs)."""
+        return self.remote.url is not None
 
 
 class KLControlConfig(Section):

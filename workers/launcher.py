@@ -222,8 +222,11 @@ def _node_ids(handles: list) -> list[str]:
 
 def streams_reward(cfg: PPOConfig) -> bool:
     """Whether the rollout scores trajectories as they finish: the rollout service does, unless the scoring
-    fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``)."""
-    return cfg.actor_rollout_ref.rollout.mode == "async" and cfg.reward_model.reward_manager == "naive"
+    fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``) or a reward model or service
+    scores the batch in the reward_model stage."""
+    rewards = cfg.reward_model
+    scored_apart = rewards.reward_manager == "ray" or rewards.model_based
+    return cfg.actor_rollout_ref.rollout.mode == "async" and not scored_apart
 
 
 def _start_rollout_service(cfg: PPOConfig, replica_of, objects: RayObjects):
