@@ -11,7 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, FILTER_METRICS, IS_LEVELS, KL_PENALTY_KINDS
-from ppoflow.configs.schema_base import Section
+from ppoflow.configs.schema_base import ResourcesConfig, Section
 
 
 class CustomRewardConfig(Section):
@@ -87,6 +87,18 @@ class RemoteRewardConfig(Section):
         return url
 
 
+class RewardModelPathConfig(Section):
+    """The reward model's files (verl's ``reward_model.model``)."""
+
+    path: str | None = Field(
+        description="Hugging Face sequence-classification model (1 label), or causal LM with a value head "
+        "(v_head.summary.*), local path or fsspec URL; needed when `enable`."
+    )
+    tokenizer_path: str | None = Field(description="Its tokenizer (and chat template); null = `path`.")
+    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+
+
 class RewardModelConfig(Section):
     """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), DAPO's overlong shaping, and the
     model-based rewards: a reward model or a remote reward service, combined with the rule scores by ``combine``."""
@@ -102,12 +114,27 @@ class RewardModelConfig(Section):
         "data source has no scorer gets the model score), rule_first (the rule score where the data source has a "
         "scorer, the model score elsewhere)."
     )
+    enable: bool = Field(description="Score each response with the reward model `model.path` in a worker of its own.")
+    model: RewardModelPathConfig
+    micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Responses per forward pass of the reward model; null = the whole batch."
+    )
+    max_length: int | None = Field(
+        ge=1,
+        description="Longest chat-formatted prompt + response the reward model reads; a longer one keeps its "
+        "last max_length tokens. null = no limit.",
+    )
+    use_dynamic_bsz: bool = Field(
+        description="Cut forward passes by tokens (forward_max_token_len_per_gpu), not by responses."
+    )
+    forward_max_token_len_per_gpu: int = Field(ge=1, description="use_dynamic_bsz: tokens per forward pass.")
+    resources: ResourcesConfig
     remote: RemoteRewardConfig
 
     @property
     def model_based(self) -> bool:
-        """Whether a reward service scores each response too (the reward_model stage runs)."""
-        return self.remote.url is not None
+        """Whether a reward model or a reward service scores each response too (the reward_model stage runs)."""
+        return self.enable or self.remote.url is not None
 
 
 class KLControlConfig(Section):

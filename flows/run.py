@@ -44,7 +44,8 @@ class RunContext:
     reward_chunks: int
     """``reward_model.reward_manager=ray``: score in this many chunks on Ray workers; 0 = in the flow."""
     model_reward: Any
-    """What scores each response in the reward_model stage (the reward service's client); None = rules only."""
+    """What scores each response in the reward_model stage (the reward model's role, or the reward service's
+    client); None = rules only."""
     workers: Workers
     stages: Stages
     sampling: SamplingParams
@@ -114,7 +115,7 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
         total_steps,
         inputs.custom_scorer,
         reward_chunks,
-        RemoteReward(cfg.reward_model.remote) if cfg.reward_model.remote.url else None,
+        workers.reward_model or (RemoteReward(cfg.reward_model.remote) if cfg.reward_model.remote.url else None),
         workers,
         Stages(workers, caches, orchestrated=orchestrated, rollout=RolloutOrigin.of(cfg, sampling), tags=tags),
         sampling,

@@ -45,7 +45,7 @@ class Stage:
 GENERATE = Stage(generate, "gen", skip="rollout", sampled=True)
 SAMPLE = Stage(sample, "gen")
 """Takes the place of :data:`GENERATE` in the streaming modes: the step's batch from the replay buffer."""
-REWARD_MODEL = Stage(reward_model, "reward_model", skip="reward_model", matches_input=True)
+REWARD_MODEL = Stage(reward_model, "reward_model", skip="reward_model", weights="reward_model", matches_input=True)
 REWARD = Stage(reward, "reward", skip="reward", matches_input=True)
 OLD_LOG_PROB = Stage(old_log_prob, "old_log_prob", skip="old_log_prob", weights="actor", matches_input=True)
 REF_LOG_PROB = Stage(ref_log_prob, "ref", skip="ref", weights="ref", matches_input=True)
