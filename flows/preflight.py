@@ -315,10 +315,12 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     """A custom scorer imports and scores the first training row (its ground truth, as text, for the
     response), as the reward stage calls it, with a finite number or a dict with one under ``score``: in a
     process of its own (:class:`ScorerProcess`), so that it can neither end nor hang this one. Without a
-    custom scorer, every data source has a built-in scorer."""
+    custom scorer, every data source has a built-in scorer - or a reward model or service scores it."""
     custom = cfg.custom_reward_function
     if custom.path:
         return _custom_scorer_problems(custom, first_row)
+    if cfg.reward_model.model_based:
+        return []
     problems: Problems = []
     for key, found in sources.items():
         for source in sorted(found):
