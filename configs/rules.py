@@ -194,7 +194,8 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     reward_cache = cfg.skip.get("reward")
-    if reward_cache is not None and reward_cache.enable and cfg.reward_model.reward_manager == "naive":
+    streamed = cfg.reward_model.reward_manager == "naive" and not cfg.reward_model.model_stage
+    if reward_cache is not None and reward_cache.enable and streamed:
         errors.append(
             (
                 "skip.reward.enable",

@@ -4,6 +4,7 @@ correction, the advantage estimator.
 
 from __future__ import annotations
 
+from string import Formatter
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -87,6 +88,39 @@ class RemoteRewardConfig(Section):
         return url
 
 
+class JudgeConfig(Section):
+    """An LLM judge on the rollout service's replicas (docs/reward_models.md#an-llm-judge)."""
+
+    prompt_template: str | None = Field(
+        description="The judge's prompt, with {prompt}, {response} and {ground_truth} filled in; null = no judge."
+    )
+    parser_path: str | None = Field(
+        description="The verdict's parser: a scorer (`module:function`, module or .py file) called with the judge's "
+        "text as solution_str; needed with a judge."
+    )
+    parser_name: str = Field(description="The parser's function name when `parser_path` names a module or file.")
+    max_tokens: int = Field(ge=1, description="Longest verdict, in tokens.")
+    temperature: float = Field(ge=0, description="The verdict's sampling temperature; 0 = greedy.")
+    timeout_s: float = Field(gt=0, description="How long one parser call may take (then it fails).")
+    error_score: float = Field(
+        allow_inf_nan=False, description="The judge score of a verdict the parser fails on (logged, counted)."
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, template: str | None) -> str | None:
+        """Only the three fields: ``str.format`` would fail on any other at the first finished trajectory."""
+        fields = {name for _, name, _, _ in Formatter().parse(template or "") if name is not None}
+        unknown = sorted(fields - {"prompt", "response", "ground_truth"})
+        if unknown:
+            raise PydanticCustomError(
+                "judge_template",
+                "names {unknown}; it may name only the fields prompt, response and ground_truth",
+                {"unknown": ", ".join(unknown)},
+            )
+        return template
+
+
 class RewardModelPathConfig(Section):
     """The reward model's files (verl's ``reward_model.model``)."""
 
@@ -130,11 +164,17 @@ class RewardModelConfig(Section):
     forward_max_token_len_per_gpu: int = Field(ge=1, description="use_dynamic_bsz: tokens per forward pass.")
     resources: ResourcesConfig
     remote: RemoteRewardConfig
+    judge: JudgeConfig
+
+    @property
+    def model_stage(self) -> bool:
+        """Whether a reward model or a reward service scores each response too (the reward_model stage runs)."""
+        return self.enable or self.remote.url is not None
 
     @property
     def model_based(self) -> bool:
-        """Whether a reward model or a reward service scores each response too (the reward_model stage runs)."""
-        return self.enable or self.remote.url is not None
+        """Whether a model scores each response too: in the reward_model stage, or the judge as trajectories finish."""
+        return self.model_stage or self.judge.prompt_template is not None
 
 
 class KLControlConfig(Section):

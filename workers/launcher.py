@@ -233,7 +233,7 @@ def streams_reward(cfg: PPOConfig) -> bool:
     fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``) or a reward model or service
     scores the batch in the reward_model stage."""
     rewards = cfg.reward_model
-    scored_apart = rewards.reward_manager == "ray" or rewards.model_based
+    scored_apart = rewards.reward_manager == "ray" or rewards.model_stage
     return cfg.actor_rollout_ref.rollout.mode == "async" and not scored_apart
 
 
