@@ -53,7 +53,7 @@ class Judge:
         output = await self.client.generate(
             f"{session}/judge", self.prompt_ids(prompt_ids, response, ground_truth), sampling
         )
-        verdict = solution_text(output.response_ids, self.tokenizer)
+        verdict = solution_text(output.token_ids, self.tokenizer)
         score, extras = await asyncio.to_thread(
             score_one,
             data_source,
