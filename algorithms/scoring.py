@@ -167,6 +167,21 @@ def scorer_for(data_source: str, custom: Scorer | BuiltinScorers | None) -> Scor
     return BUILTIN_SCORERS[data_source]
 
 
+def has_scorer(data_source: str, custom: Scorer | BuiltinScorers | None) -> bool:
+    """Whether a rule scores ``data_source``'s responses: a custom scorer scores every one, a built-in its own."""
+    return (custom is not None and not isinstance(custom, BuiltinScorers)) or data_source in BUILTIN_SCORERS
+
+
+def combined_scores(model_scores: list[float], rule_scores: dict[int, float], combine: str) -> list[float]:
+    """Each response's reward when a model scores it too (``reward_model.combine``): ``sum`` adds its rule score
+    (``rule_scores``, by row, for the rows whose data source has a scorer), ``rule_first`` keeps the rule score
+    alone; a row without a rule score gets its model score either way."""
+    return [
+        model if row not in rule_scores else rule_scores[row] + (model if combine == "sum" else 0.0)
+        for row, model in enumerate(model_scores)
+    ]
+
+
 def call_scorer(scorer: Scorer, data_source: str, solution_str: str, ground_truth, extra_info=None):
     """verl's call ``scorer(data_source, solution_str, ground_truth, extra_info)``: ``extra_info`` as the fourth
     argument, else as a keyword (``**kwargs``), else left out for a scorer that takes only the first three."""

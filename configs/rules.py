@@ -16,6 +16,7 @@ from ppoflow.configs.rules_dapo import dapo_errors
 from ppoflow.configs.rules_lora import lora_errors
 from ppoflow.configs.rules_policy_loss import policy_loss_errors
 from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
+from ppoflow.configs.rules_reward_model import reward_model_errors
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 
@@ -112,7 +113,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
     errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg) + lora_errors(cfg)
     errors += dapo_errors(cfg)
-    errors += policy_loss_errors(cfg)
+    errors += policy_loss_errors(cfg) + reward_model_errors(cfg)
     if (
         cfg.skip.get("advantage")
         and cfg.skip["advantage"].enable
@@ -193,7 +194,8 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     reward_cache = cfg.skip.get("reward")
-    if reward_cache is not None and reward_cache.enable and cfg.reward_model.reward_manager == "naive":
+    streamed = cfg.reward_model.reward_manager == "naive" and not cfg.reward_model.model_stage
+    if reward_cache is not None and reward_cache.enable and streamed:
         errors.append(
             (
                 "skip.reward.enable",

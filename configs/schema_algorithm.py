@@ -4,12 +4,15 @@ correction, the advantage estimator.
 
 from __future__ import annotations
 
+from string import Formatter
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ppoflow.algorithms.names import ADVANTAGE_ESTIMATORS, FILTER_METRICS, IS_LEVELS, KL_PENALTY_KINDS
-from ppoflow.configs.schema_base import Section
+from ppoflow.configs.schema_base import ResourcesConfig, Section
 
 
 class CustomRewardConfig(Section):
@@ -53,8 +56,86 @@ class RewardKwargsConfig(Section):
     )
 
 
+class RemoteRewardConfig(Section):
+    """An HTTP reward service the reward_model stage posts each batch to (docs/reward_models.md)."""
+
+    url: str | None = Field(description="http(s) URL of the reward service; null = none.")
+    format: Literal["ppoflow", "openrlhf", "verl"] = Field(
+        description="Request and answer schema: ppoflow's, OpenRLHF's remote RM (query/prompts/labels -> rewards) "
+        "or verl's compute_score arguments (docs/reward_models.md)."
+    )
+    batch_size: int = Field(ge=1, description="Responses per request.")
+    max_concurrency: int = Field(ge=1, description="Requests in flight at once.")
+    timeout_s: float = Field(gt=0, description="How long one request may take before it counts as failed.")
+    max_retries: int = Field(ge=0, description="Retries of a failed request (timeout, connection, 5xx, bad answer).")
+    backoff_s: float = Field(ge=0, description="Wait before the first retry; doubles with each further one.")
+    api_key_env: str | None = Field(description="Environment variable whose value authenticates; null = none.")
+    auth_header: str = Field(description="The header that carries the key.")
+    auth_scheme: str = Field(description='Written before the key in that header ("Bearer"); "" = the key alone.')
+    on_error: Literal["fail", "score"] = Field(
+        description="A request that still fails after its retries: fail the step naming the URL, or give its "
+        "responses `error_score` (logged, counted in reward_model/remote_errors)."
+    )
+    error_score: float = Field(allow_inf_nan=False, description="The score of a response whose request failed.")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """Only http(s) with a host: urllib would also open ``file://`` and ``ftp://`` URLs."""
+        parts = urlsplit(url) if url is not None else None
+        if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
+            raise PydanticCustomError("http_url", "must be an http:// or https:// URL with a host")
+        return url
+
+
+class JudgeConfig(Section):
+    """An LLM judge on the rollout service's replicas (docs/reward_models.md#an-llm-judge)."""
+
+    prompt_template: str | None = Field(
+        description="The judge's prompt, with {prompt}, {response} and {ground_truth} filled in; null = no judge."
+    )
+    parser_path: str | None = Field(
+        description="The verdict's parser: a scorer (`module:function`, module or .py file) called with the judge's "
+        "text as solution_str; needed with a judge."
+    )
+    parser_name: str = Field(description="The parser's function name when `parser_path` names a module or file.")
+    max_tokens: int = Field(ge=1, description="Longest verdict, in tokens.")
+    temperature: float = Field(ge=0, description="The verdict's sampling temperature; 0 = greedy.")
+    timeout_s: float = Field(gt=0, description="How long one parser call may take (then it fails).")
+    error_score: float = Field(
+        allow_inf_nan=False, description="The judge score of a verdict the parser fails on (logged, counted)."
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, template: str | None) -> str | None:
+        """Only the three fields: ``str.format`` would fail on any other at the first finished trajectory."""
+        fields = {name for _, name, _, _ in Formatter().parse(template or "") if name is not None}
+        unknown = sorted(fields - {"prompt", "response", "ground_truth"})
+        if unknown:
+            raise PydanticCustomError(
+                "judge_template",
+                "names {unknown}; it may name only the fields prompt, response and ground_truth",
+                {"unknown": ", ".join(unknown)},
+            )
+        return template
+
+
+class RewardModelPathConfig(Section):
+    """The reward model's files (verl's ``reward_model.model``)."""
+
+    path: str | None = Field(
+        description="Hugging Face sequence-classification model (1 label), or causal LM with a value head "
+        "(v_head.summary.*), local path or fsspec URL; needed when `enable`."
+    )
+    tokenizer_path: str | None = Field(description="Its tokenizer (and chat template); null = `path`.")
+    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+
+
 class RewardModelConfig(Section):
-    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), and DAPO's overlong shaping."""
+    """Where rule-based scoring runs (verl's ``reward_model.reward_manager``), DAPO's overlong shaping, and the
+    model-based rewards: a reward model or a remote reward service, combined with the rule scores by ``combine``."""
 
     reward_manager: Literal["naive", "ray"] = Field(
         description="naive: score in the flow; ray: score chunks as Prefect tasks on Ray workers (prefect-ray), "
@@ -62,6 +143,38 @@ class RewardModelConfig(Section):
     )
     num_workers: int = Field(ge=1, description="reward_manager=ray: chunks scored at once.")
     reward_kwargs: RewardKwargsConfig
+    combine: Literal["sum", "rule_first"] = Field(
+        description="How a model-based score meets a rule score: sum (rule score + model score; a response whose "
+        "data source has no scorer gets the model score), rule_first (the rule score where the data source has a "
+        "scorer, the model score elsewhere)."
+    )
+    enable: bool = Field(description="Score each response with the reward model `model.path` in a worker of its own.")
+    model: RewardModelPathConfig
+    micro_batch_size_per_gpu: int | None = Field(
+        ge=1, description="Responses per forward pass of the reward model; null = the whole batch."
+    )
+    max_length: int | None = Field(
+        ge=1,
+        description="Longest chat-formatted prompt + response the reward model reads; a longer one keeps its "
+        "last max_length tokens. null = no limit.",
+    )
+    use_dynamic_bsz: bool = Field(
+        description="Cut forward passes by tokens (forward_max_token_len_per_gpu), not by responses."
+    )
+    forward_max_token_len_per_gpu: int = Field(ge=1, description="use_dynamic_bsz: tokens per forward pass.")
+    resources: ResourcesConfig
+    remote: RemoteRewardConfig
+    judge: JudgeConfig
+
+    @property
+    def model_stage(self) -> bool:
+        """Whether a reward model or a reward service scores each response too (the reward_model stage runs)."""
+        return self.enable or self.remote.url is not None
+
+    @property
+    def model_based(self) -> bool:
+        """Whether a model scores each response too: in the reward_model stage, or the judge as trajectories finish."""
+        return self.model_stage or self.judge.prompt_template is not None
 
 
 class KLControlConfig(Section):

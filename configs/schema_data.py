@@ -13,10 +13,11 @@ class SyntheticDataConfig(Section):
     """Built-in synthetic task; when set, missing ``train_files``/``val_files`` are generated from it
     (see ``DataConfig.synthetic`` for when a preset's task applies)."""
 
-    task: Literal["copy", "vault"] = Field(
+    task: Literal["copy", "vault", "prefer"] = Field(
         "copy",
         description="Synthetic task: `copy` = repeat the prompt's digits, then stop; `vault` = answer the "
-        "code the prompt's key opens, which the `vault` tool tells (see ppoflow.data.vault).",
+        "code the prompt's key opens, which the `vault` tool tells (see ppoflow.data.vault); `prefer` = no rule, "
+        "no answer: a reward model scores it (docs/reward_models.md).",
     )
     digits: int = Field(2, ge=1, le=8, description="Digits per prompt.")
     train_rows: int = Field(3200, ge=1, description="Rows written to the train file.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ppoflow.storage.step_cache.manifest import ROLLOUT_STAGE, SAMPLE_STAGE
 
-STAGE_CACHE_KEYS = (ROLLOUT_STAGE, "reward", "old_log_prob", "ref", "values", "advantage")
+STAGE_CACHE_KEYS = (ROLLOUT_STAGE, "reward_model", "reward", "old_log_prob", "ref", "values", "advantage")
 """The cache key of each stage whose result a step cache may keep, in the order a step runs them."""
 
 SAMPLE_CACHE_KEY = SAMPLE_STAGE

@@ -1,7 +1,7 @@
 """verl's config keys that ppoflow spells differently or does not have, so "did you mean" answers by meaning.
 
 The closest spelling misleads a verl user: ``actor.clip_ratio`` (verl's symmetric PPO clip) is not the dual-clip
-constant ``clip_ratio_c``, and ``reward_model.enable`` (a reward model) is not ``skip.reward.enable``.
+constant ``clip_ratio_c``, and ``trainer.device`` is not a key: the resources place each role.
 :data:`RENAMED` maps a key of verl's ``ppo_trainer.yaml`` to the key (or keys) holding the same setting here;
 :data:`UNSUPPORTED` says why a verl key has no counterpart. An entry may name a section: every key under it
 gets that answer. The config loader asks :func:`verl_answer` for every unknown key before it falls back to
@@ -77,10 +77,6 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
 }
 """verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
 
-_NO_REWARD_MODEL = (
-    "not supported until reward models land: rewards come from rule-based scorers "
-    "(custom_reward_function.path, or the built-in scorer of each data_source)"
-)
 _NO_SCHEDULE = "not supported: the learning rate rises linearly over optim.lr_warmup_steps, then stays constant"
 _NO_PARALLELISM = (
     "not supported: each role is data-parallel over its ranks (FSDP2), with no sequence or model parallelism"
@@ -259,25 +255,24 @@ UNSUPPORTED: dict[str, str] = {
     },
     "algorithm.rollout_correction.loss_type": "not supported: correction weights multiply the PPO loss",
     # reward models
-    "reward_model.enable": _NO_REWARD_MODEL,
-    "reward_model.model": _NO_REWARD_MODEL,
-    "reward_model.enable_resource_pool": _NO_REWARD_MODEL,
-    "reward_model.n_gpus_per_node": _NO_REWARD_MODEL,
-    "reward_model.nnodes": _NO_REWARD_MODEL,
     **{
-        f"reward_model.{key}": _NO_REWARD_MODEL
-        for key in (
-            "strategy",
-            "micro_batch_size",
-            "micro_batch_size_per_gpu",
-            "max_length",
-            "use_dynamic_bsz",
-            "forward_max_token_len_per_gpu",
-            "ulysses_sequence_parallel_size",
-            "rollout",
-        )
+        f"reward_model.{key}": "not supported: the reward model has a worker of its own, with reward_model.resources"
+        for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")
     },
-    "reward.reward_model": _NO_REWARD_MODEL,
+    "reward_model.strategy": "not supported: the reward model runs plain transformers forward passes",
+    "reward_model.micro_batch_size": "not supported: set reward_model.micro_batch_size_per_gpu",
+    "reward_model.ulysses_sequence_parallel_size": _NO_PARALLELISM,
+    "reward_model.rollout": "not supported: a generative reward model (GenRM) has no server here; use "
+    "reward_model.remote.url",
+    **{
+        f"reward_model.model.{key}": "not needed: the prompt and response are decoded with the policy's "
+        "tokenizer and re-tokenised with reward_model.model.tokenizer_path's"
+        for key in ("input_tokenizer", "external_lib")
+    },
+    **{f"reward_model.model.{key}": _ENGINE_TUNING for key in ("fsdp_config", "use_shm", "use_remove_padding")},
+    "reward_model.model.override_config": "not supported: the reward model loads with its own config.json",
+    "reward_model.model.use_fused_kernels": _KERNELS,
+    "reward.reward_model": "not supported: reward_model.* sets the reward model",
     **{
         f"{section}.sandbox_fusion": "not supported: write a scorer (custom_reward_function.path) that calls the "
         "sandbox"

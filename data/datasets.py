@@ -7,8 +7,8 @@ A row follows verl's layout::
      "reward_model": {"style": "rule", "ground_truth": "60"}, "extra_info": {"split": "train", "index": 0}}
 
 Chat-message prompts go through the tokenizer's chat template (with the generation prompt); plain strings are
-tokenized as they are. A row's ``extra_info`` reaches its scorer; ``reward_model.style`` must be ``rule`` (or absent):
-ppoflow has no reward model. Details: docs/configuration.md#models-data-rewards-resources.
+tokenized as they are. A row's ``extra_info`` reaches its scorer; ``reward_model.style`` is ``rule`` or ``model``
+(or absent), as in verl. Details: docs/configuration.md#models-data-rewards-resources.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ppoflow.data.vault import vault_code
 from ppoflow.storage.batch import with_non_tensor_columns
 from ppoflow.storage.fs import atomic_write, open_fs, path_problem
 
-SYNTHETIC_SOURCES = {"copy": "synthetic/copy", "vault": "synthetic/vault"}
+SYNTHETIC_SOURCES = {"copy": "synthetic/copy", "vault": "synthetic/vault", "prefer": "synthetic/prefer"}
 
 
 def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: str | None) -> None:
@@ -40,7 +40,8 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
     stops. ``vault``: the same prompt is a key, and the answer is the code its vault holds
     (:mod:`ppoflow.data.vault`; the row fixes the key for the ``vault`` tool); ``copy_share`` of its train
     rows are copy rows instead: a vault row up to the tool's answer, with random digits for the answer
-    (``37>?=58>``, answer ``58``): the skill that reading the tool's answer needs. The validation rows are
+    (``37>?=58>``, answer ``58``): the skill that reading the tool's answer needs. ``prefer``: the same prompt,
+    no answer and no scorer (``reward_model.style`` ``model``): only a reward model scores it. The validation rows are
     drawn after the train rows from the same seeded stream; the train
     rows are drawn even when only ``val_url`` is written, so the validation file is the same whether
     or not the train file already existed (it never restarts the stream and repeats the train rows).
@@ -58,10 +59,11 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
             extra_info = {"split": split, "index": index}
             if task == "vault":
                 extra_info["tools_kwargs"] = {"vault": {"key": digits}}
+            truth = {"vault": vault_code(digits), "prefer": None}.get(task, digits)
             record = {
                 "data_source": SYNTHETIC_SOURCES[task],
                 "prompt": [{"role": "user", "content": prompt}],
-                "reward_model": {"style": "rule", "ground_truth": vault_code(digits) if task == "vault" else digits},
+                "reward_model": {"style": "model" if task == "prefer" else "rule", "ground_truth": truth},
                 "extra_info": extra_info,
             }
             if task != spec.task:  # a copy row among vault rows: answered without tools (verl's per-row agent_name)
@@ -149,7 +151,8 @@ def _read_file(url: str, key: str) -> list[dict]:
 
 def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) -> list[dict]:
     """:func:`read_rows`, then every row must hold verl's columns: the prompt (``data.prompt_key``),
-    ``data_source``, and a ``reward_model`` mapping whose ``style`` (when given) is ``rule``; :class:`ConfigError`
+    ``data_source``, and a ``reward_model`` mapping whose ``style`` (when given) is verl's ``rule`` or ``model``
+    (informative only: the config decides what scores a row); :class:`ConfigError`
     naming ``key`` and the row if not."""
     rows = read_rows(files, key=key)
     for index, row in enumerate(rows):
@@ -169,14 +172,13 @@ def read_prompt_rows(files: str | Sequence[str], data: DataConfig, *, key: str) 
                 ]
             )
         style = row["reward_model"].get("style") or "rule"
-        if style != "rule":
+        if style not in ("rule", "model"):
             raise ConfigError(
                 [
                     (
                         key,
-                        f"row {index} reward_model.style is {style!r}: ppoflow scores rows by rule (style 'rule', "
-                        "by data_source or custom_reward_function); a reward model (style 'model') is not "
-                        "implemented yet",
+                        f"row {index} reward_model.style is {style!r}, not verl's 'rule' or 'model' (the config's "
+                        "scorers and reward model score every row: docs/reward_models.md)",
                     )
                 ]
             )

@@ -2,11 +2,11 @@
 
 :func:`~ppoflow.configs.load_config` checks the values; :func:`preflight` checks what they point at (run directory
 and step caches writable within a deadline, the checkpoint to resume from, the Ray cluster, model directories and
-tokenizers, the memory the models need, data files, scorers - a custom one called once in a child process - and
-tool functions) and collects every problem into one :class:`~ppoflow.configs.ConfigError`. ``ppoflow train`` calls
-it before Prefect starts; :func:`~ppoflow.flows.run.start_run` calls it first, so a UI or deployment run fails with
-the same messages. What a run will build or generate is checked by its recipe only. Details: docs/reliability.md
-(Bad input fails first).
+tokenizers, the memory the models need, data files, scorers - a custom one called once in a child process - tool
+functions, the reward model and service: :mod:`~ppoflow.flows.preflight_rewards`) and collects every problem into
+one :class:`~ppoflow.configs.ConfigError`. ``ppoflow train`` calls it before Prefect starts; ``start_run`` calls it
+first, so a UI or deployment run fails with the same messages. What a run will build or generate is checked by its
+recipe only. Details: docs/reliability.md (Bad input fails first).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ppoflow.data.datasets import (
     tokenize_rows,
     write_synthetic_dataset,
 )
+from ppoflow.flows.preflight_rewards import model_reward_problems
 from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import checked_manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
@@ -65,6 +66,7 @@ def preflight(cfg: PPOConfig) -> None:
     if checked in _PASSED:
         return
     problems = _storage_problems(cfg) + _ray_problems(cfg) + _reward_manager_problems(cfg) + _agent_problems(cfg)
+    problems += model_reward_problems(cfg)
     tokenizer, found = _model_problems(cfg)
     problems += found + _memory_problems(cfg)
     sources, first_row, found = _data_problems(cfg, tokenizer)
@@ -313,10 +315,12 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     """A custom scorer imports and scores the first training row (its ground truth, as text, for the
     response), as the reward stage calls it, with a finite number or a dict with one under ``score``: in a
     process of its own (:class:`ScorerProcess`), so that it can neither end nor hang this one. Without a
-    custom scorer, every data source has a built-in scorer."""
+    custom scorer, every data source has a built-in scorer - or a reward model or service scores it."""
     custom = cfg.custom_reward_function
     if custom.path:
         return _custom_scorer_problems(custom, first_row)
+    if cfg.reward_model.model_based:
+        return []
     problems: Problems = []
     for key, found in sources.items():
         for source in sorted(found):

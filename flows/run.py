@@ -26,6 +26,7 @@ from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
 from ppoflow.storage.step_cache.sample_cache import sample_id
 from ppoflow.tasks.startup import load_data, start_workers
 from ppoflow.workers.memory import memory_note
+from ppoflow.workers.remote_reward import RemoteReward
 from ppoflow.workers.roles import Workers
 from ppoflow.workers.rollout.sampling import SamplingParams
 
@@ -42,6 +43,9 @@ class RunContext:
     custom_scorer: Scorer | None
     reward_chunks: int
     """``reward_model.reward_manager=ray``: score in this many chunks on Ray workers; 0 = in the flow."""
+    model_reward: Any
+    """What scores each response in the reward_model stage (the reward model's role, or the reward service's
+    client); None = rules only."""
     workers: Workers
     stages: Stages
     sampling: SamplingParams
@@ -111,6 +115,7 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
         total_steps,
         inputs.custom_scorer,
         reward_chunks,
+        workers.reward_model or (RemoteReward(cfg.reward_model.remote) if cfg.reward_model.remote.url else None),
         workers,
         Stages(workers, caches, orchestrated=orchestrated, rollout=RolloutOrigin.of(cfg, sampling), tags=tags),
         sampling,

@@ -31,6 +31,7 @@ from ppoflow.tasks.stages import (
     OLD_LOG_PROB,
     REF_LOG_PROB,
     REWARD,
+    REWARD_MODEL,
     SAMPLE,
     UPDATE_ACTOR,
     UPDATE_CRITIC,
@@ -179,6 +180,11 @@ class Stages:
 
     # -- 2. reward -----------------------------------------------------------------------------------------
 
+    def reward_model(self, step: StepData, *, batch: TensorDict, tokenizer, model_reward) -> StageResult:
+        """``rm_scores`` of each response from the reward model or the reward service (``model_reward``)."""
+        arguments = {"batch": batch, "tokenizer": tokenizer, "model_reward": model_reward}
+        return self._call(step, StageCall(REWARD_MODEL, arguments))
+
     def reward(
         self,
         step: StepData,
@@ -188,12 +194,16 @@ class Stages:
         scorer: Scorer | None,
         ray_chunks: int,
         keep_extras: bool = False,
+        combine: str = "sum",
     ) -> StageResult:
         """``token_level_scores`` of each response (``ray_chunks`` > 0: scored in that many Prefect tasks on Ray;
-        ``keep_extras``: each response's extras too, for dynamic sampling's ``acc``)."""
+        ``keep_extras``: each response's extras too, for dynamic sampling's ``acc``; ``combine``: how rule scores
+        meet the ``rm_scores`` of a batch the reward_model stage scored)."""
         arguments = {"batch": batch, "tokenizer": tokenizer, "custom_scorer": scorer, "ray_chunks": ray_chunks}
         if keep_extras:
             arguments["keep_extras"] = True
+        if "rm_scores" in batch.keys():
+            arguments["combine"] = combine
         return self._call(step, StageCall(REWARD, arguments))
 
     # -- 3. the forward passes -----------------------------------------------------------------------------
@@ -247,10 +257,14 @@ class Stages:
         return self._task(GENERATE, label, "validation")(**arguments, keep_extras=True)
 
     def validation_reward(
-        self, *, batch: TensorDict, tokenizer, scorer: Scorer | None, ray_chunks: int, label: str
+        self, *, batch: TensorDict, tokenizer, scorer: Scorer | None, ray_chunks: int, label: str, combine: str
     ) -> StageResult:
         arguments = {"batch": batch, "tokenizer": tokenizer, "custom_scorer": scorer, "ray_chunks": ray_chunks}
-        return self._task(REWARD, label, "validation")(**arguments, keep_extras=True)
+        return self._task(REWARD, label, "validation")(**arguments, keep_extras=True, combine=combine)
+
+    def validation_reward_model(self, *, batch: TensorDict, tokenizer, model_reward, label: str) -> StageResult:
+        arguments = {"batch": batch, "tokenizer": tokenizer, "model_reward": model_reward}
+        return self._task(REWARD_MODEL, label, "validation")(**arguments)
 
     # -- how every stage is called -------------------------------------------------------------------------
 

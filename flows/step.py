@@ -85,11 +85,14 @@ def ppo_stages(run: RunContext, state: TrainerState, step: StepData) -> None:
 
 def reward(run: RunContext, step: StepData) -> None:
     """Stage 2: score each response, on its last token (a rollout that streams the reward has scored each
-    trajectory as it finished), then DAPO's overlong shaping; each once. :class:`NonFiniteError` on a
+    trajectory as it finished; a reward model or service scores first, stage 2a), then DAPO's overlong shaping;
+    each once. :class:`NonFiniteError` on a
     non-finite reward. ``reward/useful_group_ratio``: the share of prompt groups whose scores differ (GRPO's
     signal; dynamic sampling trains only such groups)."""
     cfg, batch = run.cfg, step.batch
     if "token_level_scores" not in batch.keys():
+        if run.model_reward is not None and "rm_scores" not in batch.keys():  # 2a. the model-based score
+            run.stages.reward_model(step, batch=batch, tokenizer=run.tokenizer, model_reward=run.model_reward)
         filtering = cfg.algorithm.filter_groups
         run.stages.reward(
             step,
@@ -98,6 +101,7 @@ def reward(run: RunContext, step: StepData) -> None:
             scorer=run.custom_scorer,
             ray_chunks=run.reward_chunks,
             keep_extras=filtering.enable and filtering.metric == "acc",
+            combine=cfg.reward_model.combine,
         )
     overlong, kwargs = cfg.reward_model.reward_kwargs.overlong_buffer_cfg, cfg.reward_model.reward_kwargs
     if overlong.enable and "overlong_reward" not in batch.keys():

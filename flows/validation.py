@@ -35,12 +35,18 @@ def validate(run: RunContext, step: int, rows_of=None) -> tuple[dict[str, float]
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
         batch = stages.validation_rollout(step, prompts=prompts, sampling=sampling, label=label).fields
         if "token_level_scores" not in batch.keys():  # not scored while generating
+            if run.model_reward is not None:
+                modelled = stages.validation_reward_model(
+                    batch=batch, tokenizer=run.tokenizer, model_reward=run.model_reward, label=label
+                )
+                batch.update(modelled.fields)
             scored = stages.validation_reward(
                 batch=batch,
                 tokenizer=run.tokenizer,
                 scorer=run.custom_scorer,
                 ray_chunks=run.reward_chunks,
                 label=label,
+                combine=run.cfg.reward_model.combine,
             )
             batch.update(scored.fields)
         sequence_scores = batch["token_level_scores"].sum(dim=1).tolist()

@@ -1,4 +1,5 @@
-"""Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer).
+"""Stage 2, reward: decode each response and score it with its data source's rule (or a custom scorer), combined
+with the reward_model stage's score when a model or a reward service scores too (docs/reward_models.md).
 
 The score goes on the response's last valid token (verl's ``token_level_scores``), zero elsewhere; each scorer gets
 the row's ``extra_info``. Scoring runs in the flow or, with ``reward_model.reward_manager=ray``, in chunks as Prefect
@@ -25,6 +26,8 @@ from ppoflow.algorithms.scoring import (
     SCORER_TIMEOUTS,
     Scorer,
     ScorerFailed,
+    combined_scores,
+    has_scorer,
     score_responses,
     solution_text,
 )
@@ -122,24 +125,36 @@ def score_on_ray(
     name="reward", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_scorer_failed
 )
 def reward(
-    batch: TensorDict, tokenizer, custom_scorer: Scorer | None, ray_chunks: int = 0, keep_extras: bool = False
+    batch: TensorDict,
+    tokenizer,
+    custom_scorer: Scorer | None,
+    ray_chunks: int = 0,
+    keep_extras: bool = False,
+    combine: str = "sum",
 ) -> StageResult:
     """``token_level_scores`` [N, R] for the batch, plus the mean of any extra value a scorer reported.
 
     ``ray_chunks`` > 0 scores in that many chunks on Ray workers (:func:`score_on_ray`). ``keep_extras`` (validation)
-    adds each response's extras as the ``reward_extras`` column, as the rollout service returns them when it scores."""
-    inputs = (
-        non_tensor_column(batch, "data_source"),
-        decode_responses(batch, tokenizer),
-        non_tensor_column(batch, "ground_truth"),
-        custom_scorer,
-    )
-    uids = non_tensor_column(batch, "uid")
+    adds each response's extras as the ``reward_extras`` column, as the rollout service returns them when it scores.
+    A batch the reward_model stage scored (``rm_scores``) is rule-scored only where a scorer exists, and each
+    response's two scores are combined as ``combine`` (``reward_model.combine``) says."""
+    sources = non_tensor_column(batch, "data_source")
+    model_scores = batch["rm_scores"].tolist() if "rm_scores" in batch.keys() else None
+    rows = [row for row, source in enumerate(sources) if model_scores is None or has_scorer(source, custom_scorer)]
+
+    def picked(column: list | None) -> list | None:
+        return column if column is None or len(rows) == len(sources) else [column[row] for row in rows]
+
+    solutions = decode_responses(batch, tokenizer)
+    inputs = (picked(sources), picked(solutions), picked(non_tensor_column(batch, "ground_truth")), custom_scorer)
+    uids = picked(non_tensor_column(batch, "uid"))
     # a step cached before rows carried extra_info has none
-    extra_infos = non_tensor_column(batch, "extra_info") if "extra_info" in batch.keys() else None
+    extra_infos = picked(non_tensor_column(batch, "extra_info")) if "extra_info" in batch.keys() else None
     try:
         scores, extras = (
-            score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids, extra_infos=extra_infos)
+            ([], {})
+            if not rows
+            else score_on_ray(*inputs, chunks=ray_chunks, prompt_ids=uids, extra_infos=extra_infos)
             if ray_chunks
             else score_responses(*inputs, prompt_ids=uids, extra_infos=extra_infos)
         )
@@ -148,10 +163,14 @@ def reward(
         if context is None:
             raise
         raise type(error)(f"{error} in {context.task_run.name}") from None
+    found = response_extras(extras, len(rows)) if keep_extras else []
+    if model_scores is not None:
+        scores = combined_scores(model_scores, dict(zip(rows, scores)), combine)
+        found = [dict(zip(rows, found)).get(row, {}) for row in range(len(sources))] if keep_extras else []
     token_level_scores = scores_on_last_tokens(scores, batch["response_mask"])
     fields = TensorDict({"token_level_scores": token_level_scores}, batch_size=batch.batch_size)
     if keep_extras:
-        with_non_tensor_columns(fields, {"reward_extras": response_extras(extras, len(scores))})
+        with_non_tensor_columns(fields, {"reward_extras": found})
     return StageResult(fields, extra_means(extras))
 
 

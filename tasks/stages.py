@@ -11,6 +11,7 @@ from ppoflow.tasks.advantage import advantage
 from ppoflow.tasks.generate import generate
 from ppoflow.tasks.log_prob import old_log_prob, ref_log_prob
 from ppoflow.tasks.reward import reward
+from ppoflow.tasks.reward_model import reward_model
 from ppoflow.tasks.sample import sample
 from ppoflow.tasks.task_inputs import RecordedTask
 from ppoflow.tasks.update import update_actor, update_critic
@@ -44,6 +45,7 @@ class Stage:
 GENERATE = Stage(generate, "gen", skip="rollout", sampled=True)
 SAMPLE = Stage(sample, "gen")
 """Takes the place of :data:`GENERATE` in the streaming modes: the step's batch from the replay buffer."""
+REWARD_MODEL = Stage(reward_model, "reward_model", skip="reward_model", weights="reward_model", matches_input=True)
 REWARD = Stage(reward, "reward", skip="reward", matches_input=True)
 OLD_LOG_PROB = Stage(old_log_prob, "old_log_prob", skip="old_log_prob", weights="actor", matches_input=True)
 REF_LOG_PROB = Stage(ref_log_prob, "ref", skip="ref", weights="ref", matches_input=True)
@@ -56,6 +58,7 @@ WEIGHT_SYNC = Stage(weight_sync, "update_weights")
 STAGES = (
     GENERATE,
     SAMPLE,
+    REWARD_MODEL,
     REWARD,
     OLD_LOG_PROB,
     REF_LOG_PROB,

@@ -215,7 +215,7 @@ def test_builtin_scorers_take_extra_info():
 # -------------------------------------------------------------------------- reward_model.style
 
 
-@pytest.mark.parametrize("style", ["rule", None, "absent"])
+@pytest.mark.parametrize("style", ["rule", "model", None, "absent"])
 def test_rule_rows_and_rows_without_a_style_read(tmp_path, style):
     reward_model = {"ground_truth": "12"} if style == "absent" else {"style": style, "ground_truth": "12"}
     write_rows(str(tmp_path / "rows.jsonl"), [{"data_source": "d", "prompt": "12>", "reward_model": reward_model}])
@@ -223,7 +223,7 @@ def test_rule_rows_and_rows_without_a_style_read(tmp_path, style):
     assert rows[0]["reward_model"]["ground_truth"] == "12"
 
 
-@pytest.mark.parametrize("style", ["model", "rules"])
+@pytest.mark.parametrize("style", ["rules", "reward"])
 def test_a_row_whose_style_is_not_rule_is_refused_naming_it(tmp_path, style):
     rows = [
         {"data_source": "d", "prompt": "1>", "reward_model": {"style": "rule", "ground_truth": "1"}},
@@ -235,8 +235,8 @@ def test_a_row_whose_style_is_not_rule_is_refused_naming_it(tmp_path, style):
     assert caught.value.problems == [
         (
             "data.val_files",
-            f"row 1 reward_model.style is {style!r}: ppoflow scores rows by rule (style 'rule', by data_source or "
-            "custom_reward_function); a reward model (style 'model') is not implemented yet",
+            f"row 1 reward_model.style is {style!r}, not verl's 'rule' or 'model' (the config's scorers and reward "
+            "model score every row: docs/reward_models.md)",
         )
     ]
 

@@ -53,7 +53,7 @@ def test_every_entry_is_answered_in_one_round():
             "actor_rollout_ref.actor.clip_ratio=0.2",
             "did you mean 'actor_rollout_ref.actor.clip_ratio_low' and 'actor_rollout_ref.actor.clip_ratio_high'?",
         ),
-        ("reward_model.enable=false", "verl's key, not supported until reward models land"),
+        ("reward_model.nnodes=1", "verl's key, not supported: the reward model has a worker of its own"),
         ("trainer.device=cuda", "verl's key, not supported: the device follows the resources"),
         ("actor_rollout_ref.model.use_liger=True", "verl's key, not supported: models run on plain transformers"),
     ],

@@ -69,6 +69,13 @@ def actor_worker_class(cfg: PPOConfig) -> type:
     return ColocatedActorWorker if cfg.colocated else ActorWorker
 
 
+def reward_model_worker_class() -> type:
+    """The reward model's worker (imported only when a run has one)."""
+    from ppoflow.workers.reward_model import RewardModelWorker
+
+    return RewardModelWorker
+
+
 def start_workers(cfg: PPOConfig) -> Workers:
     """Join (or start) Ray, check the roles fit, start the actors of every role and wait until all loaded."""
     import ray
@@ -81,6 +88,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     send_batches_as_plain_values()
     check_fits(roles, scores_on_ray=scoring_cpus(cfg) > 0)
     objects = RayObjects()
+    handles = {}
 
     def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):
         env = {**worker_env(), "OMP_NUM_THREADS": str(resources.num_threads)}
@@ -108,6 +116,8 @@ def start_workers(cfg: PPOConfig) -> Workers:
         training["ref"] = (ReferenceWorker, arr.ref.resources)
     if cfg.use_critic:
         training["critic"] = (CriticWorker, cfg.critic.resources)
+    if cfg.reward_model.enable:  # stateless, like the reference: restartable
+        handles["reward_model"] = actor_of(reward_model_worker_class(), cfg.reward_model.resources, restartable=True)
     ranks, placement_groups = cfg.data_parallel_size, []
     if ranks == 1:
         groups = {
@@ -116,7 +126,6 @@ def start_workers(cfg: PPOConfig) -> Workers:
     else:
         groups, placement_group = _start_training_ranks(training, ranks, actor_of)
         placement_groups.append(placement_group)
-    handles = {}
     service = None
     if arr.rollout.mode == "async":
         service = _start_rollout_service(
@@ -150,8 +159,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     placement = {role: _node_ids(group) for role, group in groups.items()}
     if service is not None:
         placement["rollout"] = _node_ids(service.replicas)
-    elif "rollout" in handles:
-        placement["rollout"] = _node_ids([handles["rollout"]])
+    placement.update({role: _node_ids([handle]) for role, handle in handles.items()})
     return Workers(
         **roles_served,
         colocated=cfg.colocated,
@@ -222,8 +230,11 @@ def _node_ids(handles: list) -> list[str]:
 
 def streams_reward(cfg: PPOConfig) -> bool:
     """Whether the rollout scores trajectories as they finish: the rollout service does, unless the scoring
-    fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``)."""
-    return cfg.actor_rollout_ref.rollout.mode == "async" and cfg.reward_model.reward_manager == "naive"
+    fans out over Ray as a stage of its own (``reward_model.reward_manager=ray``) or a reward model or service
+    scores the batch in the reward_model stage."""
+    rewards = cfg.reward_model
+    scored_apart = rewards.reward_manager == "ray" or rewards.model_stage
+    return cfg.actor_rollout_ref.rollout.mode == "async" and not scored_apart
 
 
 def _start_rollout_service(cfg: PPOConfig, replica_of, objects: RayObjects):
@@ -264,6 +275,7 @@ def start_local_workers(cfg: PPOConfig) -> Workers:
         actor=actor,
         ref=ref,
         critic=LocalRole(CriticWorker(cfg)) if cfg.use_critic else None,
+        reward_model=LocalRole(reward_model_worker_class()(cfg)) if cfg.reward_model.enable else None,
         colocated=cfg.colocated,
         uses_ray=False,
     )

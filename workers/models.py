@@ -181,8 +181,22 @@ def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
 
 def build_tiny_model(path: str, spec: TinyModelConfig) -> None:
     """Write a random-init Llama and its character tokenizer to a local directory ``path``."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(tiny_llama_config(spec, tokenizer))
+    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(Path(path).expanduser())
+    tokenizer.save_pretrained(Path(path).expanduser())
+
+
+def tiny_tokenizer():
+    """The tiny models' tokenizer: one token per character of :data:`TINY_CHARACTERS`, left-padding, with
+    :data:`TINY_CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {token: index for index, token in enumerate(TINY_SPECIAL_TOKENS + tuple(TINY_CHARACTERS))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -197,24 +211,26 @@ def build_tiny_model(path: str, spec: TinyModelConfig) -> None:
         padding_side="left",
     )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=len(vocab),
+    return tokenizer
+
+
+def tiny_llama_config(spec: TinyModelConfig, tokenizer, **extra):
+    """The Llama config of a tiny model built from ``spec`` over :func:`tiny_tokenizer`'s vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
-        pad_token_id=vocab["<pad>"],
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
-    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(Path(path).expanduser())
-    tokenizer.save_pretrained(Path(path).expanduser())
 
 
 def local_model_dir(path: str) -> str:
@@ -244,12 +260,17 @@ def load_tokenizer(model: ModelConfig):
     return tokenizer
 
 
+def dtype_of(model: ModelConfig) -> torch.dtype:
+    """The torch dtype of ``model.dtype``."""
+    return _DTYPES[model.dtype]
+
+
 def load_causal_lm(model: ModelConfig):
     """Load ``model.path`` as a causal LM in ``model.dtype``."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        local_model_dir(model.path), dtype=_DTYPES[model.dtype], trust_remote_code=model.trust_remote_code
+        local_model_dir(model.path), dtype=dtype_of(model), trust_remote_code=model.trust_remote_code
     )
 
 

@@ -22,6 +22,8 @@ def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
         roles[_times("actor_rollout_ref.ref", ranks, "ranks")] = _scaled(cfg.actor_rollout_ref.ref.resources, ranks)
     if cfg.use_critic:
         roles[_times("critic", ranks, "ranks")] = _scaled(cfg.critic.resources, ranks)
+    if cfg.reward_model.enable:
+        roles["reward_model"] = cfg.reward_model.resources
     return roles
 
 

@@ -68,6 +68,13 @@ class CriticRole(MemoryRole, Protocol):
     def load_checkpoint(self, directory: str, entries: dict[str, dict]) -> None: ...
 
 
+class RewardModelRole(MemoryRole, Protocol):
+    """The reward model (:class:`~ppoflow.workers.reward_model.RewardModelWorker`)."""
+
+    def score(self, samples: list) -> tuple[list[float], dict[str, list[float]]]: ...
+    def weights_digest(self) -> str | None: ...
+
+
 class RolloutRole(MemoryRole, Protocol):
     """Generation: a rollout worker (:mod:`ppoflow.workers.rollout`), the colocated actor, or the rollout
     service (:class:`~ppoflow.workers.service.rollout_service.RolloutService`)."""
@@ -97,6 +104,9 @@ class Role:
 
     def compute_values(self, batch):
         return self._call("compute_values", batch)
+
+    def score(self, samples: list):
+        return self._call("score", samples)
 
     def update(self, batch, *, step: int):
         return self._call("update", batch, step=step)
@@ -261,6 +271,7 @@ class Workers:
     actor: ActorRole
     ref: ReferenceRole | None = None
     critic: CriticRole | None = None
+    reward_model: RewardModelRole | None = None
     colocated: bool = False
     """The rollout role is the actor's worker (``actor_rollout_ref.hybrid_engine``)."""
     streams_reward: bool = False
@@ -277,7 +288,7 @@ class Workers:
     def roles(self) -> list[str]:
         """The roles served, by name (a colocated rollout is the actor's, so it is named with it)."""
         names = ["actor+rollout"] if self.colocated else ["actor", "rollout"]
-        return names + [role for role in ("ref", "critic") if getattr(self, role) is not None]
+        return names + [role for role in ("ref", "critic", "reward_model") if getattr(self, role) is not None]
 
     def placement_note(self) -> str:
         """Where each role runs, by Ray node id, rank by rank (empty when every actor is on one node and
@@ -298,7 +309,7 @@ class Workers:
             return memory_metrics({"actor": self.actor.memory_stats()})
         if self._memory is None:
             roles = {"actor": self.actor, "rollout": None if self.colocated else self.rollout}
-            roles.update(ref=self.ref, critic=self.critic)
+            roles.update(ref=self.ref, critic=self.critic, reward_model=self.reward_model)
             served = {name: role for name, role in roles.items() if role is not None}
             self._memory = MemoryReports(served, self.objects.get)
         return self._memory.collect()

@@ -14,7 +14,7 @@ import uuid
 import torch
 from tensordict import TensorDict
 
-from ppoflow.algorithms.scoring import score_one, solution_text
+from ppoflow.algorithms.scoring import combined_scores, has_scorer, score_one, solution_text
 from ppoflow.configs import tool_config_file
 from ppoflow.configs.cache_settings import entry_size_bound, run_cache_dir, storage_settings
 from ppoflow.configs.schema import PPOConfig
@@ -26,6 +26,7 @@ from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.models import load_tokenizer
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.service.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
+from ppoflow.workers.service.judge import Judge
 from ppoflow.workers.service.replicas import LoadBalancer
 from ppoflow.workers.service.scorer_process import configured_scorer
 
@@ -59,6 +60,9 @@ class AgentLoopWorker:
             )
         self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
         self.custom_scorer = configured_scorer(cfg.custom_reward_function)  # user code: its own process
+        judge = cfg.reward_model.judge
+        self.judge = Judge(judge, self.client, self.tokenizer) if judge.prompt_template is not None else None
+        self.combine = cfg.reward_model.combine
         self.settings = AgentSettings(
             response_length=cfg.data.max_response_length,
             max_assistant_turns=rollout.multi_turn.max_assistant_turns,
@@ -184,6 +188,7 @@ class AgentLoopWorker:
                     truth,
                     extra_info=extra_info,
                     sample=f"response {index} to prompt {prompt} (data source {source!r})",
+                    judged=(prompt_ids, f"{session}/{index}", trajectory_seed(sampling.seed, step, position, ~index)),
                 )
             )
         finished = await asyncio.gather(*runs)
@@ -213,14 +218,32 @@ class AgentLoopWorker:
                 outcome = "dump_failed"
         return group, outcome
 
-    async def scored(self, trajectory, data_source: str, ground_truth, *, extra_info=None, sample: str) -> tuple:
+    async def scored(
+        self, trajectory, data_source: str, ground_truth, *, extra_info=None, sample: str, judged=None
+    ) -> tuple:
         """The trajectory, and its score and extras, scored in a thread as soon as it finishes (a slow
-        custom scorer does not hold up the event loop); ``sample`` names it in the scorer's messages."""
+        custom scorer does not hold up the event loop); ``sample`` names it in the scorer's messages. With a
+        judge, its score (``judged``: the prompt's tokens, the session, the verdict's seed) is combined with the
+        rule's as ``reward_model.combine`` says."""
         output = await trajectory
         solution = solution_text(output.response_ids, self.tokenizer)
-        return output, await asyncio.to_thread(
-            score_one, data_source, solution, ground_truth, self.custom_scorer, sample=sample, extra_info=extra_info
+        ruled = self.judge is None or has_scorer(data_source, self.custom_scorer)
+        score, extras = (
+            await asyncio.to_thread(
+                score_one, data_source, solution, ground_truth, self.custom_scorer, sample=sample, extra_info=extra_info
+            )
+            if ruled
+            else (0.0, {})
         )
+        if self.judge is None:
+            return output, (score, extras)
+        prompt_ids, session, seed = judged
+        judged_score, judge_extras = await self.judge.score(
+            prompt_ids, solution, data_source, ground_truth, session=session, seed=seed, sample=sample,
+            extra_info=extra_info,
+        )  # fmt: skip
+        (score,) = combined_scores([judged_score], {0: score} if ruled else {}, self.combine)
+        return output, (score, {**extras, **judge_extras})
 
 
 def sample_cache(cfg: PPOConfig) -> SampleCache | None:
