@@ -139,12 +139,15 @@ def test_a_training_step_adds_the_service_score_to_the_rule_score(prefect_api, r
     assert metrics["critic/score/mean"] == pytest.approx((sum(rule) + sum(model)) / 16)  # reward_model.combine=sum
 
 
-def test_a_service_that_is_down_fails_the_step_naming_the_url(prefect_api, ray_local, tiny_overrides):
-    url = f"http://127.0.0.1:{free_port()}/score"
-    words = [f"reward_model.remote.url={url}", "reward_model.remote.backoff_s=0.01", "trainer.test_freq=-1"]
-    state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + words, return_state=True)
+def test_a_service_that_fails_every_request_fails_the_step_naming_the_url(prefect_api, ray_local, tiny_overrides):
+    """It answers preflight's connection (a service that is down there is exit 2: test_reward_preflight.py), then
+    503 to every request: the step fails after the bounded retries, naming the URL."""
+    words = ["reward_model.remote.backoff_s=0.01", "trainer.test_freq=-1"]
+    with RewardServer(fail_first=10**6) as server:
+        words.append(f"reward_model.remote.url={server.url}")
+        state = ppo_train(config="grpo_tiny", overrides=tiny_overrides + words, return_state=True)
     assert state.is_failed()
-    with pytest.raises(RemoteRewardFailed, match=f"reward service {url} could not be reached .* after 4 attempts"):
+    with pytest.raises(RemoteRewardFailed, match=f"reward service {server.url} answered HTTP 503 .* after 4 attempts"):
         state.result()
 
 
