@@ -18,16 +18,17 @@ class StepProfiler:
         self.settings = ProfileSettings.of(cfg)
         self.steps = set(cfg.global_profiler.steps or ())
         self.workers = workers
+        self.started: list = []
 
     def start(self, step: int) -> None:
         if self.settings is not None and step in self.steps:
-            self.workers.start_profile(step, self.settings)
+            self.started = self.workers.start_profile(step, self.settings)
 
     def stop(self, step: int) -> list[str]:
         """The files written for ``step`` (none when it is not profiled)."""
         if self.settings is None or step not in self.steps:
             return []
-        return self.workers.stop_profile(self.settings)
+        return self.workers.stop_profile(self.settings, self.started)
 
 
 def profile_links(cfg: PPOConfig) -> list[tuple[str, str]]:

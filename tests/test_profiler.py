@@ -25,7 +25,8 @@ ROLLOUT = "actor_rollout_ref.rollout.profiler"
 @pytest.fixture(scope="module")
 def profiled(prefect_server, ray_local, tiny_model, tmp_path_factory):
     """A 2-step flow run on Ray with a rollout worker of its own, whose actor and rollout are profiled at step 1
-    (torch profiler, CPU), validating before training and at step 2 with its validation samples dumped."""
+    (torch profiler, CPU), validating before training and at step 2, dumping its generations, logging to
+    TensorBoard and verl's file logger."""
     root = tmp_path_factory.mktemp("profiled")
     words = small_run(tiny_model, root) + [
         "actor_rollout_ref.hybrid_engine=false",
@@ -35,8 +36,11 @@ def profiled(prefect_server, ray_local, tiny_model, tmp_path_factory):
         f"{ROLLOUT}.enable=true",
         f"{ROLLOUT}.tool_config.torch.contents=[cpu]",
         f"trainer.validation_data_dir={root}/val",
+        f"trainer.rollout_data_dir={root}/rollouts",
+        "trainer.logger=[tensorboard,file]",
     ]
-    with prefect_settings(prefect_server):
+    with prefect_settings(prefect_server), pytest.MonkeyPatch.context() as environment:
+        environment.setenv("VERL_FILE_LOGGER_ROOT", str(root / "files"))
         state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
         assert state.is_completed(), state
         flow_run_id = state.state_details.flow_run_id
@@ -82,8 +86,20 @@ def test_one_step_of_each_profiled_role_is_traced_and_linked_from_the_summary(pr
     assert "rollout_generate" in names and "actor_update" not in names
     assert not any("Input Dims" in event.get("args", {}) for event in rollout)  # contents=[cpu]: no shapes
 
-    (summary,) = [artifact for artifact in profiled.artifacts if (artifact.key or "").endswith("-summary")]
-    assert f"| profiler traces (2 files) | `{profile}` |" in summary.data
+    assert f"| profiler traces (2 files) | `{profile}` |" in summary(profiled)
+
+
+def summary(profiled) -> str:
+    (found,) = [artifact for artifact in profiled.artifacts if (artifact.key or "").endswith("-summary")]
+    return found.data
+
+
+def test_the_summary_links_the_trackers_and_the_dumps(profiled):
+    rows = summary(profiled)
+    assert f"| file run | `{profiled.root}/files/ppoflow/grpo_tiny.jsonl` |" in rows
+    assert f"| tensorboard | `{profiled.run}/tensorboard` |" in rows
+    assert f"| rollout dumps | `{profiled.root}/rollouts` |" in rows
+    assert f"| validation dumps | `{profiled.root}/val` |" in rows
 
 
 def test_each_validation_shows_its_samples_on_the_task_run_that_scored_them(profiled):

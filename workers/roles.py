@@ -308,19 +308,16 @@ class Workers:
             self._memory = MemoryReports(served, self.objects.get)
         return self._memory.collect()
 
-    def start_profile(self, step: int, settings: ProfileSettings) -> None:
-        """Every process of the profiled roles (``settings``: a :class:`~ppoflow.workers.profiler.ProfileSettings`)
-        starts recording ``step``; each process once, whichever roles it serves."""
-        self.get(
-            [
-                reply
-                for role in self._processes(settings.roles)
-                for reply in role.start_each("start_profile", step, settings)
-            ]
-        )
+    def start_profile(self, step: int, settings: ProfileSettings) -> list:
+        """Ask every process of the profiled roles (``settings``: a :class:`~ppoflow.workers.profiler.ProfileSettings`)
+        to record ``step``, each process once whichever roles it serves, without waiting: one busy with an earlier
+        call (a rollout generating ahead) starts when it is done. The references :meth:`stop_profile` takes."""
+        roles = self._processes(settings.roles)
+        return [reply for role in roles for reply in role.start_each("start_profile", step, settings)]
 
-    def stop_profile(self, settings: ProfileSettings) -> list[str]:
+    def stop_profile(self, settings: ProfileSettings, started: list) -> list[str]:
         """They stop and write their files: the URLs written."""
+        self.get(started)
         replies = self.get(
             [reply for role in self._processes(settings.roles) for reply in role.start_each("stop_profile")]
         )
