@@ -15,6 +15,7 @@ from ppoflow.configs.modes import mode_errors, needs_of
 from ppoflow.configs.rules_dapo import dapo_errors
 from ppoflow.configs.rules_lora import lora_errors
 from ppoflow.configs.rules_policy_loss import policy_loss_errors
+from ppoflow.configs.rules_profiler import profiler_errors
 from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
 from ppoflow.configs.rules_reward_model import reward_model_errors
 from ppoflow.configs.schema import PPOConfig
@@ -113,7 +114,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
     errors += resource_errors(cfg) + data_parallel_errors(cfg) + _correction_errors(cfg) + lora_errors(cfg)
     errors += dapo_errors(cfg)
-    errors += policy_loss_errors(cfg) + reward_model_errors(cfg)
+    errors += policy_loss_errors(cfg) + reward_model_errors(cfg) + profiler_errors(cfg)
     if (
         cfg.skip.get("advantage")
         and cfg.skip["advantage"].enable

@@ -46,6 +46,7 @@ from ppoflow.configs.schema_models import (
     TinyModelConfig,
     TrainingEngineConfig,
 )
+from ppoflow.configs.schema_profiler import GlobalProfilerConfig, ProfilerConfig
 from ppoflow.configs.schema_rollout import (
     ActorRolloutRefConfig,
     AgentConfig,
@@ -80,6 +81,7 @@ __all__ = [
     "CustomSamplerConfig",
     "DataConfig",
     "FSDPConfig",
+    "GlobalProfilerConfig",
     "KLControlConfig",
     "LOGGERS",
     "MixedPrecisionConfig",
@@ -91,6 +93,7 @@ __all__ = [
     "PPOConfig",
     "PPOUpdateConfig",
     "PathName",
+    "ProfilerConfig",
     "RAY_RESOURCE_UNIT",
     "RayConfig",
     "RefConfig",
@@ -127,6 +130,7 @@ class PPOConfig(Section):
     trainer: TrainerConfig
     rollout: RolloutPoolConfig
     ray: RayConfig
+    global_profiler: GlobalProfilerConfig
     skip: dict[Literal[STAGES_WITH_SKIP], SkipStageConfig] = Field(  # type: ignore[valid-type]
         description="Per-stage result caching, keyed by stage name."
     )

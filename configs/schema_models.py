@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from ppoflow.algorithms.names import KL_PENALTY_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from ppoflow.configs.schema_base import ResourcesConfig, Section, Seed
+from ppoflow.configs.schema_profiler import ProfilerConfig
 
 
 class TinyModelConfig(Section):
@@ -143,6 +144,7 @@ class TrainingEngineConfig(Section):
         "ranks; with one rank the model trains unsharded."
     )
     fsdp_config: FSDPConfig
+    profiler: ProfilerConfig
 
 
 class PPOUpdateConfig(TrainingEngineConfig):

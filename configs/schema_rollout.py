@@ -11,6 +11,7 @@ from pydantic import Field
 from ppoflow.configs.modes import on_policy_modes
 from ppoflow.configs.schema_base import ResourcesConfig, Section, Seed
 from ppoflow.configs.schema_models import ActorConfig, ModelConfig, RefConfig
+from ppoflow.configs.schema_profiler import ProfilerConfig
 
 
 class ValSamplingConfig(Section):
@@ -105,6 +106,7 @@ class RolloutConfig(Section):
     weight_sync: WeightSyncConfig
     agent: AgentConfig
     multi_turn: MultiTurnConfig
+    profiler: ProfilerConfig
     resources: ResourcesConfig
 
 

@@ -74,6 +74,8 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     },
     # ray
     "ray_kwargs.ray_init.num_cpus": "ray.num_cpus",
+    # verl's older profiler key
+    "trainer.profile_steps": "global_profiler.steps",
 }
 """verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
 
@@ -86,11 +88,12 @@ _MEGATRON = "not supported: the training engine is FSDP2 (strategy: fsdp2); ther
 _ENGINE_TUNING = "not supported: FSDP2 shards each decoder layer over the role's ranks with fixed settings"
 _MULTIMODAL = "not supported: prompts are text only"
 _KERNELS = "not supported: models run on plain transformers kernels"
-_PROFILER = "not supported: stage timings are in metrics.jsonl (timing_s/*) and the Prefect UI"
 _ENTROPY = (
     "not needed: log-probs and entropy always come from one pass over chunks of tokens that keeps only the logits "
     "and recomputes the softmax in the backward pass"
 )
+_ONE_TOOL = "not supported: the profiler is torch's (global_profiler.tool=torch or torch_memory)"
+_PROFILE_ROLES = (ACTOR, REF, ROLLOUT, "critic")
 _OPTIMIZER = "not supported: the optimizer is torch's AdamW"
 _SCORERS = "not supported: the reward loop is ppoflow's; custom_reward_function.path plugs in a scorer"
 _ENGINE_OPTIONS = {
@@ -168,7 +171,20 @@ UNSUPPORTED: dict[str, str] = {
     **{
         f"{role}.data_loader_seed": "not needed: mini-batches are shuffled with data.seed" for role in (ACTOR, "critic")
     },
-    **{f"{role}.profiler": _PROFILER for role in (ACTOR, REF, ROLLOUT, "critic", "reward_model")},
+    **{
+        f"{role}.profiler.{key}": why
+        for role in _PROFILE_ROLES
+        for key, why in {
+            "tool": "not supported: global_profiler.tool sets every role's tool",
+            "save_path": "not supported: global_profiler.save_path holds every role's files",
+            "tool_config.nsys": _ONE_TOOL,
+            "tool_config.npu": _ONE_TOOL,
+            "tool_config.torch.discrete": "not supported: one trace per process and step, each stage a "
+            "record_function range in it",
+            "tool_config.torch_memory": "not supported: global_profiler.global_tool_config.torch_memory sets "
+            "every role's",
+        }.items()
+    },
     **{f"{role}.router_replay": "not supported: no MoE routing replay" for role in (ACTOR, REF)},
     f"{ROLLOUT}.enable_rollout_routing_replay": "not supported: no MoE routing replay",
     "actor_rollout_ref.nccl_timeout": "not supported: torch.distributed's default timeout applies",
@@ -262,8 +278,10 @@ UNSUPPORTED: dict[str, str] = {
     "reward_model.strategy": "not supported: the reward model runs plain transformers forward passes",
     "reward_model.micro_batch_size": "not supported: set reward_model.micro_batch_size_per_gpu",
     "reward_model.ulysses_sequence_parallel_size": _NO_PARALLELISM,
-    "reward_model.rollout": "not supported: a generative reward model (GenRM) has no server here; use "
-    "reward_model.remote.url",
+    "reward_model.rollout": "not supported: a generative reward model has no server of its own here; use "
+    "reward_model.judge (on the policy's rollout replicas) or reward_model.remote.url",
+    "reward_model.profiler": "not supported: the profiler records the actor, ref, rollout and critic "
+    "(<role>.profiler), not the reward model's worker",
     **{
         f"reward_model.model.{key}": "not needed: the prompt and response are decoded with the policy's "
         "tokenizer and re-tokenised with reward_model.model.tokenizer_path's"
@@ -313,7 +331,18 @@ UNSUPPORTED: dict[str, str] = {
     "(or the cluster's, with ray.address)",
     "ray_kwargs.timeline_json_file": "not supported: stage timings are in metrics.jsonl (timing_s/*) and the "
     "Prefect UI",
-    "global_profiler": _PROFILER,
+    "global_profiler.profile_continuous_steps": "not supported: each profiled step gets files of its own",
+    "global_profiler.global_tool_config.nsys": _ONE_TOOL,
+    **{
+        f"global_profiler.global_tool_config.torch_memory.{key}": "not supported: torch's own "
+        "_record_memory_history takes trace_alloc_max_entries, context and stacks"
+        for key in ("stack_depth", "kw_args")
+    },
+    **{
+        f"global_profiler.{key}": "not supported: the traces are written to global_profiler.save_path (any fsspec "
+        "URL) as they are made"
+        for key in ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
+    },
     "transfer_queue": "not supported: the async modes' replay buffer is ppoflow's own (trainer.v1.sampler)",
 }
 """verl key (or section) -> why ppoflow has no such setting."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import math
 import re
 import time
@@ -21,6 +22,7 @@ import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from prefect.artifacts import (
+    TableArtifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -33,6 +35,8 @@ from ppoflow.algorithms.validation_metrics import CORE_MEAN
 from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.fs import atomic_write, join, open_fs
+
+logger = logging.getLogger(__name__)
 
 TABLE_COLUMNS = {
     "critic/score/mean": "score",
@@ -218,6 +222,22 @@ class RunArtifacts:
                 *(f"* {what}: `{self.prefix}-{what}`" for what in ("summary", "metrics", "config")),
             ]
         )
+
+
+def publish_validation_samples(cfg: PPOConfig, step: int, rows: list[dict], task_run_id: str | None) -> None:
+    """A table of a few validation samples (``prompt``, ``response``, ``score``) on the page of the task run
+    that scored them; nothing outside a flow run. The run goes on when the server refuses it (a warning)."""
+    if task_run_id is None:
+        return
+    table = [{**row, "score": _cell(row["score"], digits=4)} for row in rows]
+    try:
+        TableArtifact(
+            table=table,
+            description=f"{cfg.trainer.experiment_name}: validation samples at step {step}",
+            task_run_id=task_run_id,
+        ).create()
+    except Exception as error:
+        logger.warning("could not publish the validation samples of step %d: %r", step, error)
 
 
 def staleness_histogram(counts: dict[int, int], width: int = 40) -> str:

@@ -101,6 +101,12 @@ def derived_from(source, derived) -> None:
         link_state_to_task_run_result(produced[0], derived)
 
 
+def task_run_of(result) -> str | None:
+    """The id of the task run that returned ``result`` (None outside a flow run, or for a plain call)."""
+    produced = get_state_for_result(result)
+    return None if produced is None else str(produced[0].state_details.task_run_id)
+
+
 @dataclass(frozen=True)
 class RolloutOrigin:
     """How the run samples: what a cached rollout must have been sampled with to be replayed here (its

@@ -17,8 +17,10 @@ import torch
 from ppoflow.algorithms.correction import correct_off_policy
 from ppoflow.algorithms.dynamic_sampling import kept_groups
 from ppoflow.algorithms.finite import NonFiniteError, describe_rows, nonfinite_rows
+from ppoflow.flows.logs import note
 from ppoflow.flows.metrics import aggregate_updates, data_metrics
 from ppoflow.flows.modes import TrainerMode
+from ppoflow.flows.profiling import StepProfiler
 from ppoflow.flows.run import RunContext
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
@@ -212,10 +214,13 @@ def correct_for_the_rollout(step: StepData, correction) -> None:
 
 def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: range) -> Iterator[StepData]:
     """The training loop over ``steps``: the mode's hooks around stage 1 and the PPO update; yields each
-    finished step (validation, logging and checkpointing happen in the caller, between steps)."""
+    finished step (validation, logging and checkpointing happen in the caller, between steps); the steps of
+    ``global_profiler.steps`` are profiled, the profiles written outside the step's time."""
+    profiler = StepProfiler(run.cfg, run.workers)
     mode.on_train_begin(steps)
     for number in steps:
         step = StepData(number)
+        profiler.start(number)
         with step.timed("step"):
             mode.on_step_begin(step)
             updates, made = [], []
@@ -239,6 +244,8 @@ def train_steps(run: RunContext, state: TrainerState, mode: TrainerMode, steps: 
                 step.metrics.update(aggregate_updates([update.metrics for update in updates]))
             state.weight_version += 1  # the weights of this step's update(s), the version the next push carries
             mode.on_step_end(step)  # (6. weight_sync, where the mode pushes here)
+        for url in profiler.stop(number):
+            note(f"step {number} profiled: {url}")
         step.metrics.update({"training/global_step": number, "training/epoch": state.finish_step(number)})
         step.metrics.update(run.workers.memory_metrics())  # each role's peaks in the step (perf/*memory*)
         yield step

@@ -39,6 +39,7 @@ from ppoflow.flows.dumps import GenerationDumper, generation_rows
 from ppoflow.flows.logs import logs_to_prefect, note
 from ppoflow.flows.modes import TRAINER_MODES, make_trainer
 from ppoflow.flows.ownership import own_run_directory
+from ppoflow.flows.profiling import profile_links
 from ppoflow.flows.run import start_run
 from ppoflow.flows.stages import StepData
 from ppoflow.flows.state import TrainerState
@@ -131,7 +132,7 @@ def _train(cfg: PPOConfig, orchestrated: bool) -> dict[str, float]:
             final_model=final_model,
             caches=[cache.entries.root for cache in run.stages.caches.values()],
             cache_lines=cache_lines,
-            links=tracker.links() + dump_links(cfg),
+            links=tracker.links() + dump_links(cfg) + profile_links(cfg),
         )
         fs, path = open_fs(curve)
         tracker.log_file("reward_curve.png", fs.cat_file(path))

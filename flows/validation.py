@@ -2,8 +2,8 @@
 
 Its metrics are verl's, per data source, over each prompt's ``val_kwargs.n`` responses, of the reward and of each
 extra value the scorer reports (:mod:`ppoflow.algorithms.validation_metrics`). A few decoded samples go to the
-console and the flow run's logs; a multi-turn sample in which a tool answered shows its turns one by one (the
-model's, and the tools' answers, as the model saw them).
+console, the flow run's logs and a table artifact of the task run that scored them; a multi-turn sample in which
+a tool answered shows its turns one by one (the model's, and the tools' answers, as the model saw them).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from itertools import groupby
 
 from ppoflow.algorithms.scoring import PRED, solution_text
 from ppoflow.algorithms.validation_metrics import validation_metrics
+from ppoflow.flows.artifacts import publish_validation_samples
 from ppoflow.flows.run import RunContext
-from ppoflow.flows.stages import derived_from
+from ppoflow.flows.stages import derived_from, task_run_of
 from ppoflow.storage.batch import non_tensor_column, response_extent
 from ppoflow.tasks.reward import decode_responses
 from ppoflow.workers.rollout.sampling import SamplingParams
@@ -22,7 +23,8 @@ from ppoflow.workers.rollout.sampling import SamplingParams
 def validate(run: RunContext, step: int, rows_of=None) -> tuple[dict[str, float], list[str]]:
     """``val-core/`` and ``val-aux/{data_source}/{variable}/{metric}`` over the validation set
     (:func:`~ppoflow.algorithms.validation_metrics.validation_metrics`), and a few decoded samples
-    (:func:`sample_texts`); ``rows_of``, when given, is called with each scored batch (the dumps' rows)."""
+    (:func:`sample_texts`, also a table on the task run that scored them); ``rows_of``, when given, is called
+    with each scored batch (the dumps' rows)."""
     sampling = SamplingParams.for_validation(run.cfg)
     val_set, stages = run.val_set, run.stages
     rows = list(range(len(val_set)))
@@ -33,7 +35,8 @@ def validate(run: RunContext, step: int, rows_of=None) -> tuple[dict[str, float]
         prompts = val_set.batch(chunk, [f"val-{row}" for row in chunk], run.tokenizer.pad_token_id)
         derived_from(val_set, prompts)
         label = f"val@{step}" if len(rows) <= size else f"val@{step}:{start // size}"
-        batch = stages.validation_rollout(step, prompts=prompts, sampling=sampling, label=label).fields
+        scored = stages.validation_rollout(step, prompts=prompts, sampling=sampling, label=label)
+        batch = scored.fields
         if "token_level_scores" not in batch.keys():  # not scored while generating
             if run.model_reward is not None:
                 modelled = stages.validation_reward_model(
@@ -57,7 +60,9 @@ def validate(run: RunContext, step: int, rows_of=None) -> tuple[dict[str, float]
         if rows_of is not None:
             rows_of(batch)
         if not samples:
-            samples = sample_texts(batch[:3], run.tokenizer, sequence_scores)
+            rows = sample_rows(batch[:3], run.tokenizer, sequence_scores)
+            samples = [sample_text(row) for row in rows]
+            publish_validation_samples(run.cfg, step, rows, task_run_of(scored))
     return validation_metrics(sources, uids, {**extra_columns(extras), "reward": rewards}), samples
 
 
@@ -69,8 +74,17 @@ def extra_columns(extras: list[dict]) -> dict[str, list]:
 
 
 def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
-    """``'prompt' -> 'response' (score)`` per trajectory of ``batch``; one in which a tool answered shows
-    its turns (:func:`turn_texts`)."""
+    """``'prompt' -> 'response' (score)`` per trajectory of ``batch`` (:func:`sample_rows`)."""
+    return [sample_text(row) for row in sample_rows(batch, tokenizer, scores)]
+
+
+def sample_text(row: dict) -> str:
+    return f"{row['prompt']!r} -> {row['response']} ({row['score']:.2f})"
+
+
+def sample_rows(batch, tokenizer, scores: list[float]) -> list[dict]:
+    """``prompt``, ``response`` (quoted; one in which a tool answered turn by turn, :func:`turn_texts`) and
+    ``score`` per trajectory of ``batch``."""
     prompts = tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
     responses = [repr(text) for text in decode_responses(batch, tokenizer)]
     if "turn_ids" in batch.keys():
@@ -78,7 +92,10 @@ def sample_texts(batch, tokenizer, scores: list[float]) -> list[str]:
         for row, (tokens, turns) in enumerate(zip(batch["responses"].tolist(), batch["turn_ids"].tolist())):
             if any(turn < 0 for turn in turns[: extents[row]]):  # a tool answered (negative turn ids)
                 responses[row] = turn_texts(tokens[: extents[row]], turns[: extents[row]], tokenizer)
-    return [f"{prompt!r} -> {response} ({score:.2f})" for prompt, response, score in zip(prompts, responses, scores)]
+    return [
+        {"prompt": prompt, "response": response, "score": score}
+        for prompt, response, score in zip(prompts, responses, scores)
+    ]
 
 
 def turn_texts(tokens: list[int], turn_ids: list[int], tokenizer) -> str:

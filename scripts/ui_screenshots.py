@@ -183,15 +183,22 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/api/health", timeout=2):
-                return server, url
-        except OSError:
-            time.sleep(0.5)
+    if answers(f"{url}/api/health", within_s=120):
+        return server, url
     server.terminate()
     raise SystemExit(f"prefect server did not start; see {home / 'server.log'}")
+
+
+def answers(url: str, *, within_s: float) -> bool:
+    """Whether ``url`` answers a GET within ``within_s`` seconds (asked every half second)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except OSError:
+            time.sleep(0.5)
+    return False
 
 
 def train(root: Path, name: str, extra: list[str]) -> str:

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
 
-from ppoflow.configs import ConfigError, load_config
+from ppoflow.configs import ConfigError, config_as_dict, load_config
 from ppoflow.flows.cli import main
 from ppoflow.flows.dumps import read_dump
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import train
 from tests.conftest import free_port, small_run
+from tests.outage_proxy import OutageProxy
+from tests.preflight_helpers import assert_user_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +124,40 @@ def test_a_tracker_that_is_down_warns_and_the_run_goes_on(tiny_model, tmp_path, 
     assert any("trainer.logger=mlflow: could not start" in record.message for record in caplog.records)
 
 
+def test_a_tracker_that_fails_mid_run_warns_once_and_the_run_goes_on(mlflow_server, tiny_model, tmp_path, caplog):
+    """The MLflow server goes away (connections refused) once step 1 is in metrics.jsonl: one warning, the
+    run finishes its 3 steps, metrics.jsonl has them all and MLflow no step after the outage."""
+    from mlflow import MlflowClient
+
+    proxy = OutageProxy(int(mlflow_server.rsplit(":", 1)[1]))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def cut_after_step_1() -> None:
+        while not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.02)
+        proxy.switch("refuse")
+
+    watcher = threading.Thread(target=cut_after_step_1, daemon=True)
+    watcher.start()
+    words = small_run(tiny_model, tmp_path) + [
+        "trainer.logger=[mlflow]",
+        f"trainer.mlflow_tracking_uri={proxy.endpoint}",
+        "trainer.project_name=outage",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=3",
+    ]
+    try:
+        train(load_config("grpo_tiny", words), orchestrated=False)
+    finally:
+        proxy.close()
+    assert [row["step"] for row in read_metrics(str(tmp_path / "run"))] == [1, 2, 3]
+    warned = [record.message for record in caplog.records if "trainer.logger=mlflow failed" in record.message]
+    assert len(warned) == 1, warned
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] in ([], [1])
+
+
 @pytest.mark.parametrize(
     "word, key",
     [
@@ -131,3 +169,77 @@ def test_an_unknown_logger_or_unreadable_uri_is_a_config_error(word, key):
     with pytest.raises(ConfigError) as error:
         load_config("grpo_tiny", [word])
     assert [problem[0] for problem in error.value.problems] == [key]
+
+
+def test_unknown_logger_ends_the_cli_with_exit_2_naming_it(capsys, tmp_path):
+    code, stderr = run_cli(capsys, "train", "trainer.logger=[console,swanlab]", f"trainer.default_local_dir={tmp_path}")
+    assert_user_error(code, stderr, "trainer.logger", "swanlab")
+
+
+TRAIN_IN_PROCESS = (
+    "import json, sys\n"
+    "from ppoflow.configs import load_config\n"
+    "from ppoflow.flows.train import train\n"
+    "train(load_config('grpo_tiny', json.loads(sys.argv[1])), orchestrated=False)\n"
+)
+READ_TRACKIO = (
+    "import json, sys\n"
+    "import trackio\n"
+    "from trackio.sqlite_storage import SQLiteStorage\n"
+    "(run,) = trackio.Api().runs(sys.argv[1])\n"
+    "logs = SQLiteStorage.get_logs(sys.argv[1], run.name)\n"
+    "print(json.dumps({'name': run.name, 'config': run.config, 'logs': logs}, default=str))\n"
+)
+
+
+def test_an_offline_wandb_run_and_a_trackio_run_read_back_with_their_own_readers(tiny_model, tmp_path):
+    """wandb offline (``WANDB_MODE=offline``) and trackio (local, ``TRACKIO_DIR``) in a run of its own process
+    (trackio reads TRACKIO_DIR once, at import); read back with ``wandb leet inspect --json`` (wandb-core's
+    reader of the run's .wandb transaction log) and trackio's own API."""
+    words = small_run(tiny_model, tmp_path) + [
+        "trainer.logger=[wandb,trackio]",
+        "trainer.project_name=trk",
+        "trainer.experiment_name=e2",
+        "trainer.log_val_generations=2",
+    ]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio")}
+    subprocess.run([sys.executable, "-c", TRAIN_IN_PROCESS, json.dumps(words)], env=env, check=True, timeout=600)
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["step"] for row in rows] == [1, 2]
+    expected_config = config_as_dict(load_config("grpo_tiny", words))
+
+    (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    inspected = subprocess.run(
+        ["wandb", "leet", "inspect", str(log), "--json"], capture_output=True, check=True, timeout=120, text=True
+    )
+    records = [json.loads(line) for line in inspected.stdout.splitlines() if line.strip()]
+    (run,) = [record["run"] for record in records if record["type"] == "run"]
+    assert (run["project"], run["display_name"]) == ("trk", "e2")
+    config = {key: value for key, value in run["config"]["update"].items() if key != "_wandb"}
+    assert config == json.loads(json.dumps(expected_config))
+    history = [record["history"]["item"] for record in records if record["type"] == "history"]
+    metrics = {item["_step"]: item for item in history if "critic/score/mean" in item}
+    assert sorted(metrics) == [1, 2]
+    for row in rows:
+        logged = metrics[row["step"]]
+        numbers = {key: value for key, value in row.items() if key != "step" and value is not None}
+        assert {key: logged[key] for key in numbers} == pytest.approx(numbers, rel=1e-6, abs=1e-9)
+    tables = [item for item in history if "val/generations._type" in item]  # the reader flattens nested values
+    assert [(item["_step"], item["val/generations._type"], item["val/generations.nrows"]) for item in tables] == [
+        (0, "table-file", 2),
+        (2, "table-file", 4),  # each validation adds its rows to the table
+    ]
+    table = json.loads((log.parent / "files" / tables[-1]["val/generations.path"]).read_text())
+    assert table["columns"] == ["step", "input", "output", "score"]
+    assert [row[0] for row in table["data"]] == [0, 0, 2, 2]
+
+    read = subprocess.run(
+        [sys.executable, "-c", READ_TRACKIO, "trk"], env=env, capture_output=True, check=True, timeout=120, text=True
+    )
+    trackio_run = json.loads(read.stdout.splitlines()[-1])
+    assert trackio_run["name"] == "e2"
+    assert trackio_run["config"]["data"]["train_batch_size"] == 4
+    logged = {entry["step"]: entry for entry in trackio_run["logs"]}
+    assert sorted(logged) == [1, 2]
+    for row in rows:
+        assert logged[row["step"]]["critic/score/mean"] == pytest.approx(row["critic/score/mean"], abs=1e-9)

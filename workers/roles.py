@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
     from ppoflow.storage.batch import StageResult
+    from ppoflow.workers.profiler import ProfileSettings
     from ppoflow.workers.rollout.sampling import SamplingParams
 
 
@@ -141,8 +142,12 @@ class Role:
     def start_apply_weights(self, update):
         return self._submit("apply_weights", update)
 
+    def start_each(self, method: str, *args) -> list:
+        """References to the replies of each of the role's processes (a rank) to ``method``."""
+        return [self._submit(method, *args)]
+
     def start_memory_stats(self) -> list:
-        return [self._submit("memory_stats")]
+        return self.start_each("memory_stats")
 
     def memory_stats(self) -> dict[str, float]:
         return largest([self._fetch(reference) for reference in self.start_memory_stats()])
@@ -245,9 +250,9 @@ class RayGroupRole(Role):
     def _fetch(self, reference):
         return self.objects.get(reference)
 
-    def start_memory_stats(self) -> list:
-        """Every rank reports (the role's figures are the largest of theirs)."""
-        return [handle.memory_stats.remote() for handle in self.handles]
+    def start_each(self, method: str, *args) -> list:
+        """Every rank replies (the memory figures: the role's are the largest of theirs)."""
+        return [getattr(handle, method).remote(*args) for handle in self.handles]
 
 
 class LocalRole(Role):
@@ -313,6 +318,32 @@ class Workers:
             served = {name: role for name, role in roles.items() if role is not None}
             self._memory = MemoryReports(served, self.objects.get)
         return self._memory.collect()
+
+    def start_profile(self, step: int, settings: ProfileSettings) -> list:
+        """Ask every process of the profiled roles (``settings``: a :class:`~ppoflow.workers.profiler.ProfileSettings`)
+        to record ``step``, each process once whichever roles it serves, without waiting: one busy with an earlier
+        call (a rollout generating ahead) starts when it is done. The references :meth:`stop_profile` takes."""
+        roles = self._processes(settings.roles)
+        return [reply for role in roles for reply in role.start_each("start_profile", step, settings)]
+
+    def stop_profile(self, settings: ProfileSettings, started: list) -> list[str]:
+        """They stop and write their files: the URLs written."""
+        self.get(started)
+        replies = self.get(
+            [reply for role in self._processes(settings.roles) for reply in role.start_each("stop_profile")]
+        )
+        return [url for urls in replies for url in urls]
+
+    def _processes(self, names: dict) -> list[Role]:
+        """The roles ``names`` as distinct sets of processes: a colocated rollout, or a reference that is the
+        actor's base model, is the actor's."""
+        chosen: list[Role] = []
+        for name in names:
+            role = getattr(self, name)
+            role = role.actor if isinstance(role, ActorBaseRole) else role
+            if role is not None and all(role is not other for other in chosen):
+                chosen.append(role)
+        return chosen
 
     def put(self, value):
         """Place ``value`` where every role can read it (Ray's object store, or nowhere in-process)."""

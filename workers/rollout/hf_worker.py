@@ -9,13 +9,16 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
+from ppoflow.workers.profiler import Profiles, stage_range
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
 from ppoflow.workers.training.lora import rollout_holds_adapter, with_lora
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
-class HFRolloutWorker(ReportsMemory):
+class HFRolloutWorker(ReportsMemory, Profiles):
     """Sampling with a transformers causal LM (CPU or GPU)."""
+
+    PROFILE_ROLES = ("rollout",)
 
     def __init__(self, cfg: PPOConfig):
         self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
@@ -29,6 +32,7 @@ class HFRolloutWorker(ReportsMemory):
         self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
         self.receiver = WeightReceiver()
 
+    @stage_range("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
         return sample_responses(

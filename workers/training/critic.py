@@ -17,6 +17,7 @@ from ppoflow.workers.models import (
     set_up_worker_process,
     with_gradient_checkpointing,
 )
+from ppoflow.workers.profiler import Profiles, stage_range
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
     Learner,
@@ -29,9 +30,11 @@ from ppoflow.workers.training.learner import (
 from ppoflow.workers.training.packing import response_positions, to_rows
 
 
-class CriticWorker(ReportsMemory):
+class CriticWorker(ReportsMemory, Profiles):
     """Values V(s_t) of every response position, and the value-function update; one rank of the critic's
     data-parallel group (``ranks``; None: the only one)."""
+
+    PROFILE_ROLES = ("critic",)
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         critic = cfg.critic
@@ -56,6 +59,7 @@ class CriticWorker(ReportsMemory):
             nonfinite=cfg.trainer.nonfinite,
         )
 
+    @stage_range("critic_compute_values")
     def compute_values(self, batch: TensorDict) -> TensorDict | None:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
         computes its rows; rank 0 returns them all (the others: None)."""
@@ -82,6 +86,7 @@ class CriticWorker(ReportsMemory):
         """Checksum of the current weights (guards a cached value pass)."""
         return weights_digest(self.model, self.parallel)
 
+    @stage_range("critic_update")
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float] | None:
         """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``); metrics on rank 0."""
         cfg = self.cfg

@@ -30,6 +30,7 @@ from ppoflow.workers.models import (
     set_up_worker_process,
     with_gradient_checkpointing,
 )
+from ppoflow.workers.profiler import Profiles, stage_range
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
@@ -46,7 +47,7 @@ from ppoflow.workers.training.packing import response_positions, to_rows
 from ppoflow.workers.weight_sync import WeightSender, WeightUpdate, join_group
 
 
-class PolicyModel(ReportsMemory):
+class PolicyModel(ReportsMemory, Profiles):
     """A causal LM on its device that computes response log-probs at the rollout temperature; one rank of
     its role's data-parallel group (``ranks``; None: the only one), sharded by the role's engine. ``lora``: wrap
     it with the LoRA adapter ``model.lora_rank`` / ``lora_adapter_path`` ask for (the actor; :attr:`adapter`)."""
@@ -116,6 +117,8 @@ class PolicyModel(ReportsMemory):
 class ReferenceWorker(PolicyModel):
     """A frozen copy of the initial policy, for KL terms."""
 
+    PROFILE_ROLES = ("ref",)
+
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         ref = cfg.actor_rollout_ref.ref
         super().__init__(
@@ -127,9 +130,13 @@ class ReferenceWorker(PolicyModel):
             ranks=ranks,
         )
 
+    compute_log_prob = stage_range("ref_compute_log_prob")(PolicyModel.compute_log_prob)
+
 
 class ActorWorker(PolicyModel):
     """The trained policy: log-probs, the PPO update, and weight export for the rollout workers."""
+
+    PROFILE_ROLES = ("actor",)
 
     def __init__(self, cfg: PPOConfig, ranks: RankInfo | None = None):
         actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -173,6 +180,7 @@ class ActorWorker(PolicyModel):
         later mini-batch updates of a separate_async step (verl's CPU weight slot 0 for decoupled PPO)."""
         self._step_start = self._trained_state()
 
+    @stage_range("actor_compute_log_prob")
     def compute_log_prob(self, batch: TensorDict, *, at_step_start: bool = False) -> TensorDict:
         """Per-token ``log_probs`` of the responses, [N, R], no gradient; ``at_step_start``: under the weights
         :meth:`snapshot_weights` kept, loaded in place for the pass and the current ones put back after it
@@ -187,6 +195,7 @@ class ActorWorker(PolicyModel):
             finally:
                 self.model.load_state_dict(current, strict=False)
 
+    @stage_range("ref_compute_log_prob")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """The reference's ``log_probs`` when it is this model's base (``ref_in_actor``, LoRA): the same pass
         with the adapter disabled."""
@@ -202,6 +211,7 @@ class ActorWorker(PolicyModel):
         names = trained_state_names(self.model)
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items() if name in names}
 
+    @stage_range("actor_update")
     def update(self, batch: TensorDict, *, step: int) -> StageResult:
         """PPO epochs over ``batch`` (needs ``advantages``; ``ref_log_probs`` for a KL loss); metrics ``actor/*``.
 
@@ -344,10 +354,13 @@ class ColocatedActorWorker(ActorWorker):
     """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the very model
     it trains, so the rollout always serves the actor's current weights and weight_sync moves nothing."""
 
+    PROFILE_ROLES = ("actor", "rollout")
+
     def __init__(self, cfg: PPOConfig):
         super().__init__(cfg)
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
 
+    @stage_range("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """The rollout worker's ``generate``, on the actor's model, stamped with its weight version."""
         return sample_responses(
