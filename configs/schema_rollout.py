@@ -39,7 +39,9 @@ class GatewayConfig(Section):
         description="Serve /v1/chat/completions, /v1/completions and /v1/models from each agent-loop worker."
     )
     host: str = Field(min_length=1, description="Address the gateway binds (127.0.0.1: this machine only).")
-    port: int = Field(ge=0, le=65535, description="Port of the first agent worker's gateway; 0 = a free one each.")
+    port: int = Field(
+        ge=0, le=65535, description="Port the gateway binds; 0 = a free one per agent worker (else one worker only)."
+    )
 
 
 class AgentFunctionConfig(Section):

@@ -1,6 +1,7 @@
 """The gateway inside the rollout service (real Ray, a real replica): an agent-loop worker serves it over HTTP
 behind the run's token, the ``openai_agent`` loop's trajectories are scored with the agent's final answer and
-recorded and replayed by the per-sample cache (``skip.async_rollout``), and an agent that raises fails its group."""
+recorded and replayed by the per-sample cache (``skip.async_rollout``), a malformed request is refused (400) while
+the agent goes on, and an agent that raises fails its group."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ from ppoflow.storage.batch import non_tensor_column, with_non_tensor_columns
 from ppoflow.workers.rollout.sampling import SamplingParams
 
 AGENT = """
+import openai
+
 async def agent(client, row, *, log):
     if row["prompt"][0]["content"].endswith("!"):
         raise RuntimeError("this agent cannot answer " + row["prompt"][0]["content"])
-    with open(log, "a") as calls:
-        calls.write(row["prompt"][0]["content"] + "\\n")
+    try:  # a malformed request is refused with a 400; the agent and the run go on
+        await client.chat.completions.create(model="any", messages=row["prompt"], temperature=5)
+    except openai.BadRequestError as error:
+        with open(log, "a") as calls:
+            calls.write(row["prompt"][0]["content"] + f"={error.status_code}\\n")
     reply = await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=3)
     return "12" if row["extra_info"]["answer_given"] else reply.choices[0].message.content
 """
@@ -68,6 +74,7 @@ def test_the_openai_agent_loop_runs_in_the_service_and_its_groups_replay(ray_loc
     from ppoflow.workers.models import load_tokenizer
     from ppoflow.workers.service.agent_worker import AgentLoopWorker
     from ppoflow.workers.service.replicas import RolloutReplica
+    from ppoflow.workers.service.rollout_service import RolloutService
 
     cfg = config(
         tiny_model,
@@ -83,6 +90,7 @@ def test_the_openai_agent_loop_runs_in_the_service_and_its_groups_replay(ray_loc
     try:
         url = ray_local.get(worker.gateway_url.remote())
         assert url.startswith("http://127.0.0.1:")
+        assert RolloutService([replica], [worker], pad_token_id=0).gateway_urls() == [url]
         with pytest.raises(openai.AuthenticationError):  # served over HTTP, behind the run's token
             openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0).models.list()
         served = openai.OpenAI(base_url=f"{url}/v1", api_key="run-token", max_retries=0)
@@ -96,7 +104,7 @@ def test_the_openai_agent_loop_runs_in_the_service_and_its_groups_replay(ray_loc
         first = ray_local.get(
             worker.generate.remote(batch, first_position=0, step=1, sampling=sampling, weight_version=0)
         )
-        assert (tmp_path / "calls.log").read_text().split() == ["12>"] * 2 + ["34>"] * 2
+        assert sorted((tmp_path / "calls.log").read_text().split()) == ["12>=400"] * 2 + ["34>=400"] * 2
         assert non_tensor_column(first, "sample_cache") == ["miss"] * 4
         scores = first["token_level_scores"].sum(-1).tolist()
         assert scores[:2] == [1.0, 1.0]  # the agent's final answer is what the scorer read
@@ -105,7 +113,9 @@ def test_the_openai_agent_loop_runs_in_the_service_and_its_groups_replay(ray_loc
         again = ray_local.get(
             worker.generate.remote(batch, first_position=0, step=1, sampling=sampling, weight_version=5)
         )
-        assert (tmp_path / "calls.log").read_text().split() == ["12>"] * 2 + ["34>"] * 2  # the agent never ran
+        assert (
+            sorted((tmp_path / "calls.log").read_text().split()) == ["12>=400"] * 2 + ["34>=400"] * 2
+        )  # the agent never ran
         assert non_tensor_column(again, "sample_cache") == ["hit"] * 4
         for name in ("responses", "response_mask", "rollout_log_probs", "token_level_scores", "turn_ids"):
             assert torch.equal(again[name], first[name]), name

@@ -113,6 +113,8 @@ class AgentLoopWorker:
         ``reward_extras`` column (what the scorer reported besides the score). With the sample cache, a
         ``sample_cache`` column says per trajectory whether its group was replayed (``hit``), generated
         (``miss``, ``read_failed``, ``dump_failed``) or not cached (``off``)."""
+        if self.gateway is not None:  # served whenever enabled: agents of any loop may call it
+            await self.gateway.start()
         rows = prompts.batch_size[0]
         names = _column(prompts, "agent_name") or [None] * rows
         tools_kwargs = _column(prompts, "tools_kwargs") or [None] * rows
