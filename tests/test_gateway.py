@@ -228,3 +228,36 @@ def test_an_agent_that_raises_or_hangs_fails_its_trajectory(tmp_path, tiny, engi
         asyncio.run(run("slow"))
     with pytest.raises(ValueError, match="async def"):
         AgentFunction("ppoflow.data.vault:vault", None).load()
+
+
+def test_with_a_chat_template_added_messages_and_new_segments_are_templated(tiny):
+    import copy
+
+    from ppoflow.workers.service.sessions import Sampled
+
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    )
+    model = ScriptedModel(tokenizer, ["3", "5", "6"])  # each turn ends with EOS
+
+    async def converse():
+        gateway = Gateway(model, tokenizer, settings(response_length=12), model_name="tiny")
+        asked = [{"role": "user", "content": "12"}]
+        gateway.open("s", prompt_ids=ids(tokenizer, "12|a:"), prompt=asked, seed=1, sampling=SAMPLING)
+        session = gateway.sessions["s"]
+        (first,), _ = await gateway.chat(session, asked, Sampled(), None)
+        asked += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "4"}]
+        await gateway.chat(session, asked, Sampled(), None)
+        continued = session.heads[0].output
+        asked[1]["content"] = "9"  # the agent rewrites the model's turn
+        await gateway.chat(session, asked, Sampled(), None)
+        return continued, gateway.close("s")
+
+    continued, trajectory = asyncio.run(converse())
+    eos = [tokenizer.eos_token_id]
+    assert model.prompts[0] == ids(tokenizer, "12|a:")  # the row's tokens
+    assert model.prompts[1] == ids(tokenizer, "12|a:3") + eos + ids(tokenizer, "4|a:")  # the added turn, templated
+    assert continued.response_mask == [1, 1] + [0] * 4 + [1, 1]
+    assert model.prompts[2] == trajectory.prompt_ids == ids(tokenizer, "12|9|4|a:")  # a new segment, all templated
+    assert trajectory.response_ids == ids(tokenizer, "6") + eos and trajectory.extra_fields["segments"] == 2

@@ -66,11 +66,18 @@ class OpenAIAgentLoop(AgentLoop):
             )
         self.spec, self.function = spec, spec.load()
         self.running = asyncio.Semaphore(spec.max_concurrency)
+        self.http = None
+        """One HTTP connection pool for every session's client (a client of its own costs far more than a turn)."""
 
     async def run(self, sampling: SamplingParams, **row) -> AgentLoopOutput:
+        import httpx
         import openai
 
         await self.gateway.start()
+        if self.http is None:
+            self.http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.spec.timeout_s), limits=httpx.Limits(max_connections=None)
+            )
         session_id = row["session_id"]
         prompt = row.get("raw_prompt")
         agent_row = {"prompt": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
@@ -80,7 +87,10 @@ class OpenAIAgentLoop(AgentLoop):
                 session_id, prompt_ids=list(row["prompt_ids"]), prompt=prompt, seed=row["seed"], sampling=sampling
             )
             client = openai.AsyncOpenAI(
-                base_url=self.gateway.session_url(session_id), api_key=self.gateway.api_key, max_retries=0
+                base_url=self.gateway.session_url(session_id),
+                api_key=self.gateway.api_key,
+                max_retries=0,
+                http_client=self.http,
             )
             try:
                 answer = await asyncio.wait_for(
@@ -96,7 +106,6 @@ class OpenAIAgentLoop(AgentLoop):
                 ) from error
             finally:
                 output = self.gateway.close(session_id)
-                await client.close()
         if isinstance(answer, str):
             output.extra_fields["final_answer"] = answer
         return output
