@@ -44,7 +44,7 @@ def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def run_both(client, tokenizer, *, seed: int, prompt: str = "37>", **changes):
+def run_both(client, tokenizer, *, seed: int, prompt: str = "37>", raw_prompt: bool = True, **changes):
     """The same vault row through tool_agent and through the OpenAI-SDK vault agent behind the gateway."""
     agent_settings = settings(max_assistant_turns=2, max_tokens_per_turn=3, agent_function=VAULT_AGENT, **changes)
     row = dict(prompt_ids=ids(tokenizer, prompt), seed=seed, tools_kwargs={"vault": {"key": prompt[:-1]}})
@@ -61,7 +61,8 @@ def run_both(client, tokenizer, *, seed: int, prompt: str = "37>", **changes):
         )
         try:
             built_in = await loops["tool_agent"].run(SAMPLING, session_id="a", **row)
-            through_gateway = await loops["openai_agent"].run(SAMPLING, session_id="b", raw_prompt=prompt, **row)
+            text = {"raw_prompt": prompt} if raw_prompt else {}  # without it, the prompt's tokens decoded
+            through_gateway = await loops["openai_agent"].run(SAMPLING, session_id="b", **text, **row)
         finally:
             await gateway.stop()
         return built_in, through_gateway
@@ -81,7 +82,7 @@ def test_the_openai_vault_agent_gives_tool_agents_trajectory(tiny, engine):
     assert gateway.extra_fields["turn_weight_versions"] == [[3, 3], [3, 3]]
     assert model.prompts[2:] == model.prompts[:2]  # fed the very same tokens, turn by turn
     for seed in (1, 2, 3):  # on the real engine: the same tokens, log-probs and seeds per turn
-        built_in, gateway = run_both(engine, tokenizer, seed=seed)
+        built_in, gateway = run_both(engine, tokenizer, seed=seed, raw_prompt=seed != 3)
         assert (gateway.response_ids, gateway.response_log_probs) == (
             built_in.response_ids,
             built_in.response_log_probs,

@@ -80,6 +80,8 @@ class OpenAIAgentLoop(AgentLoop):
             )
         session_id = row["session_id"]
         prompt = row.get("raw_prompt")
+        if prompt is None:  # prompts sent without the dataset's text: their tokens, decoded
+            prompt = self.tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
         agent_row = {"prompt": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
         agent_row |= {key: row.get(key) for key in ROW_FIELDS}
         async with self.running:
