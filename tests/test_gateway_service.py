@@ -162,3 +162,43 @@ def test_the_gateway_and_openai_agent_are_checked_before_anything_starts(tiny_mo
         ("actor_rollout_ref.rollout.agent.agent_function", f"{str(tmp_path / 'agent.py')!r} has no function 'missing'")
     ]
     assert _agent_problems(config(tiny_model, tmp_path)) == []
+
+
+FLAKY_AGENT = """
+async def agent(client, row):
+    text = row["prompt"][0]["content"]
+    reply = await client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=4)
+    if text[0] in "0123":
+        raise RuntimeError("this agent fails on " + text)
+    return reply.choices[0].message.content
+"""
+
+
+@pytest.mark.slow  # a CLI run of ~1 min
+def test_an_async_run_evicts_and_refills_the_groups_whose_agent_failed(prefect_server, tiny_model, tmp_path):
+    """colocate_async with the openai_agent loop, its agent failing on the prompts that start with 0-3: those
+    groups are evicted and refilled (training/rollout_failure/evicted_samples), the run trains on to the end."""
+    import subprocess
+    import sys
+
+    from ppoflow.flows.tracking import read_metrics
+    from tests.async_modes_helpers import run_overrides
+
+    (tmp_path / "agent.py").write_text(FLAKY_AGENT)
+    words = [
+        "trainer.v1.trainer_mode=colocate_async",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        "actor_rollout_ref.rollout.agent.gateway.enable=true",
+        f"actor_rollout_ref.rollout.agent.agent_function.path={tmp_path}/agent.py",
+        "actor_rollout_ref.rollout.agent.agent_function.name=agent",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(f"{tmp_path}/run")
+    assert len(rows) == 3, rows
+    assert sum(row.get("training/rollout_failure/evicted_samples", 0) for row in rows) > 0, rows
