@@ -262,3 +262,35 @@ def test_with_a_chat_template_added_messages_and_new_segments_are_templated(tiny
     assert continued.response_mask == [1, 1] + [0] * 4 + [1, 1]
     assert model.prompts[2] == trajectory.prompt_ids == ids(tokenizer, "12|9|4|a:")  # a new segment, all templated
     assert trajectory.response_ids == ids(tokenizer, "6") + eos and trajectory.extra_fields["segments"] == 2
+
+
+def test_tool_calls_come_back_in_openais_format_streamed_or_not(tiny):
+    from ppoflow.data.vault_agent import VAULT_TOOL
+
+    _, tokenizer = tiny
+    model = ScriptedModel(tokenizer, ["?", "?", "12"])
+
+    async def call():
+        gateway = Gateway(model, tokenizer, settings(), model_name="tiny")
+        gateway.open("s", prompt_ids=ids(tokenizer, "37>"), prompt="37>", seed=1, sampling=SAMPLING)
+        client = await _client(gateway, "s")
+        asked = [{"role": "user", "content": "37>"}]
+        try:
+            reply = await client.chat.completions.create(model="t", messages=asked, tools=[VAULT_TOOL])
+            stream = await client.chat.completions.create(model="t", messages=asked, tools=[VAULT_TOOL], stream=True)
+            chunks = [chunk async for chunk in stream]
+            plain = await client.chat.completions.create(model="t", messages=asked, tools=[VAULT_TOOL])
+            return reply, chunks, plain
+        finally:
+            await gateway.stop()
+
+    reply, chunks, plain = asyncio.run(call())
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    (called,) = choice.message.tool_calls
+    assert (called.type, called.function.name, called.function.arguments) == ("function", "vault", "{}")
+    assert called.id.startswith("call_")
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert deltas[0].tool_calls[0].function.name == "vault" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == "12"
+    assert plain.choices[0].finish_reason == "stop"
