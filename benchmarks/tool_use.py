@@ -1,7 +1,8 @@
 """Tool use on the CPU: the vault task (ppoflow/data/vault.py) trained with the tool and without it.
 
 For each seed, two runs of the ``vault_tool`` preset as ``ppoflow train`` runs it, from the same random-init model
-and prompts: ``tool`` (``tool_agent`` with the ``vault`` tool) and ``no tool`` (``single_turn_agent``, no tools).
+and prompts: ``tool`` (``tool_agent`` with the ``vault`` tool), ``no tool`` (``single_turn_agent``, no tools) and
+``openai agent`` (the tool called by ``data/vault_agent.py``, an OpenAI-SDK program, through the gateway).
 Reported per run: greedy validation reward on vault keys after each quarter, training reward, exact-answer rate
 and tool-call share (``agent/tool_call_ratio``) over the first and last 10 steps. Figures: docs/benchmarks.md#tool-use.
 
@@ -30,6 +31,12 @@ VARIANTS = {
         "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
     ],
+    "openai agent": [  # the tool through the gateway: data/vault_agent.py, a plain OpenAI-SDK program
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        "actor_rollout_ref.rollout.agent.gateway.enable=true",
+        "actor_rollout_ref.rollout.agent.agent_function.path=ppoflow.data.vault_agent:agent",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
+    ],
 }
 
 
@@ -44,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["tool", "no tool"], choices=list(VARIANTS))
     args = parser.parse_args()
 
     import ray

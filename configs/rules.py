@@ -131,7 +131,9 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
     if rollout.name == "vllm":
         errors += _vllm_errors(cfg)
     if rollout.mode == "async":
-        errors += _rollout_service_errors(cfg)
+        errors += _rollout_service_errors(cfg) + _gateway_errors(rollout)
+    elif rollout.agent.gateway.enable:
+        errors.append(("actor_rollout_ref.rollout.agent.gateway.enable", "the gateway needs rollout.mode=async"))
     errors += mode_errors(cfg) + _token_budget_errors(cfg)
     if cfg.actor_rollout_ref.hybrid_engine:
         errors += _colocation_errors(cfg)
@@ -206,11 +208,29 @@ def _rollout_service_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     multi_turn = rollout.multi_turn
-    if multi_turn.format == "question_mark" and multi_turn.tool_config_path is None:
+    offered_by_requests = rollout.agent.gateway.enable and rollout.agent.default_agent_loop == "openai_agent"
+    if multi_turn.format == "question_mark" and multi_turn.tool_config_path is None and not offered_by_requests:
         errors.append(
             (
                 "actor_rollout_ref.rollout.multi_turn.tool_config_path",
                 "multi_turn.format=question_mark calls the first declared tool: declare one",
+            )
+        )
+    return errors
+
+
+def _gateway_errors(rollout) -> list[tuple[str, str]]:
+    """The ``openai_agent`` loop needs the gateway and an agent function; a fixed port serves one worker."""
+    agent, errors = rollout.agent, []
+    if agent.default_agent_loop == "openai_agent" and not agent.gateway.enable:
+        errors.append(("actor_rollout_ref.rollout.agent.gateway.enable", "openai_agent calls the gateway: set true"))
+    if agent.default_agent_loop == "openai_agent" and agent.agent_function.path is None:
+        errors.append(("actor_rollout_ref.rollout.agent.agent_function.path", "openai_agent needs an agent function"))
+    if agent.gateway.port and agent.num_workers > 1:
+        errors.append(
+            (
+                "actor_rollout_ref.rollout.agent.gateway.port",
+                f"{agent.gateway.port} can serve one agent worker, not agent.num_workers={agent.num_workers}: use 0",
             )
         )
     return errors

@@ -4,7 +4,7 @@ loops and tools; the ``actor_rollout_ref`` section holding it and the roles; the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -33,6 +33,28 @@ class WeightSyncConfig(Section):
     delta: bool = Field(description="Send only the tensors that changed since the last sync.")
 
 
+class GatewayConfig(Section):
+    """The rollout service's OpenAI-compatible endpoint (docs/gateway.md)."""
+
+    enable: bool = Field(
+        description="Serve /v1/chat/completions, /v1/completions and /v1/models from each agent-loop worker."
+    )
+    host: str = Field(min_length=1, description="Address the gateway binds (127.0.0.1: this machine only).")
+    port: int = Field(
+        ge=0, le=65535, description="Port the gateway binds; 0 = a free one per agent worker (else one worker only)."
+    )
+
+
+class AgentFunctionConfig(Section):
+    """The ``openai_agent`` loop's agent: ``async def agent(client, row, **kwargs)`` (docs/gateway.md)."""
+
+    path: str | None = Field(description="`module:function`, `module`, or a .py file; null = none.")
+    name: str | None = Field(description="Function name when `path` names a module or file.")
+    kwargs: dict[str, Any] = Field(description="Extra keyword arguments of every call.")
+    max_concurrency: int = Field(ge=1, description="Trajectories one agent worker runs at once at most.")
+    timeout_s: float = Field(gt=0, description="Seconds one trajectory may take; past it, it fails.")
+
+
 class AgentConfig(Section):
     """Agent loops of the rollout service (``rollout.mode=async``): how each trajectory is produced."""
 
@@ -48,6 +70,8 @@ class AgentConfig(Section):
     agent_loop_config_path: str | None = Field(
         description="YAML list of {name, _target_: module.Class} entries registering more agent loops."
     )
+    gateway: GatewayConfig
+    agent_function: AgentFunctionConfig
 
 
 class MultiTurnConfig(Section):

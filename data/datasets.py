@@ -198,6 +198,8 @@ class PromptDataset:
     agent_names: list[str | None]
     tools_kwargs: list[dict | None]
     extra_infos: list[dict | None] | None = None
+    raw_prompts: list | None = None
+    """The prompts as the dataset has them (text or chat messages), for agents that render their own turns."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -221,8 +223,13 @@ class PromptDataset:
             mask[position, width - len(ids) :] = True
         batch = TensorDict({"prompts": prompts, "prompt_mask": mask}, batch_size=[len(rows)])
         columns = {"uid": list(uids), **self.reward_columns(rows)}
-        for name, values in (("agent_name", self.agent_names), ("tools_kwargs", self.tools_kwargs)):
-            if any(value is not None for value in values):
+        named = (
+            ("agent_name", self.agent_names),
+            ("tools_kwargs", self.tools_kwargs),
+            ("raw_prompt", self.raw_prompts),
+        )
+        for name, values in named:
+            if values is not None and any(value is not None for value in values):
                 columns[name] = [values[row] for row in rows]
         return with_non_tensor_columns(batch, columns)
 
@@ -235,7 +242,7 @@ def load_prompt_dataset(files: str | Sequence[str], data: DataConfig, tokenizer,
 def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) -> PromptDataset:
     """Tokenize the prompts of :func:`read_prompt_rows`' rows, filtering or truncating those longer than
     ``data.max_prompt_length``; a prompt that cannot be used is a :class:`ConfigError` naming ``key``."""
-    prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos = [], [], [], [], [], [], []
+    prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos, raw = [], [], [], [], [], [], [], []
     for index, row in enumerate(rows):
         ids = _tokenize_prompt(row[data.prompt_key], tokenizer, data.apply_chat_template_kwargs, key=key, index=index)
         if len(ids) > data.max_prompt_length:
@@ -260,9 +267,10 @@ def tokenize_rows(rows: list[dict], data: DataConfig, tokenizer, *, key: str) ->
         agents.append(row.get("agent_name"))
         extra_infos.append(row.get("extra_info"))
         tools_kwargs.append((extra_infos[-1] or {}).get("tools_kwargs"))
+        raw.append(row[data.prompt_key])
     if not prompt_ids:
         raise ConfigError([(key, f"every prompt is longer than data.max_prompt_length={data.max_prompt_length}")])
-    return PromptDataset(prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos)
+    return PromptDataset(prompt_ids, sources, truths, indices, agents, tools_kwargs, extra_infos, raw)
 
 
 def check_batch_fits(num_rows: int, batch_size: int) -> None:

@@ -190,11 +190,13 @@ def _reward_manager_problems(cfg: PPOConfig) -> Problems:
 
 def _agent_problems(cfg: PPOConfig) -> Problems:
     """``rollout.mode=async``: the agent-loop file registers its loops, the default loop is one of them, the
-    tool config reads, and every tool's function imports - in a sandbox process, never in this one."""
+    agent function loads, the tool config reads, and every tool's function imports - in a sandbox process,
+    never in this one."""
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode != "async":
         return []
     from ppoflow.workers.service.agent_loop import AGENT_LOOPS, load_agent_loop_config
+    from ppoflow.workers.service.openai_agent import agent_function
     from ppoflow.workers.service.tool_config import TOOL_CONFIG_KEY, load_tool_config
     from ppoflow.workers.service.tools import ToolRunner
 
@@ -212,6 +214,12 @@ def _agent_problems(cfg: PPOConfig) -> Problems:
                 f"{', '.join(sorted(AGENT_LOOPS))}",
             )
         )
+    try:
+        function = agent_function(cfg)
+        if function is not None:
+            function.load()
+    except ValueError as error:
+        problems.append(("actor_rollout_ref.rollout.agent.agent_function", str(error)))
     key = TOOL_CONFIG_KEY
     if rollout.multi_turn.tool_config_path:
         try:

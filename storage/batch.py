@@ -22,9 +22,9 @@ from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth", "extra_info")
-AGENT_FIELDS = ("agent_name", "tools_kwargs", "sample_id")
-"""Per-prompt columns only the rollout reads (a dataset's ``agent_name`` and ``extra_info.tools_kwargs``,
-present when the dataset has them; a train prompt's place in the feed order, which keys the rollout
+AGENT_FIELDS = ("agent_name", "tools_kwargs", "sample_id", "raw_prompt")
+"""Per-prompt columns only the rollout reads (a dataset's ``agent_name``, ``extra_info.tools_kwargs`` and its
+prompt as written, present when the dataset has them; a train prompt's place in the feed order, which keys the rollout
 service's sample cache); they do not stay in the step batch."""
 RESPONSE_FIELDS = (
     "responses",

@@ -16,8 +16,6 @@ from ppoflow.workers.service.agent_loop import (
     AGENT_LOOPS,
     AgentLoop,
     AgentSettings,
-    HermesParser,
-    QuestionMarkParser,
     load_agent_loop_config,
     make_loops,
     outputs_to_batch,
@@ -26,6 +24,7 @@ from ppoflow.workers.service.agent_loop import (
 )
 from ppoflow.workers.service.requests import TokenOutput
 from ppoflow.workers.service.serving import ContinuousBatchingEngine
+from ppoflow.workers.service.tool_calls import HermesParser, QuestionMarkParser
 from tests.agent_loop_helpers import multi_turn_outputs
 
 SAMPLING = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, do_sample=True, max_new_tokens=8, seed=0)

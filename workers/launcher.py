@@ -240,6 +240,8 @@ def streams_reward(cfg: PPOConfig) -> bool:
 def _start_rollout_service(cfg: PPOConfig, replica_of, objects: RayObjects):
     """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources) and
     ``agent.num_workers`` agent-loop workers (asyncio actors that reserve no CPU) that call them."""
+    import secrets
+
     import ray
 
     from ppoflow.workers.models import load_tokenizer
@@ -249,8 +251,11 @@ def _start_rollout_service(cfg: PPOConfig, replica_of, objects: RayObjects):
 
     rollout = cfg.actor_rollout_ref.rollout
     replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
+    gateway_token = secrets.token_urlsafe(32)  # the run's bearer token for every worker's gateway
     agents = [
-        ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env={"env_vars": worker_env()}).remote(cfg, replicas)
+        ray.remote(AgentLoopWorker)
+        .options(num_cpus=0, runtime_env={"env_vars": worker_env()})
+        .remote(cfg, replicas, gateway_token=gateway_token)
         for _ in range(rollout.agent.num_workers)
     ]
     pad_token_id = load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from tensordict import TensorDict
 from ppoflow.configs import ConfigError
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.service.requests import RequestSampling, TokenOutput
+from ppoflow.workers.service.tool_calls import TOOL_CALL_PARSERS
 
 AGENT_LOOPS: dict[str, type[AgentLoop]] = {}
 """Registered agent loops by name."""
@@ -90,7 +89,8 @@ def load_agent_loop_config(path: str, key: str = "actor_rollout_ref.rollout.agen
 @dataclass
 class AgentLoopOutput:
     """One trajectory: the prompt, the response tokens after it (the model's and the tools'), and per
-    response token whether it is trained on, its sampling log-prob (0 on tool tokens) and its turn."""
+    response token whether it is trained on, its sampling log-prob (0 on tool tokens) and its turn (k on the
+    model's k-th turn, -k on the k-th block of tokens it did not sample)."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -118,12 +118,14 @@ class AgentLoopOutput:
             else (min(self.weight_versions[0], low), max(self.weight_versions[1], high))
         )
 
-    def add_tool_answer(self, token_ids: list[int]) -> None:
-        self.tool_calls += 1
+    def add_tool_answer(self, token_ids: list[int], calls: int = 1) -> None:
+        """Append tokens the model did not sample (mask 0): ``calls`` tools' answers (0: other context)."""
+        block = sum(1 for t in set(self.turn_ids) if t < 0) + 1
+        self.tool_calls += calls
         self.response_ids += token_ids
         self.response_mask += [0] * len(token_ids)
         self.response_log_probs += [0.0] * len(token_ids)
-        self.turn_ids += [-self.tool_calls] * len(token_ids)
+        self.turn_ids += [-block] * len(token_ids)
         self.num_turns += 1
 
 
@@ -145,34 +147,44 @@ class AgentSettings:
     max_tool_response_length: int
     tool_format: str
     """How tool calls are written: ``hermes`` or ``question_mark`` (see :data:`TOOL_CALL_PARSERS`)."""
+    agent_function: Any = None
+    """The ``openai_agent`` loop's user function (an :class:`~.openai_agent.AgentFunction`), if any."""
 
 
 class AgentLoop(ABC):
     """Produce one trajectory per call of :meth:`run`; one instance serves many concurrent calls."""
 
-    def __init__(self, *, client: LLMClient, tokenizer, settings: AgentSettings, tools=None):
+    def __init__(self, *, client: LLMClient, tokenizer, settings: AgentSettings, tools=None, gateway=None):
         self.client, self.tokenizer, self.settings, self.tools = client, tokenizer, settings, tools
+        self.gateway = gateway
+        """The worker's OpenAI-compatible gateway (:mod:`~ppoflow.workers.service.gateway`), when enabled."""
 
     @abstractmethod
     async def run(self, sampling: SamplingParams, **row) -> AgentLoopOutput:
         """``row``: ``prompt_ids`` (list[int]), ``session_id`` (unique per trajectory), ``seed`` (this
-        trajectory's sampling seed), ``tools_kwargs`` (per tool, arguments the dataset fixes for this row)."""
+        trajectory's sampling seed), ``tools_kwargs`` (per tool, arguments the dataset fixes for this row),
+        ``raw_prompt`` (the dataset's prompt: text or chat messages), ``data_source``, ``extra_info``."""
 
     def request(
         self, sampling: SamplingParams, *, seed: int, budget: int, stop_token_ids: tuple[int, ...] = ()
     ) -> RequestSampling:
-        """One model turn's request: the run's sampling settings, at most ``budget`` tokens (the rest of the
-        trajectory's response budget) and ``max_tokens_per_turn``."""
-        per_turn = self.settings.max_tokens_per_turn or budget
-        return RequestSampling(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            greedy=sampling.greedy,
-            max_new_tokens=min(budget, per_turn),
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-        )
+        return turn_request(sampling, self.settings, seed=seed, budget=budget, stop_token_ids=stop_token_ids)
+
+
+def turn_request(
+    sampling: SamplingParams, settings: AgentSettings, *, seed: int, budget: int, stop_token_ids: tuple[int, ...] = ()
+) -> RequestSampling:
+    """One model turn's request: the run's sampling settings, at most ``budget`` tokens (the rest of the
+    trajectory's response budget) and ``max_tokens_per_turn``."""
+    return RequestSampling(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        greedy=sampling.greedy,
+        max_new_tokens=min(budget, settings.max_tokens_per_turn or budget),
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+    )
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -193,73 +205,6 @@ class SingleTurnAgentLoop(AgentLoop):
         request = self.request(sampling, seed=row["seed"], budget=self.settings.response_length)
         output.add_model_turn(await self.client.generate(row["session_id"], output.prompt_ids, request))
         return output
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict | str
-
-
-class ToolCallParser(ABC):
-    """Reads a tool call out of a model turn, and writes a tool's answer as the text the model sees."""
-
-    def stop_texts(self) -> tuple[str, ...]:
-        """Texts that end a model turn besides EOS (each must be one token of the tokenizer)."""
-        return ()
-
-    @abstractmethod
-    def parse(self, turn_text: str, tools) -> ToolCall | None: ...
-
-    @abstractmethod
-    def answer_ids(self, text: str, tokenizer) -> list[int]: ...
-
-
-class HermesParser(ToolCallParser):
-    """verl's default format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the turn; the
-    answer is the chat template's rendering of a ``tool`` message (with the generation prompt after it)."""
-
-    CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-    def parse(self, turn_text: str, tools) -> ToolCall | None:
-        found = self.CALL.findall(turn_text)
-        if not found:
-            return None
-        try:
-            call = json.loads(found[0])
-            return ToolCall(str(call["name"]), call.get("arguments", {}))
-        except (ValueError, KeyError, TypeError):
-            return ToolCall("<unparsable>", found[0])
-
-    def answer_ids(self, text: str, tokenizer) -> list[int]:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "tool", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-
-class QuestionMarkParser(ToolCallParser):
-    """A call format small enough for a character-level model: a turn that ends with ``?`` calls the first
-    declared tool, with the turn's text before the ``?`` as its only string argument (none if the tool
-    takes none); the answer is written ``=<answer>>``."""
-
-    def stop_texts(self) -> tuple[str, ...]:
-        return ("?",)
-
-    def parse(self, turn_text: str, tools) -> ToolCall | None:
-        if not turn_text.endswith("?") or tools is None or not tools.specs:
-            return None
-        spec = next(iter(tools.specs.values()))
-        names = list(spec.schema["function"].get("parameters", {}).get("properties", {}))
-        argument = turn_text[:-1]
-        return ToolCall(spec.name, {names[0]: argument} if names else {})
-
-    def answer_ids(self, text: str, tokenizer) -> list[int]:
-        return tokenizer(f"={text}>", add_special_tokens=False)["input_ids"]
-
-
-TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "question_mark": QuestionMarkParser()}
-"""``actor_rollout_ref.rollout.multi_turn.format`` -> parser."""
 
 
 @register("tool_agent")

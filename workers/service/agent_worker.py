@@ -26,7 +26,9 @@ from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.models import load_tokenizer
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.service.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
+from ppoflow.workers.service.gateway import Gateway
 from ppoflow.workers.service.judge import Judge
+from ppoflow.workers.service.openai_agent import agent_function
 from ppoflow.workers.service.replicas import LoadBalancer
 from ppoflow.workers.service.scorer_process import configured_scorer
 
@@ -43,7 +45,7 @@ def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
 class AgentLoopWorker:
     """Runs agent loops concurrently on one asyncio event loop (a Ray actor with no CPU of its own)."""
 
-    def __init__(self, cfg: PPOConfig, replicas: list):
+    def __init__(self, cfg: PPOConfig, replicas: list, *, gateway_token: str | None = None):
         rollout = cfg.actor_rollout_ref.rollout
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.default_loop = rollout.agent.default_agent_loop
@@ -69,7 +71,20 @@ class AgentLoopWorker:
             max_tokens_per_turn=rollout.multi_turn.max_tokens_per_turn,
             max_tool_response_length=rollout.multi_turn.max_tool_response_length,
             tool_format=rollout.multi_turn.format,
+            agent_function=agent_function(cfg),
         )
+        self.gateway = None
+        if rollout.agent.gateway.enable:
+            self.gateway = Gateway(
+                self.client,
+                self.tokenizer,
+                self.settings,
+                model_name=cfg.actor_rollout_ref.model.path.rstrip("/").rsplit("/", 1)[-1],
+                host=rollout.agent.gateway.host,
+                port=rollout.agent.gateway.port,
+                api_key=gateway_token,
+                template_kwargs=cfg.data.apply_chat_template_kwargs,
+            )
         self.loops: dict = {}
         self.sample_cache = sample_cache(cfg)
 
@@ -78,10 +93,19 @@ class AgentLoopWorker:
         if name not in self.loops:
             self.loops.update(
                 make_loops(
-                    {name}, client=self.client, tokenizer=self.tokenizer, settings=self.settings, tools=self.tools
+                    {name},
+                    client=self.client,
+                    tokenizer=self.tokenizer,
+                    settings=self.settings,
+                    tools=self.tools,
+                    gateway=self.gateway,
                 )
             )
         return self.loops[name]
+
+    async def gateway_url(self) -> str | None:
+        """The base URL of this worker's gateway (started on first use), None when it is off."""
+        return None if self.gateway is None else await self.gateway.start()
 
     async def generate(
         self, prompts: TensorDict, *, first_position: int, step: int, sampling: SamplingParams, weight_version: int
@@ -93,12 +117,15 @@ class AgentLoopWorker:
         ``reward_extras`` column (what the scorer reported besides the score). With the sample cache, a
         ``sample_cache`` column says per trajectory whether its group was replayed (``hit``), generated
         (``miss``, ``read_failed``, ``dump_failed``) or not cached (``off``)."""
+        if self.gateway is not None:  # served whenever enabled: agents of any loop may call it
+            await self.gateway.start()
         rows = prompts.batch_size[0]
         names = _column(prompts, "agent_name") or [None] * rows
         tools_kwargs = _column(prompts, "tools_kwargs") or [None] * rows
         samples = _column(prompts, "sample_id") or [None] * rows
         sources, truths = _column(prompts, "data_source"), _column(prompts, "ground_truth")
         infos = _column(prompts, "extra_info") or [None] * rows
+        raw_prompts = _column(prompts, "raw_prompt") or [None] * rows
         call_id = uuid.uuid4().hex[:8]
         groups = await asyncio.gather(
             *(
@@ -115,6 +142,7 @@ class AgentLoopWorker:
                     source=sources[row] if sources else None,
                     truth=truths[row] if truths else None,
                     extra_info=infos[row],
+                    raw_prompt=raw_prompts[row],
                 )
                 for row in range(rows)
             )
@@ -145,6 +173,7 @@ class AgentLoopWorker:
         source: str | None,
         truth,
         extra_info=None,
+        raw_prompt=None,
     ) -> tuple[TensorDict, str]:
         """One prompt's ``n`` trajectories (its prompt unpadded) and how the sample cache served them:
         replayed from the cache when it holds them (stamped with the weights served now: they stand in for
@@ -177,6 +206,9 @@ class AgentLoopWorker:
                 session_id=f"{session}/{index}",
                 seed=trajectory_seed(sampling.seed, step, position, index),
                 tools_kwargs=tools_kwargs,
+                raw_prompt=raw_prompt,
+                data_source=source,
+                extra_info=extra_info,
             )
             prompt = repr(sample) if sample is not None else f"{position} of step {step}"
             runs.append(
@@ -226,7 +258,9 @@ class AgentLoopWorker:
         judge, its score (``judged``: the prompt's tokens, the session, the verdict's seed) is combined with the
         rule's as ``reward_model.combine`` says."""
         output = await trajectory
-        solution = solution_text(output.response_ids, self.tokenizer)
+        solution = output.extra_fields.get("final_answer")  # an openai_agent's own answer
+        if solution is None:
+            solution = solution_text(output.response_ids, self.tokenizer)
         ruled = self.judge is None or has_scorer(data_source, self.custom_scorer)
         score, extras = (
             await asyncio.to_thread(

@@ -90,6 +90,10 @@ class RolloutService:
             except ray.exceptions.RayError as error:
                 logger.warning("a generation ended at the end of the run failed: %r", error)
 
+    def gateway_urls(self) -> list[str | None]:
+        """Each agent worker's gateway base URL (``agent.gateway.enable``; None where it is off): docs/gateway.md."""
+        return self.objects.get([agent.gateway_url.remote() for agent in self.agents])
+
     def memory_stats(self) -> dict[str, float]:
         """The replicas' figures, the largest of each (the agent-loop workers hold no model)."""
         return largest(self.objects.get(self.start_memory_stats()))
