@@ -35,7 +35,7 @@ class ProfilerConfig(Section):
 
 class TorchMemoryConfig(Section):
     trace_alloc_max_entries: int = Field(ge=1, description="torch_memory: allocations the CUDA snapshot keeps.")
-    context: Literal["all", "alloc", "state"] | None = Field(
+    context: Literal["state", "alloc", "all"] | None = Field(
         description="torch_memory: which events record a stack (torch's _record_memory_history context)."
     )
     stacks: Literal["all", "python"] = Field(description="torch_memory: python or python + C++ stacks.")

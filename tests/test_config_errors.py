@@ -32,7 +32,9 @@ def test_unknown_skip_stage_suggests_a_stage():
     assert only_problem(["skip.rolout.enable=true"]) == ("skip.rolout", "unknown cache; did you mean 'skip.rollout'?")
     key, message = only_problem(["skip.zzz.enable=true"])
     assert key == "skip.zzz"
-    assert message == "unknown cache; known: rollout, reward, old_log_prob, ref, values, advantage, async_rollout"
+    assert message == (
+        "unknown cache; known: rollout, reward_model, reward, old_log_prob, ref, values, advantage, async_rollout"
+    )
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,9 @@ from ppoflow.workers.training.policy import ActorWorker
 
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 """float32: W=2 sums the same terms as W=1 in another order (per rank, then over ranks)."""
+UPDATED_WEIGHTS_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
+"""After an AdamW step: its g / (|g| + eps) turns the last bits of a gradient near eps (a rarely seen token's
+embedding) into up to ~1% of the learning rate (1e-3 here)."""
 
 
 def test_balanced_partition_gives_equal_rows_and_balances_tokens():
@@ -116,14 +119,14 @@ def test_two_ranks_train_as_one(ray_local, overrides, batch, tmp_path):
     resumed = ActorWorker(cfg_one)
     resumed.load_checkpoint(str(tmp_path / "actor"), entries, weight_version=1)
     for name, tensor in actor.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, **TOLERANCE)
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, **UPDATED_WEIGHTS_TOLERANCE)
     # One rank resumes from the shards with the weights W=1 reached and the optimizer state too: its next
     # update equals W=1's next update.
     assert resumed.learner.optimizer.state_dict()["state"][0]["step"] == 1
     actor.update(second, step=2)
     resumed.update(second, step=2)
     for name, tensor in actor.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, **UPDATED_WEIGHTS_TOLERANCE)
 
     # The shards are checked against the marker's checksums before DCP reads them.
     shard = tmp_path / "actor" / "shard-00002-model-00001-of-00001.safetensors"

@@ -243,3 +243,28 @@ def test_an_offline_wandb_run_and_a_trackio_run_read_back_with_their_own_readers
     assert sorted(logged) == [1, 2]
     for row in rows:
         assert logged[row["step"]]["critic/score/mean"] == pytest.approx(row["critic/score/mean"], abs=1e-9)
+
+
+def test_a_resumed_run_continues_the_same_offline_wandb_run_without_repeating_a_step(tiny_model, tmp_path):
+    """Two steps, then a resume from the newest checkpoint up to step 3: the second offline run file holds the
+    first one's run id (kept in the checkpoint, passed with resume="allow") and only step 3's metrics."""
+    words = small_run(tiny_model, tmp_path) + ["trainer.logger=[wandb]", "trainer.test_freq=-1", "trainer.save_freq=1"]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    for steps in (2, 3):
+        run_words = [*words, f"trainer.total_training_steps={steps}"]
+        subprocess.run(
+            [sys.executable, "-c", TRAIN_IN_PROCESS, json.dumps(run_words)], env=env, check=True, timeout=600
+        )
+    logged = []
+    for log in sorted(
+        (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda path: path.stat().st_mtime
+    ):
+        inspected = subprocess.run(
+            ["wandb", "leet", "inspect", str(log), "--json"], capture_output=True, check=True, timeout=120, text=True
+        )
+        records = [json.loads(line) for line in inspected.stdout.splitlines() if line.strip()]
+        (run,) = [record["run"] for record in records if record["type"] == "run"]
+        steps = [record["history"]["item"]["_step"] for record in records if record["type"] == "history"]
+        logged.append((run["run_id"], sorted(steps)))
+    assert [steps for _, steps in logged] == [[1, 2], [3]]
+    assert logged[0][0] == logged[1][0]
