@@ -120,6 +120,7 @@ def test_a_batchs_agent_loops_are_summed_up_in_one_line(caplog):
     ) in caplog.text
 
 
+@pytest.mark.slow  # a tool run read back from the server (~35 s)
 def test_a_tool_runs_generate_task_logs_its_turns_and_the_table_shows_them(
     prefect_api, ray_local, tiny_model, tmp_path
 ):

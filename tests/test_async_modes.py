@@ -262,6 +262,7 @@ def test_an_async_run_replays_its_cached_samples_bit_for_bit(prefect_api, ray_lo
         assert row["training/off_policy/trajectory_staleness/max"] == 0  # no warm-up: each step its own prompts
 
 
+@pytest.mark.slow  # a whole async run read back from the server (~35 s)
 def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp_path):
     """``ppoflow train`` in separate_async, its own Ray printing its workers' logs: generation runs ahead,
     so groups are in flight when training ends; they are ended before the actors are killed, and the

@@ -137,6 +137,7 @@ def test_one_step_off_filters_groups(prefect_api, ray_local, overrides, tmp_path
     assert all(row["training/off_policy/trajectory_staleness/max"] == 1 for row in rows[1:])
 
 
+@pytest.mark.slow  # an async run (~12 s); sync and one_step_off filtering run by default
 def test_colocate_async_refills_filtered_groups(prefect_api, ray_local, tiny_model, tmp_path):
     from ppoflow.flows.tracking import read_metrics
     from ppoflow.flows.train import ppo_train

@@ -162,6 +162,7 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
     assert "The temporary Prefect server did not start. Run `prefect server start` to see why" in result.stderr
 
 
+@pytest.mark.slow  # a CLI run with a Ray of its own (~17 s)
 def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_server, tiny_overrides):
     """Found only once Ray runs, inside the flow run: still exit 2 and one message naming the key, no traceback."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CHECK = """
 import os, ray
 from ppoflow.configs import load_config
@@ -28,6 +30,7 @@ def worker_niceness(tiny_overrides: list[str], *words: str) -> int:
     return int(done.stdout.split("niceness")[-1])
 
 
+@pytest.mark.slow  # two Ray starts of their own (~25 s)
 def test_ray_workers_run_at_the_configured_niceness(tiny_overrides):
     assert worker_niceness(tiny_overrides) == 0  # the default, not Ray's 15
     assert worker_niceness(tiny_overrides, "ray.worker_niceness=7") == 7

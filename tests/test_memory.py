@@ -78,6 +78,7 @@ def test_step_metrics_carry_verl_names_for_the_actor_and_every_role_under_its_ow
     assert memory.largest([{"a": 1.0, "b": 5.0}, {"a": 2.0}]) == {"a": 2.0, "b": 5.0}  # over ranks
 
 
+@pytest.mark.slow  # a worker kept busy on purpose (~9 s)
 def test_a_busy_role_is_waited_for_once_then_read_a_step_later(ray_local, monkeypatch):
     import ray
 

@@ -151,6 +151,7 @@ def test_a_service_that_fails_every_request_fails_the_step_naming_the_url(prefec
         state.result()
 
 
+@pytest.mark.slow  # two runs (~11 s); the stage cache is tested for every stage in test_cache_flow
 def test_the_reward_model_stage_is_cached_like_the_others(prefect_api, ray_local, tiny_model, tmp_path):
     """A second run with the same cached rollout replays the service's scores without asking it again."""
     dump = tmp_path / "dump"

@@ -92,6 +92,7 @@ def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas)
     assert serving_version(ray_local, replicas[0]) == 0  # back, with its initial weights
 
 
+@pytest.mark.slow  # a replica restart (~10 s)
 def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_local, replicas, tiny_model):
     from ppoflow.workers.models import load_causal_lm
     from ppoflow.workers.service.rollout_service import RolloutService

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ppoflow.flows.stages import StepData
 from tests.async_modes_helpers import run_overrides
 from tests.flow_runs import task_runs_by_name
@@ -13,6 +15,7 @@ def test_a_rounds_label():
     assert [StepData(3, round=r).label for r in (0, 1, 2)] == ["step=3", "step=3/1", "step=3/2"]
 
 
+@pytest.mark.slow  # a run of several rounds (~13 s); StepData's labels are unit-tested above
 def test_every_round_of_a_step_has_task_runs_of_its_own(prefect_api, ray_local, tiny_model, tmp_path):
     from ppoflow.flows.train import ppo_train
 

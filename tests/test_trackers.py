@@ -245,6 +245,7 @@ def test_an_offline_wandb_run_and_a_trackio_run_read_back_with_their_own_readers
         assert logged[row["step"]]["critic/score/mean"] == pytest.approx(row["critic/score/mean"], abs=1e-9)
 
 
+@pytest.mark.slow  # two runs in processes of their own (~20 s)
 def test_a_resumed_run_continues_the_same_offline_wandb_run_without_repeating_a_step(tiny_model, tmp_path):
     """Two steps, then a resume from the newest checkpoint up to step 3: the second offline run file holds the
     first one's run id (kept in the checkpoint, passed with resume="allow") and only step 3's metrics."""

@@ -285,6 +285,7 @@ def test_a_validation_run_reports_verls_metrics_and_pass_at_k(tiny_overrides, tm
     assert f"val-core/{source}/acc/maj@4/mean " in line and "/std" not in line and "val-aux" not in line
 
 
+@pytest.mark.slow  # a rollout-service run (~9 s)
 def test_a_validation_in_the_rollout_service_keeps_the_scorers_extras(prefect_api, ray_local, tiny_model, tmp_path):
     """The rollout service scores validation's trajectories as they finish: the extras it returns (the vault
     scorer's ``exact``) still reach the metrics, beside the reward's bootstrap over 2 responses a prompt."""
