@@ -59,7 +59,7 @@ def write_synthetic_dataset(spec: SyntheticDataConfig, train_url: str, val_url: 
             extra_info = {"split": split, "index": index}
             if task == "vault":
                 extra_info["tools_kwargs"] = {"vault": {"key": digits}}
-            truth = {"vault": vault_code(digits), "prefer": None}.get(task, digits)
+            truth = vault_code(digits) if task == "vault" else None if task == "prefer" else digits
             record = {
                 "data_source": SYNTHETIC_SOURCES[task],
                 "prompt": [{"role": "user", "content": prompt}],

@@ -57,6 +57,20 @@ def test_vault_rows_fix_the_key_for_the_tool_and_mix_in_copy_rows(tmp_path):
     assert sum(vault_code(f"{k:02d}") == f"{k:02d}" for k in range(100)) < 5  # that hardly keeps a key
 
 
+@pytest.mark.parametrize("task", ["copy", "prefer"])
+def test_only_vault_rows_open_a_vault(tmp_path, monkeypatch, task):
+    """A vault code is a shuffle of every code of the key's length (10^8 for 8 digits): copy and prefer rows of
+    long keys must not draw one."""
+
+    def no_vault(key):
+        raise AssertionError(f"a {task} row drew the vault code of {key}")
+
+    monkeypatch.setattr("ppoflow.data.datasets.vault_code", no_vault)
+    spec = SyntheticDataConfig(task=task, digits=8, train_rows=4, val_rows=1, seed=0)
+    write_synthetic_dataset(spec, str(tmp_path / "train.parquet"), None)
+    assert len(read_rows(str(tmp_path / "train.parquet"), key="k")) == 4
+
+
 def test_synthetic_rows_are_deterministic_per_seed_and_val_continues_the_stream(tmp_path):
     spec = SyntheticDataConfig(task="copy", digits=4, train_rows=30, val_rows=10, seed=3)
     write_synthetic_dataset(spec, str(tmp_path / "a/train.parquet"), str(tmp_path / "a/val.parquet"))
