@@ -107,12 +107,15 @@ def write_prompts(scratch: Path, rows: int) -> Path:
 class ProcessTree:
     """Samples every ``interval_s`` the process trees under ``roots`` (pid -> the kind its root counts as): keeps
     the peak of their summed RSS (that sample by kind, with the RSS and niceness of the largest Ray worker, the
-    model's) and of their summed PSS, and each process's CPU seconds as last seen, summed by kind (``cpu_s``)."""
+    model's) and of their summed PSS, and each process's CPU seconds while sampled, summed by kind (``cpu_s``): a
+    process that was running before (the Prefect server, one for all runs) counts from the first sample on."""
 
     def __init__(self, roots: dict[int, str], interval_s: float = 0.2):
         self.roots, self.interval_s = roots, interval_s
         self.peak = {"rss": 0, "pss": 0, "by_kind": {}, "model_worker": None}
         self._cpu: dict[int, tuple[str, float]] = {}
+        self._cpu_before: dict[int, float] = {}
+        """The CPU seconds of each root that was running before (not started by the run), at the first sample."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
 
@@ -126,7 +129,8 @@ class ProcessTree:
 
     @property
     def cpu_s(self) -> dict[str, float]:
-        return {kind: sum(s for k, s in self._cpu.values() if k == kind) for kind in KINDS}
+        spent = {pid: (kind, s - self._cpu_before.get(pid, 0.0)) for pid, (kind, s) in self._cpu.items()}
+        return {kind: sum(s for k, s in spent.values() if k == kind) for kind in KINDS}
 
     @staticmethod
     def _kind(process, root_kind: str) -> str:
@@ -157,6 +161,8 @@ class ProcessTree:
                             largest_worker = (memory.rss, process.nice())
                     except psutil.Error:  # ended meanwhile
                         continue
+                    if process.pid not in self._cpu and kind != "driver" and process.pid in self.roots:
+                        self._cpu_before[process.pid] = cpu.user + cpu.system
                     self._cpu[process.pid] = (kind, cpu.user + cpu.system)
                     rss, pss, by_kind[kind] = rss + memory.rss, pss + memory.pss, by_kind[kind] + memory.rss
             self.peak["pss"] = max(self.peak["pss"], pss)

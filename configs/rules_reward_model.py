@@ -1,5 +1,6 @@
 """Rules of the model-based rewards (``reward_model.enable``, ``.remote``, ``.judge``): a reward model needs its
-path, a judge its parser and the rollout service, and one model-based reward scores a run, not two."""
+path, a judge its parser and the rollout service (a judge model, a judge), and one model-based reward scores a run,
+not two."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def reward_model_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     judge = rewards.judge
+    if judge.model.path is not None and judge.prompt_template is None:
+        errors.append(
+            (
+                "reward_model.judge.model.path",
+                "a judge model without a judge: set reward_model.judge.prompt_template (and parser_path), or "
+                "leave the path null",
+            )
+        )
     if judge.prompt_template is not None:
         if not judge.parser_path:
             errors.append(("reward_model.judge.parser_path", "needed with a judge: it turns the verdict into a score"))

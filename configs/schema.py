@@ -202,6 +202,24 @@ class PPOConfig(Section):
         )
 
     @property
+    def judge_model(self) -> ModelConfig | None:
+        """The judge's own model (``reward_model.judge.model``) as a model section, for the code that loads and
+        checks models; None when the policy's replicas judge."""
+        judge = self.reward_model.judge.model
+        if judge.path is None:
+            return None
+        return self.actor_rollout_ref.model.model_copy(
+            update={
+                **judge.model_dump(),
+                "enable_gradient_checkpointing": False,
+                "use_remove_padding": False,
+                "build": None,
+                "lora_rank": 0,
+                "lora_adapter_path": None,
+            }
+        )
+
+    @property
     def gen_batch_size(self) -> int:
         """Prompts per generation (verl: gen_batch_size, else train_batch_size)."""
         return self.data.gen_batch_size or self.data.train_batch_size

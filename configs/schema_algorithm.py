@@ -88,8 +88,30 @@ class RemoteRewardConfig(Section):
         return url
 
 
+class RewardModelPathConfig(Section):
+    """The reward model's files (verl's ``reward_model.model``)."""
+
+    path: str | None = Field(
+        description="Hugging Face sequence-classification model (1 label), or causal LM with a value head "
+        "(v_head.summary.*), local path or fsspec URL; needed when `enable`."
+    )
+    tokenizer_path: str | None = Field(description="Its tokenizer (and chat template); null = `path`.")
+    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
+
+
+class JudgeModelConfig(RewardModelPathConfig):
+    """The judge's own model (``reward_model.judge.model``): served by replicas of its own, never trained."""
+
+    path: str | None = Field(
+        description="Hugging Face causal LM (local path or fsspec URL) served by `num_replicas` replicas of its own, "
+        "which take no weight updates; null = the policy's rollout replicas judge with its current weights."
+    )
+
+
 class JudgeConfig(Section):
-    """An LLM judge on the rollout service's replicas (docs/reward_models.md#an-llm-judge)."""
+    """An LLM judge on the rollout service: the policy's replicas, or a judge model's own
+    (docs/reward_models.md#an-llm-judge)."""
 
     prompt_template: str | None = Field(
         description="The judge's prompt, with {prompt}, {response} and {ground_truth} filled in; null = no judge."
@@ -105,6 +127,9 @@ class JudgeConfig(Section):
     error_score: float = Field(
         allow_inf_nan=False, description="The judge score of a verdict the parser fails on (logged, counted)."
     )
+    model: JudgeModelConfig
+    num_replicas: int = Field(ge=1, description="Replicas serving the judge model (with `model.path`).")
+    resources: ResourcesConfig
 
     @field_validator("prompt_template")
     @classmethod
@@ -119,18 +144,6 @@ class JudgeConfig(Section):
                 {"unknown": ", ".join(unknown)},
             )
         return template
-
-
-class RewardModelPathConfig(Section):
-    """The reward model's files (verl's ``reward_model.model``)."""
-
-    path: str | None = Field(
-        description="Hugging Face sequence-classification model (1 label), or causal LM with a value head "
-        "(v_head.summary.*), local path or fsspec URL; needed when `enable`."
-    )
-    tokenizer_path: str | None = Field(description="Its tokenizer (and chat template); null = `path`.")
-    trust_remote_code: bool = Field(description="Passed to transformers' from_pretrained.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="Parameter dtype of the loaded model.")
 
 
 class RewardModelConfig(Section):

@@ -37,7 +37,7 @@ from ppoflow.storage.bounded import StorageStalled, bounded, client_timeouts
 from ppoflow.storage.checkpoint import checked_manifest
 from ppoflow.storage.fs import atomic_write, join, open_fs, path_problem, remove_if_present
 from ppoflow.workers.launcher import ray_handshake
-from ppoflow.workers.memory import memory_problems
+from ppoflow.workers.memory_estimate import memory_problems
 from ppoflow.workers.models import builds_model, check_context_length, load_tokenizer
 from ppoflow.workers.service.scorer_process import ScorerProcess
 
@@ -264,7 +264,7 @@ def _model_problems(cfg: PPOConfig):
 
 def _memory_problems(cfg: PPOConfig) -> Problems:
     """The bytes the roles' copies of the models need, counted from their configs, against the RAM and GPUs of a
-    local run (:func:`~ppoflow.workers.memory.memory_problems`; a model still to be built is not counted)."""
+    local run (:func:`~ppoflow.workers.memory_estimate.memory_problems`; a model still to be built is not counted)."""
     return memory_problems(cfg)
 
 

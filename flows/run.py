@@ -25,7 +25,7 @@ from ppoflow.flows.stages import RolloutOrigin, Stages, derived_from
 from ppoflow.storage.batch import NON_TENSOR_FIELDS, with_non_tensor_columns
 from ppoflow.storage.step_cache.sample_cache import sample_id
 from ppoflow.tasks.startup import load_data, start_workers
-from ppoflow.workers.memory import memory_note
+from ppoflow.workers.memory_estimate import memory_note
 from ppoflow.workers.remote_reward import RemoteReward
 from ppoflow.workers.roles import Workers
 from ppoflow.workers.rollout.sampling import SamplingParams

@@ -255,6 +255,7 @@ RANGES = [
     Rule("reward_model.judge.max_tokens", [(0, ">= 1")], [1]),
     Rule("reward_model.judge.temperature", [(-0.1, ">= 0")], [0.0]),
     Rule("reward_model.judge.timeout_s", [(0, "greater than 0")], [0.001]),
+    Rule("reward_model.judge.num_replicas", [(0, ">= 1")], [1]),
     Rule("skip.rollout.timeout_s", [(0.0, "greater than 0 (got 0.0)")], [0.001]),
     Rule("skip.rollout.retries", [(-1, ">= 0 (got -1)")], [0]),
 ]

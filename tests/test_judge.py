@@ -1,13 +1,16 @@
-"""The LLM judge on the rollout service (reward_model.judge): the tiny policy's own replicas generate each verdict
-as trajectories finish, a user parser turns it into a score, a parser failure scores error_score and is counted;
-its config is checked before anything starts."""
+"""The LLM judge on the rollout service (reward_model.judge): the tiny policy's own replicas, or a judge model's
+own, generate each verdict as trajectories finish, a user parser turns it into a score, a parser failure scores
+error_score and is counted; its config is checked before anything starts."""
 
 import json
 
 import pytest
+import torch
 
+from ppoflow.configs.schema import TinyModelConfig
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
+from ppoflow.workers.models import build_tiny_model
 from tests.config_helpers import only_problem
 from tests.conftest import small_run
 
@@ -19,17 +22,24 @@ def parse(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_a_judge_scores_each_trajectory_on_the_rollout_replicas(prefect_api, ray_local, tiny_model, tmp_path):
-    (tmp_path / "parser.py").write_text(PARSER)
-    overrides = small_run(tiny_model, tmp_path) + [
+def judged_run(tiny_model: str, tmp_path, parser: str) -> list[str]:
+    """Two steps of the prefer task (no rule scores it: the judge alone) in async mode, each verdict of at most 4
+    tokens parsed by ``parser`` (written under ``tmp_path``), the scored samples dumped to ``tmp_path/dumps``."""
+    (tmp_path / "parser.py").write_text(parser)
+    return small_run(tiny_model, tmp_path) + [
         "actor_rollout_ref.rollout.mode=async",
         "data.val_files=null",
-        "data.synthetic.task=prefer",  # no rule scores it: the judge alone
+        "data.synthetic.task=prefer",
         "trainer.test_freq=-1",
         f"trainer.rollout_data_dir={tmp_path}/dumps",
         "reward_model.judge.prompt_template='{prompt}{response}?'",
         f"reward_model.judge.parser_path={tmp_path}/parser.py",
         "reward_model.judge.max_tokens=4",
+    ]
+
+
+def test_a_judge_scores_each_trajectory_on_the_rollout_replicas(prefect_api, ray_local, tiny_model, tmp_path):
+    overrides = judged_run(tiny_model, tmp_path, PARSER) + [
         "reward_model.judge.temperature=1.0",
         "reward_model.judge.error_score=-5",
     ]
@@ -47,6 +57,59 @@ def test_a_judge_scores_each_trajectory_on_the_rollout_replicas(prefect_api, ray
         assert row["reward/judge_scorer_errors/mean"] == pytest.approx(sum(failed) / len(scores))
         outcomes.update(failed)
     assert outcomes == {True, False}  # verdicts the parser scored, and verdicts it failed on
+
+
+SEVENS_PARSER = """
+def parse(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0 if solution_str == "7777" else 0.0, "sevens": float(solution_str.count("7"))}
+"""
+
+
+def build_sevens_judge(path) -> None:
+    """A tiny judge model whose greedy verdict is always ``7777``: its embeddings share one large coordinate, which
+    the final norm keeps positive, and its output head reads only that coordinate, for the token ``7`` alone.
+    Built from a config and saved like any Hugging Face model, so it is loaded through the real code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tiny_model(
+        str(path),
+        TinyModelConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=128,
+            seed=1,
+        ),
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    seven = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("7")
+    model.config.tie_word_embeddings = False  # the tiny models tie them: the head gets weights of its own
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 100.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[seven, 0] = 1.0
+    model.save_pretrained(path)
+
+
+def test_a_judge_model_of_its_own_scores_on_its_replicas(prefect_api, ray_local, tiny_model, tmp_path):
+    """The judge model (always ``7777``) judges every trajectory of both steps on its own replicas, in its own
+    tokens: the policy, judging, would say something else, and the judge's replicas would too had they been sent
+    the policy's weights after step 1."""
+    build_sevens_judge(tmp_path / "judge")
+    overrides = judged_run(tiny_model, tmp_path, SEVENS_PARSER) + [
+        f"reward_model.judge.model.path={tmp_path}/judge",
+        "reward_model.judge.num_replicas=2",
+        "reward_model.judge.resources.num_cpus=0",
+    ]
+    state = ppo_train(config="grpo_tiny", overrides=overrides, return_state=True)
+    assert state.is_completed(), state
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [row["reward/judge_sevens/mean"] for row in rows] == [4.0, 4.0]
+    for step in (1, 2):
+        scores = [json.loads(line)["score"] for line in open(tmp_path / "dumps" / f"{step}.jsonl")]
+        assert scores == [1.0] * 16
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,9 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ppoflow.configs import load_config
-from ppoflow.workers import memory
-from ppoflow.workers.memory import (
-    GIB,
-    MemoryReports,
-    ReportsMemory,
-    estimate_memory,
-    memory_metrics,
-    parameter_count,
-    process_memory,
-)
+from ppoflow.workers import memory, memory_estimate
+from ppoflow.workers.memory import GIB, MemoryReports, ReportsMemory, memory_metrics, process_memory
+from ppoflow.workers.memory_estimate import estimate_memory, parameter_count
 from ppoflow.workers.models import load_value_model
 from ppoflow.workers.roles import RayObjects, RayRole
 from tests.conftest import model_config
@@ -158,7 +151,7 @@ def test_the_estimate_counts_every_copy(tmp_path):
 def test_a_model_still_to_be_built_is_not_estimated(tmp_path):
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tmp_path}/later", "data.train_files=x.parquet"])
     assert estimate_memory(cfg) == ([], ["actor"])
-    assert "not estimated: actor" in memory.memory_note(cfg)
+    assert "not estimated: actor" in memory_estimate.memory_note(cfg)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_keys(capsys, tmp_path, tiny_model, tiny_overrides):
@@ -194,8 +187,8 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_keys(capsys, tmp_path, t
 
 def test_a_run_that_fits_passes_and_says_what_it_needs(tiny_model, tiny_overrides):
     cfg = load_config("grpo_tiny", tiny_overrides)
-    assert memory.memory_problems(cfg) == []
-    note = memory.memory_note(cfg)
+    assert memory_estimate.memory_problems(cfg) == []
+    note = memory_estimate.memory_note(cfg)
     assert note.startswith("memory estimate (weights, gradients, AdamW state): actor ") and " in RAM" in note
 
 
@@ -216,15 +209,19 @@ def test_a_gpu_role_beyond_its_share_of_the_gpu_is_refused(tmp_path, monkeypatch
         }
     )
     actor_bytes = 16 * TINY_PARAMETERS
-    monkeypatch.setattr(memory, "local_budget", lambda cfg, needs_gpu: memory.Budget(None, actor_bytes))
-    ((key, message),) = memory.memory_problems(gpu_cfg)  # half of a GPU that holds the actor's state exactly
+    monkeypatch.setattr(
+        memory_estimate, "local_budget", lambda cfg, needs_gpu: memory_estimate.Budget(None, actor_bytes)
+    )
+    ((key, message),) = memory_estimate.memory_problems(gpu_cfg)  # half of a GPU that holds the actor's state exactly
     assert key == "actor_rollout_ref.actor" and "on GPU" in message and "(0.5 of " in message
     assert "actor_rollout_ref.actor.fsdp_config.offload_policy, trainer.n_gpus_per_node" in message
-    monkeypatch.setattr(memory, "local_budget", lambda cfg, needs_gpu: memory.Budget(None, 4 * actor_bytes))
-    assert memory.memory_problems(gpu_cfg) == []
+    monkeypatch.setattr(
+        memory_estimate, "local_budget", lambda cfg, needs_gpu: memory_estimate.Budget(None, 4 * actor_bytes)
+    )
+    assert memory_estimate.memory_problems(gpu_cfg) == []
 
 
 def test_a_cluster_elsewhere_is_not_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     cfg = load_config("grpo_tiny", ["actor_rollout_ref.model.path=x", "data.train_files=x.parquet"])
-    assert memory.local_budget(cfg, needs_gpu=True) == memory.Budget(None, None)
+    assert memory_estimate.local_budget(cfg, needs_gpu=True) == memory_estimate.Budget(None, None)

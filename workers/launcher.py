@@ -128,12 +128,10 @@ def start_workers(cfg: PPOConfig) -> Workers:
         placement_groups.append(placement_group)
     service = None
     if arr.rollout.mode == "async":
-        service = _start_rollout_service(
-            cfg, lambda cls: actor_of(cls, arr.rollout.resources, restartable=True), objects
-        )
+        service = _start_rollout_service(cfg, actor_of, objects)
     elif not cfg.colocated:
         handles["rollout"] = actor_of(rollout_worker_class(cfg), arr.rollout.resources, restartable=True)
-    service_handles = service.replicas + service.agents if service else []
+    service_handles = service.replicas + service.judge_replicas + service.agents if service else []
     every_handle = [*handles.values(), *(handle for group in groups.values() for handle in group), *service_handles]
     ray.get([handle.__ray_ready__.remote() for handle in every_handle])  # surfaces constructor errors
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
@@ -159,6 +157,8 @@ def start_workers(cfg: PPOConfig) -> Workers:
     placement = {role: _node_ids(group) for role, group in groups.items()}
     if service is not None:
         placement["rollout"] = _node_ids(service.replicas)
+        if service.judge_replicas:
+            placement["judge"] = _node_ids(service.judge_replicas)
     placement.update({role: _node_ids([handle]) for role, handle in handles.items()})
     return Workers(
         **roles_served,
@@ -237,29 +237,33 @@ def streams_reward(cfg: PPOConfig) -> bool:
     return cfg.actor_rollout_ref.rollout.mode == "async" and not scored_apart
 
 
-def _start_rollout_service(cfg: PPOConfig, replica_of, objects: RayObjects):
-    """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources) and
-    ``agent.num_workers`` agent-loop workers (asyncio actors that reserve no CPU) that call them."""
+def _start_rollout_service(cfg: PPOConfig, actor_of, objects: RayObjects):
+    """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources), the
+    judge model's replicas when it has one (on ``reward_model.judge.resources``), and ``agent.num_workers``
+    agent-loop workers (asyncio actors that reserve no CPU) that call them."""
     import secrets
 
     import ray
 
     from ppoflow.workers.models import load_tokenizer
     from ppoflow.workers.service.agent_worker import AgentLoopWorker
-    from ppoflow.workers.service.replicas import RolloutReplica
+    from ppoflow.workers.service.replicas import JudgeReplica, RolloutReplica
     from ppoflow.workers.service.rollout_service import RolloutService
 
-    rollout = cfg.actor_rollout_ref.rollout
-    replicas = [replica_of(RolloutReplica) for _ in range(rollout.num_replicas)]
+    rollout, judge = cfg.actor_rollout_ref.rollout, cfg.reward_model.judge
+    replicas = [actor_of(RolloutReplica, rollout.resources, restartable=True) for _ in range(rollout.num_replicas)]
+    judges = []
+    if cfg.judge_model is not None:
+        judges = [actor_of(JudgeReplica, judge.resources, restartable=True) for _ in range(judge.num_replicas)]
     gateway_token = secrets.token_urlsafe(32)  # the run's bearer token for every worker's gateway
     agents = [
         ray.remote(AgentLoopWorker)
         .options(num_cpus=0, runtime_env={"env_vars": worker_env()})
-        .remote(cfg, replicas, gateway_token=gateway_token)
+        .remote(cfg, replicas, judge_replicas=judges, gateway_token=gateway_token)
         for _ in range(rollout.agent.num_workers)
     ]
     pad_token_id = load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id
-    return RolloutService(replicas, agents, pad_token_id=pad_token_id, objects=objects)
+    return RolloutService(replicas, agents, pad_token_id=pad_token_id, objects=objects, judge_replicas=judges)
 
 
 def start_local_workers(cfg: PPOConfig) -> Workers:

@@ -158,10 +158,12 @@ def check_model_paths(model: ModelConfig, key: str) -> None:
         raise ConfigError(list(problems.items()))
 
 
-def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
-    """:class:`ConfigError` naming ``key`` when prompt + response would exceed the model's
-    ``max_position_embeddings`` (the build recipe's when the model is still to be built), or when the model's
-    paths or config are unusable (:func:`check_model_paths`, :func:`model_config`)."""
+def check_context_length(
+    model: ModelConfig, needed: int, key: str, what: str = "data.max_prompt_length + data.max_response_length"
+) -> None:
+    """:class:`ConfigError` naming ``key`` when ``needed`` tokens (``what``: prompt + response) would exceed the
+    model's ``max_position_embeddings`` (the build recipe's when the model is still to be built), or when the
+    model's paths or config are unusable (:func:`check_model_paths`, :func:`model_config`)."""
     check_model_paths(model, key)
     if builds_model(model):
         limit, source = model.build.max_position_embeddings, _build_key(key)
@@ -172,8 +174,7 @@ def check_context_length(model: ModelConfig, needed: int, key: str) -> None:
             [
                 (
                     key,
-                    f"data.max_prompt_length + data.max_response_length = {needed} exceeds the "
-                    f"model's max_position_embeddings={limit} ({source})",
+                    f"{what} = {needed} exceeds the model's max_position_embeddings={limit} ({source})",
                 )
             ]
         )

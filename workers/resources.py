@@ -24,6 +24,11 @@ def role_resources(cfg: PPOConfig) -> dict[str, ResourcesConfig]:
         roles[_times("critic", ranks, "ranks")] = _scaled(cfg.critic.resources, ranks)
     if cfg.reward_model.enable:
         roles["reward_model"] = cfg.reward_model.resources
+    judge = cfg.reward_model.judge
+    if cfg.judge_model is not None:
+        roles[_times("reward_model.judge", judge.num_replicas, "replicas")] = _scaled(
+            judge.resources, judge.num_replicas
+        )
     return roles
 
 

@@ -45,7 +45,7 @@ def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
 class AgentLoopWorker:
     """Runs agent loops concurrently on one asyncio event loop (a Ray actor with no CPU of its own)."""
 
-    def __init__(self, cfg: PPOConfig, replicas: list, *, gateway_token: str | None = None):
+    def __init__(self, cfg: PPOConfig, replicas: list, *, judge_replicas: list = (), gateway_token: str | None = None):
         rollout = cfg.actor_rollout_ref.rollout
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         self.default_loop = rollout.agent.default_agent_loop
@@ -62,8 +62,12 @@ class AgentLoopWorker:
             )
         self.client = LoadBalancer(replicas, partial_rollout=cfg.trainer.v1.colocate_async.partial_rollout)
         self.custom_scorer = configured_scorer(cfg.custom_reward_function)  # user code: its own process
-        judge = cfg.reward_model.judge
-        self.judge = Judge(judge, self.client, self.tokenizer) if judge.prompt_template is not None else None
+        judge, self.judge = cfg.reward_model.judge, None
+        if judge.prompt_template is not None and judge_replicas:  # a judge model: its replicas, its tokenizer
+            judges = LoadBalancer(list(judge_replicas))
+            self.judge = Judge(judge, judges, self.tokenizer, load_tokenizer(cfg.judge_model))
+        elif judge.prompt_template is not None:  # the policy judges, on its own replicas
+            self.judge = Judge(judge, self.client, self.tokenizer)
         self.combine = cfg.reward_model.combine
         self.settings = AgentSettings(
             response_length=cfg.data.max_response_length,

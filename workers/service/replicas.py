@@ -1,8 +1,9 @@
 """The generation replicas of the rollout service and the load balancer the agent loops call them through.
 
 A :class:`RolloutReplica` (a Ray actor on ``rollout.resources``) holds the policy behind a continuous-batching
-engine; :class:`LoadBalancer` sends each request to the replica with the fewest in flight, sticky per session, and
-retries one a crashed replica dropped on another. Details: docs/rollout_service.md.
+engine, a :class:`JudgeReplica` the judge model (``reward_model.judge.model``); :class:`LoadBalancer` sends each
+request to the replica with the fewest in flight, sticky per session, and retries one a crashed replica dropped on
+another. Details: docs/rollout_service.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 
-from ppoflow.configs.schema import PPOConfig
+from ppoflow.configs.schema import ModelConfig, PPOConfig, ResourcesConfig
 from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
 from ppoflow.workers.service.requests import RequestSampling, TokenOutput
 from ppoflow.workers.service.serving import ContinuousBatchingEngine
@@ -26,12 +27,17 @@ class RolloutReplica:
     """One generation replica: the policy on its device behind a continuous-batching engine."""
 
     def __init__(self, cfg: PPOConfig):
-        rollout = cfg.actor_rollout_ref.rollout
-        self.device = set_up_worker_process(rollout.resources)
-        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        self.model = load_causal_lm(cfg.actor_rollout_ref.model).to(self.device).eval()
+        self._serve(cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout.resources, cfg)
+
+    def _serve(self, model: ModelConfig, resources: ResourcesConfig, cfg: PPOConfig) -> None:
+        self.device = set_up_worker_process(resources)
+        tokenizer = load_tokenizer(model)
+        self.model = load_causal_lm(model).to(self.device).eval()
         self.engine = ContinuousBatchingEngine(
-            self.model, eos_token_id=tokenizer.eos_token_id, device=self.device, max_num_seqs=rollout.max_num_seqs
+            self.model,
+            eos_token_id=tokenizer.eos_token_id,
+            device=self.device,
+            max_num_seqs=cfg.actor_rollout_ref.rollout.max_num_seqs,
         )
         self.engine.start()
         self.receiver = WeightReceiver()
@@ -73,6 +79,14 @@ class RolloutReplica:
     async def stats(self) -> dict:
         """The engine's counters (requests admitted, tokens generated, mean running batch size, ...)."""
         return self.engine.stats()
+
+
+class JudgeReplica(RolloutReplica):
+    """One replica of the judge model (``reward_model.judge.model``, on ``reward_model.judge.resources``): it
+    generates verdicts only and is sent no weights, so a restart reloads all it serves."""
+
+    def __init__(self, cfg: PPOConfig):
+        self._serve(cfg.judge_model, cfg.reward_model.judge.resources, cfg)
 
 
 class LoadBalancer:

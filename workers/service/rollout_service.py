@@ -25,12 +25,22 @@ class RolloutFailing(RuntimeError):
 
 class RolloutService:
     """The rollout role of ``rollout.mode=async`` (a :class:`~ppoflow.workers.roles.RolloutRole`): the replicas and
-    the agent-loop workers. ``objects`` fetches replies (the run's, so that it watches the training ranks)."""
+    the agent-loop workers; the judge model's replicas, which take no weights (``judge_replicas``). ``objects``
+    fetches replies (the run's, so that it watches the training ranks)."""
 
-    def __init__(self, replicas: list, agents: list, *, pad_token_id: int, objects: RayObjects | None = None):
+    def __init__(
+        self,
+        replicas: list,
+        agents: list,
+        *,
+        pad_token_id: int,
+        objects: RayObjects | None = None,
+        judge_replicas: list = (),
+    ):
         import ray
 
         self.replicas, self.agents, self.pad_token_id = replicas, agents, pad_token_id
+        self.judge_replicas = list(judge_replicas)
         self.objects = objects or RayObjects()
         self._next_agent = -1
         self._concatenate = ray.remote(num_cpus=0)(concatenate)
