@@ -1,4 +1,4 @@
-"""Continuous batching (workers/service/serving.py) against static batching on a long-tailed batch of requests.
+"""Continuous batching (workers/rollout/serving.py) against static batching on a long-tailed batch of requests.
 
 ``--requests`` prompts (8-16 random tokens) on a random-init Llama (hidden 256, 4 layers), each with a seeded
 long-tailed budget of 4-96 tokens, EOS ignored so both ways produce the same useful tokens (plain sampling, KV
@@ -51,8 +51,8 @@ def main() -> None:
         load_causal_lm,
         load_tokenizer,
     )
-    from ppoflow.workers.service.requests import RequestSampling
-    from ppoflow.workers.service.serving import ContinuousBatchingEngine
+    from ppoflow.workers.rollout.requests import RequestSampling
+    from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 
     draw = random.Random(args.seed)
     budgets = long_tailed_budgets(args.requests, args.seed)

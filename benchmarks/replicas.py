@@ -37,8 +37,8 @@ def main() -> None:
     from ppoflow.configs import load_config
     from ppoflow.configs.schema import TinyModelConfig
     from ppoflow.workers.models import TINY_CHARACTERS, TINY_SPECIAL_TOKENS, build_tiny_model
+    from ppoflow.workers.rollout.requests import RequestSampling
     from ppoflow.workers.service.replicas import LoadBalancer, RolloutReplica
-    from ppoflow.workers.service.requests import RequestSampling
 
     draw = random.Random(args.seed)
     budgets = long_tailed_budgets(args.requests, args.seed)

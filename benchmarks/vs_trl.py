@@ -8,7 +8,7 @@ defaults, Ray local, the benchmark's own Prefect server); TRL in a process of it
 The sides alternate ``--repeats`` times per variant; s/step is the median after ``--warmup`` steps; peak memory
 is the summed RSS (and PSS) of each run's process tree, sampled every 0.2 s. Method: docs/benchmarks.md.
 
-    python benchmarks/vs_trl.py [--shape 25m|qwen0.5b] [--variant full gc lora lora_packed] [--steps 6] [--repeats 2]
+    python benchmarks/vs_trl.py [--shape 25m|qwen0.5b] [--variant full gc lora ...] [--steps 6] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from trl_side import measured  # noqa: E402 (benchmarks/ is the script's folder)
+from process_tree import ProcessTree  # noqa: E402 (benchmarks/ is the script's folder)
+from trl_side import measured  # noqa: E402
 from workloads import local_prefect_server, timing_medians  # noqa: E402
 
 SHAPES = {
@@ -40,6 +40,7 @@ SHAPES = {
 DIGITS = 8  # prompts of 8 digits and ">": 9 tokens, every prompt the same length on both sides
 LORA = {"lora_rank": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 LORA_KEYS = [f"actor_rollout_ref.model.{key}={value}" for key, value in LORA.items()]
+PADDED_KEYS = ["actor_rollout_ref.model.use_remove_padding=false"]  # padded rows (the preset packs, as verl does)
 PACKING_KEYS = [
     "actor_rollout_ref.model.use_remove_padding=true",
     "actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -49,10 +50,11 @@ VARIANTS = {  # gradient checkpointing, LoRA, ppoflow's extra overrides (TRL's G
     "full": {"gc": False, "lora": False, "overrides": []},
     "gc": {"gc": True, "lora": False, "overrides": []},
     "lora": {"gc": False, "lora": True, "overrides": LORA_KEYS},
+    "lora_gc": {"gc": True, "lora": True, "overrides": LORA_KEYS},
+    "lora_padded": {"gc": False, "lora": True, "overrides": LORA_KEYS + PADDED_KEYS},
     "lora_packed": {"gc": False, "lora": True, "overrides": LORA_KEYS + PACKING_KEYS},
 }
 PPOFLOW = [str(Path(sys.executable).with_name("ppoflow"))]  # the command line a user runs
-KINDS = ("driver", "ray workers", "ray system", "prefect server", "other")
 
 
 def build_model(scratch: Path, shape: str) -> Path:
@@ -102,73 +104,6 @@ def write_prompts(scratch: Path, rows: int) -> Path:
             SyntheticDataConfig(task="copy", digits=DIGITS, train_rows=rows, seed=0), str(path), None
         )
     return path
-
-
-class ProcessTree:
-    """Samples every ``interval_s`` the process trees under ``roots`` (pid -> the kind its root counts as): keeps
-    the peak of their summed RSS (that sample by kind, with the RSS and niceness of the largest Ray worker, the
-    model's) and of their summed PSS, and each process's CPU seconds while sampled, summed by kind (``cpu_s``): a
-    process that was running before (the Prefect server, one for all runs) counts from the first sample on."""
-
-    def __init__(self, roots: dict[int, str], interval_s: float = 0.2):
-        self.roots, self.interval_s = roots, interval_s
-        self.peak = {"rss": 0, "pss": 0, "by_kind": {}, "model_worker": None}
-        self._cpu: dict[int, tuple[str, float]] = {}
-        self._cpu_before: dict[int, float] = {}
-        """The CPU seconds of each root that was running before (not started by the run), at the first sample."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
-
-    def __enter__(self) -> ProcessTree:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def cpu_s(self) -> dict[str, float]:
-        spent = {pid: (kind, s - self._cpu_before.get(pid, 0.0)) for pid, (kind, s) in self._cpu.items()}
-        return {kind: sum(s for k, s in spent.values() if k == kind) for kind in KINDS}
-
-    @staticmethod
-    def _kind(process, root_kind: str) -> str:
-        """What a process under a root counts as: under the driver, Ray's workers (``ray::<what>``), Ray's own
-        processes (raylet, GCS, agents) or other (anything else the driver started)."""
-        if root_kind != "driver":
-            return root_kind
-        command = " ".join(process.cmdline())
-        return "ray workers" if command.startswith("ray::") else "ray system" if "ray" in command else "other"
-
-    def _sample_until_stopped(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            rss = pss = 0
-            by_kind, largest_worker = dict.fromkeys(KINDS, 0), (0, None)
-            for root, root_kind in self.roots.items():
-                try:
-                    top = psutil.Process(root)
-                    tree = [(top, root_kind), *((child, None) for child in top.children(recursive=True))]
-                except psutil.Error:  # the root ended
-                    continue
-                for process, kind in tree:
-                    try:
-                        memory, cpu = process.memory_full_info(), process.cpu_times()
-                        kind = kind or self._kind(process, root_kind)
-                        if kind == "ray workers" and memory.rss > largest_worker[0]:
-                            largest_worker = (memory.rss, process.nice())
-                    except psutil.Error:  # ended meanwhile
-                        continue
-                    if process.pid not in self._cpu and kind != "driver" and process.pid in self.roots:
-                        self._cpu_before[process.pid] = cpu.user + cpu.system
-                    self._cpu[process.pid] = (kind, cpu.user + cpu.system)
-                    rss, pss, by_kind[kind] = rss + memory.rss, pss + memory.pss, by_kind[kind] + memory.rss
-            self.peak["pss"] = max(self.peak["pss"], pss)
-            if rss > self.peak["rss"]:
-                self.peak.update(rss=rss, by_kind=by_kind, model_worker=largest_worker if largest_worker[0] else None)
-            self._stop.wait(self.interval_s)
 
 
 def side_env(threads: int) -> dict[str, str]:

@@ -60,8 +60,8 @@ class ModelConfig(Section):
     use_remove_padding: bool = Field(
         description="Pack each micro-batch's sequences into one row without pad tokens (position ids restart per "
         "sequence, attention stays inside each) for every forward pass of the model's roles: log-probs, values "
-        "and the updates. With sdpa or eager attention a pack of T tokens builds a T x T block mask: bound T with "
-        "use_dynamic_bsz (flash attention needs no mask)."
+        "and the updates. Flash attention takes a micro-batch in one row; sdpa and eager in rows as wide as its "
+        "longest sequence, filled first-fit, whose block masks cost each row's width squared."
     )
     build: TinyModelConfig | None = Field(
         description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "

@@ -102,8 +102,8 @@ class RolloutConfig(Section):
         description="Generation engine: `hf` (transformers/torch, CPU or GPU) or `vllm` (GPU)."
     )
     mode: Literal["sync", "async"] = Field(
-        description="sync: one worker generates each batch in one call (static batching); async: the rollout "
-        "service - num_replicas replicas serving per-request generation with continuous batching, "
+        description="sync: one worker generates each batch in one call (a finished response leaves the batch); "
+        "async: the rollout service - num_replicas replicas serving per-request generation with continuous batching, "
         "called by agent loops per sample and per turn (multi-turn, tools)."
     )
     num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")

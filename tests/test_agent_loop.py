@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from ppoflow.configs import ConfigError
+from ppoflow.workers.rollout.requests import TokenOutput
 from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from ppoflow.workers.service.agent_loop import (
     AGENT_LOOPS,
     AgentLoop,
@@ -22,8 +24,6 @@ from ppoflow.workers.service.agent_loop import (
     register,
     turn_seed,
 )
-from ppoflow.workers.service.requests import TokenOutput
-from ppoflow.workers.service.serving import ContinuousBatchingEngine
 from ppoflow.workers.service.tool_calls import HermesParser, QuestionMarkParser
 from tests.agent_loop_helpers import multi_turn_outputs
 

@@ -13,7 +13,7 @@ import pytest
 
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.tracking import read_metrics
-from ppoflow.workers.service.requests import RequestSampling
+from ppoflow.workers.rollout.requests import RequestSampling
 from tests.async_modes_helpers import LEDGER_MODE, run_overrides
 from tests.flow_runs import task_runs_by_name
 

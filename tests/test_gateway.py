@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ppoflow.data.vault import vault_code
+from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from ppoflow.workers.service.agent_loop import make_loops, turn_seed
 from ppoflow.workers.service.gateway import Gateway
 from ppoflow.workers.service.openai_agent import AgentFailed, AgentFunction
-from ppoflow.workers.service.serving import ContinuousBatchingEngine
 from tests.test_agent_loop import SAMPLING, EngineClient, ScriptedModel, VaultTools, settings
 
 VAULT_AGENT = AgentFunction("ppoflow.data.vault_agent:agent", None, max_concurrency=4, timeout_s=30)

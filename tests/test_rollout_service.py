@@ -12,7 +12,7 @@ import pytest
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.flows.preflight import preflight
 from ppoflow.flows.tracking import read_metrics
-from ppoflow.workers.service.requests import RequestSampling
+from ppoflow.workers.rollout.requests import RequestSampling
 
 SAMPLING = RequestSampling(
     temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=6, seed=0, ignore_eos=True

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (workers/service/serving.py) against transformers' own generation and a
+"""The continuous-batching engine (workers/rollout/serving.py) against transformers' own generation and a
 teacher-forced forward, on the tiny random Llama: greedy outputs, log-probs, per-request seeds, stop
 conditions, aborts, the stepping thread, pauses and weight versions."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from ppoflow.workers.service.requests import RequestSampling, sample_next_tokens
-from ppoflow.workers.service.serving import ContinuousBatchingEngine
+from ppoflow.workers.rollout.requests import RequestSampling, sample_next_tokens
+from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from tests.conftest import model_config
 
 CPU = torch.device("cpu")
@@ -207,14 +207,14 @@ def test_abort_returns_the_tokens_so_far(model, tokenizer, prompts, greedy_refer
     companion = engine.submit("companion", prompts[0], greedy())
     waiting = engine.submit("waiting", prompts[1], greedy())
     cancelled = engine.submit("cancelled", prompts[2], greedy())
-    for _ in range(3):
+    for _ in range(3):  # 4 tokens: the first step's prefill samples one and its decode another
         engine.step()
     engine.abort("running")
     engine.abort("waiting")
     engine.abort("no-such-request")
     assert running.done() and waiting.done()
-    assert (running.result().token_ids, running.result().finish_reason) == (greedy_references[3][:3], "abort")
-    assert running.result().log_probs and len(running.result().log_probs) == 3
+    assert (running.result().token_ids, running.result().finish_reason) == (greedy_references[3][:4], "abort")
+    assert running.result().log_probs and len(running.result().log_probs) == 4
     assert (waiting.result().token_ids, waiting.result().finish_reason) == ([], "abort")
     assert cancelled.cancel()
     assert engine.step() == 1  # the aborted row left; the cancelled request is never admitted
@@ -226,7 +226,7 @@ def test_abort_returns_the_tokens_so_far(model, tokenizer, prompts, greedy_refer
     engine.step()
     engine.abort_all()
     assert [future.result(timeout=0).finish_reason for future in in_flight] == ["abort"] * 4
-    assert [len(future.result().token_ids) for future in in_flight] == [1, 1, 0, 0]
+    assert [len(future.result().token_ids) for future in in_flight] == [2, 2, 0, 0]  # prefill's and decode's
     assert engine.step() == 0 and engine.stats()["waiting"] == 0
 
 
@@ -336,18 +336,19 @@ def test_a_failing_forward_fails_the_requests_it_hit_and_the_engine_goes_on(
 
 def test_sample_next_tokens_keeps_each_rows_own_filters():
     """Row by row: greedy takes the argmax, top_k=1 the argmax whatever the draw, a tiny top_p only the
-    most likely token, and with no filter the draw's position in the CDF picks the token."""
-    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]] * 4))
+    most likely token, with no filter the draw's position in the CDF in vocabulary order (0.1, 0.7, 1.0) picks
+    the token, and top_k=2 the position in the CDF of the two most likely, most likely first (0.6/0.9, 1.0)."""
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]] * 6))
     tokens, log_probs = sample_next_tokens(
         logits,
-        temperatures=torch.ones(4),
-        top_ks=torch.tensor([0, 1, 0, 0]),
-        top_ps=torch.tensor([1.0, 1.0, 0.01, 1.0]),
-        greedy=torch.tensor([True, False, False, False]),
-        uniforms=torch.tensor([0.99, 0.99, 0.99, 0.95]),
+        temperatures=torch.ones(6),
+        top_ks=torch.tensor([0, 1, 0, 0, 0, 2]),
+        top_ps=torch.tensor([1.0, 1.0, 0.01, 1.0, 1.0, 1.0]),
+        greedy=torch.tensor([True, False, False, False, False, False]),
+        uniforms=torch.tensor([0.99, 0.99, 0.99, 0.95, 0.5, 0.7]),
     )
-    assert tokens.tolist() == [1, 1, 1, 0]
-    torch.testing.assert_close(log_probs, torch.log(torch.tensor([0.6, 0.6, 0.6, 0.1])))
+    assert tokens.tolist() == [1, 1, 1, 2, 1, 2]
+    torch.testing.assert_close(log_probs, torch.log(torch.tensor([0.6, 0.6, 0.6, 0.3, 0.6, 0.3])))
 
 
 def test_models_without_full_attention_caches_are_refused():

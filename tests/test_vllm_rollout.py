@@ -18,7 +18,7 @@ import torch
 
 from ppoflow.configs import ConfigError, load_config, rules
 from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
-from ppoflow.workers.rollout.sampling import SamplingParams, step_seed
+from ppoflow.workers.rollout.sampling import SamplingParams, rollout_batch, step_seed
 from ppoflow.workers.rollout.vllm_worker import (
     LOGPROBS_MODE,
     SEED_SPACE,
@@ -29,7 +29,6 @@ from ppoflow.workers.rollout.vllm_worker import (
     bucket_tensors,
     engine_kwargs,
     request_seeds,
-    rollout_batch,
     sampling_kwargs,
 )
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _raw_bytes, plan_buckets

@@ -1,21 +1,26 @@
-"""Sampling responses with transformers' ``generate``: the sampling settings of a step, its seeds, and
-:func:`sample_responses`, which the rollout worker (:mod:`ppoflow.workers.rollout.hf_worker`) and the colocated
-actor (``actor_rollout_ref.hybrid_engine``) run on their models. Each call returns the rollout part of the step
-batch (see :mod:`ppoflow.storage.batch`): response tokens, the response mask (up to and including the first EOS),
-the log-probability of every sampled token under the sampling distribution ``softmax(logits / temperature)``
-(verl's convention: top-k/top-p truncation is not folded in, so the actor recomputes exactly the same quantity),
-and the weight version that produced it.
+"""Sampling a step's responses: the sampling settings (:class:`SamplingParams`), the seeds (one per step, one per
+trajectory) and :func:`sample_responses`, which the transformers rollout worker
+(:mod:`ppoflow.workers.rollout.hf_worker`) and the colocated actor (``actor_rollout_ref.hybrid_engine``) run on their
+models through the continuous-batching engine (:mod:`ppoflow.workers.rollout.serving`), so a finished response leaves
+the batch at once and each trajectory draws from its own seeded stream (its tokens depend on its seed and the
+weights, not on its neighbours). :func:`sampled_batch` lays any engine's token lists out as the rollout part of the
+step batch (see :mod:`ppoflow.storage.batch`): response tokens, the response mask (up to and including the first EOS),
+each sampled token's log-probability under ``softmax(logits / temperature)`` (verl's convention: top-k/top-p
+truncation is not folded in, so the actor recomputes exactly the same quantity) and the weight version.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.workers.rollout.requests import RequestSampling
+from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 
 
 @dataclass(frozen=True)
@@ -66,41 +71,23 @@ class SamplingParams:
 
 def step_seed(seed: int, step: int) -> int:
     """A sampling seed that depends only on ``(seed, step)``: replays and resumes sample identically."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{step}".encode()).digest()[:8], "little") % (2**63)
+    return _seed(f"{seed}/{step}")
 
 
-class SampledTokenLogProbs:
-    """A logits processor that records the log-prob of each sampled token, at ``temperature``, from the
-    model's scores before top-k/top-p (transformers runs the warpers after the processors it is given).
+def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
+    """The sampling seed of one trajectory (sample ``sample`` of the prompt at ``position``): depends only on the
+    run's seed, the step and the trajectory's place in the batch, so replays and resumes sample the same whatever
+    the scheduling."""
+    return _seed(f"{seed}/{step}/{position}/{sample}")
 
-    ``generate`` can return every step's logits instead, [N, T, vocab] - 39 GB in float32 for 128 responses
-    of 512 tokens with a 150k vocabulary - of which one number per token is used. Each call sees the token
-    sampled from the previous call's scores as the last of ``input_ids``, so only one step's log-softmax is
-    kept: [N, vocab]."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.previous: torch.Tensor | None = None
-        self.sampled: list[torch.Tensor] = []
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") % (2**63)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._take(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
 
-    def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[N, generated] log-probs of the generated tokens (``sequences``: generate's output)."""
-        self._take(sequences[:, -1])
-        return (
-            torch.stack(self.sampled, dim=1)
-            if self.sampled
-            else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
-        )
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        if self.previous is not None:
-            self.sampled.append(self.previous.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
-            self.previous = None
+def prompt_token_ids(prompts: TensorDict) -> list[list[int]]:
+    """Each prompt's tokens without its left padding."""
+    return [row[mask].tolist() for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())]
 
 
 def sample_responses(
@@ -113,54 +100,111 @@ def sample_responses(
     weight_version: int,
     device: torch.device,
 ) -> TensorDict:
-    """Sample ``sampling.n`` responses per prompt with transformers' ``generate``; the rollout part of the
-    step batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``."""
-    from transformers import LogitsProcessorList
+    """Sample ``sampling.n`` responses per prompt on the continuous-batching engine; the rollout part of the step
+    batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``. Trajectory ``(p, s)``
+    samples with :func:`trajectory_seed` (greedy: argmax, log-probs at temperature 1 as the engine's)."""
+    from peft import PeftModel
 
+    if isinstance(model, PeftModel):  # its LoRA layers live in the base model, which the engine drives
+        model = model.get_base_model()
+    engine = ContinuousBatchingEngine(
+        model, eos_token_id=tokenizer.eos_token_id, device=device, max_num_seqs=max(1, len(prompts) * sampling.n)
+    )
+    futures = [
+        engine.submit(
+            f"{position}/{sample}",
+            ids,
+            RequestSampling(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                greedy=sampling.greedy,
+                max_new_tokens=sampling.max_new_tokens,
+                seed=trajectory_seed(sampling.seed, step, position, sample),
+            ),
+        )
+        for position, ids in enumerate(prompt_token_ids(prompts))
+        for sample in range(sampling.n)
+    ]
+    while engine.step():
+        pass
+    outputs = [future.result() for future in futures]
+    return sampled_batch(
+        prompts,
+        sampling,
+        [output.token_ids for output in outputs],
+        [output.log_probs for output in outputs],
+        weight_version=weight_version,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def sampled_batch(
+    prompts: TensorDict,
+    sampling: SamplingParams,
+    token_ids: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    *,
+    weight_version: int,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> TensorDict:
+    """The rollout part of the step batch from an engine's ``sampling.n`` token lists per prompt (prompt-major) and
+    their log-probs: each prompt's tensors repeated ``n`` times, the response fields (:func:`rollout_batch`), the
+    weight version and each row's group (its prompt)."""
     # the prompt tensors only: any per-prompt column sent along stays with the driver, which repeats
     # its own copy onto the responses (tasks/generate.py)
-    repeated = prompts.select("prompts", "prompt_mask")[
-        torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n)
-    ]
-    eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(step_seed(sampling.seed, step))
-    model.eval()
-    recorder = SampledTokenLogProbs(sampling.temperature if sampling.temperature > 0 else 1.0)
-    with torch.no_grad():
-        sequences = model.generate(
-            input_ids=repeated["prompts"].to(device),
-            attention_mask=repeated["prompt_mask"].long().to(device),
-            do_sample=not sampling.greedy,
-            temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None,
-            top_k=max(sampling.top_k, 0) if not sampling.greedy else None,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            logits_processor=LogitsProcessorList([recorder]),
-        )
-    prompt_length = repeated["prompts"].shape[1]
-    generated = sequences[:, prompt_length:].cpu()
-    token_log_probs = recorder.log_probs(sequences).cpu()
-
-    rows, width = generated.shape[0], sampling.max_new_tokens
-    responses = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.int64)
-    responses[:, : generated.shape[1]] = generated
-    is_eos = responses == eos_token_id
-    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    response_mask = ~after_eos
-    response_mask[:, generated.shape[1] :] = False
-    rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    rollout_log_probs[:, : generated.shape[1]] = token_log_probs
-    rollout_log_probs = rollout_log_probs * response_mask
-
+    count = prompts.batch_size[0]
+    group_index = torch.arange(count).repeat_interleave(sampling.n)
+    repeated = prompts.select("prompts", "prompt_mask")[group_index]
     repeated.update(
         {
-            "responses": responses,
-            "response_mask": response_mask,
-            "rollout_log_probs": rollout_log_probs,
-            "weight_version": torch.full((rows,), weight_version, dtype=torch.int64),
-            "group_index": torch.arange(prompts.batch_size[0]).repeat_interleave(sampling.n),
+            **rollout_batch(
+                token_ids,
+                log_probs,
+                width=sampling.max_new_tokens,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+            ),
+            "weight_version": torch.full((count * sampling.n,), weight_version, dtype=torch.int64),
+            "group_index": group_index,
         }
     )
     return repeated
+
+
+def rollout_batch(
+    token_ids: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    *,
+    width: int,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """The response fields of the step batch from per-trajectory token ids and their log-probs.
+
+    Same layout as the HF engine: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
+    ``response_mask`` [N, width] bool, True up to and including the first EOS; ``rollout_log_probs``
+    [N, width] float32, zero wherever the mask is False. Tokens after the first EOS (an engine stops
+    there, so normally there are none) are masked and replaced by padding.
+    """
+    if len(token_ids) != len(log_probs):
+        raise ValueError(f"{len(token_ids)} token lists but {len(log_probs)} log-prob lists")
+    padded_tokens, padded_scores, valid_lengths = [], [], []
+    for row, (tokens, scores) in enumerate(zip(token_ids, log_probs)):
+        tokens, scores = list(tokens), list(scores)
+        if len(tokens) != len(scores):
+            raise ValueError(f"row {row}: {len(tokens)} tokens but {len(scores)} log-probs")
+        if len(tokens) > width:
+            raise ValueError(f"row {row}: {len(tokens)} tokens exceed the response width {width}")
+        valid = tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
+        padded_tokens.append(tokens[:valid] + [pad_token_id] * (width - valid))
+        padded_scores.append(scores[:valid] + [0.0] * (width - valid))
+        valid_lengths.append(valid)
+    rows = len(token_ids)
+    return {
+        "responses": torch.tensor(padded_tokens, dtype=torch.int64).view(rows, width),
+        "response_mask": torch.arange(width) < torch.tensor(valid_lengths, dtype=torch.int64).view(rows, 1),
+        "rollout_log_probs": torch.tensor(padded_scores, dtype=torch.float32).view(rows, width),
+    }

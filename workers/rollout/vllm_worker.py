@@ -5,7 +5,8 @@
 them apart. vLLM is an optional extra (``ppoflow[vllm]``) imported only when an engine is built, so this module
 imports on a CPU machine; the config loader rejects ``rollout.name=vllm`` there
 (:func:`ppoflow.configs.rules.cross_field_errors`). Weights load through :class:`VLLMWeightLoader`, the
-``worker_extension_cls``; the batch conversion is the pure function :func:`rollout_batch`.
+``worker_extension_cls``; the batch conversion is
+:func:`ppoflow.workers.rollout.sampling.sampled_batch`, shared with the transformers engine.
 How it drives vLLM's ``LLM`` API (prompts, sampling, seeds, log-probs, weights): docs/vllm.md.
 """
 
@@ -21,7 +22,7 @@ from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import gpu_memory, largest, process_memory
 from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
-from ppoflow.workers.rollout.sampling import SamplingParams, step_seed
+from ppoflow.workers.rollout.sampling import SamplingParams, prompt_token_ids, sampled_batch, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -32,41 +33,6 @@ WORKER_EXTENSION = "ppoflow.workers.rollout.vllm_worker.VLLMWeightLoader"
 
 SEED_SPACE = 2**62
 """Request seeds stay below ``SEED_SPACE + rows`` (well inside torch's 64-bit generator seeds)."""
-
-
-def rollout_batch(
-    token_ids: Sequence[Sequence[int]],
-    log_probs: Sequence[Sequence[float]],
-    *,
-    width: int,
-    eos_token_id: int,
-    pad_token_id: int,
-) -> dict[str, torch.Tensor]:
-    """The response fields of the step batch from per-trajectory token ids and their log-probs.
-
-    Same layout as the HF engine: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
-    ``response_mask`` [N, width] bool, True up to and including the first EOS; ``rollout_log_probs``
-    [N, width] float32, zero wherever the mask is False. Tokens after the first EOS (an engine stops
-    there, so normally there are none) are masked and replaced by padding.
-    """
-    if len(token_ids) != len(log_probs):
-        raise ValueError(f"{len(token_ids)} token lists but {len(log_probs)} log-prob lists")
-    rows = len(token_ids)
-    responses = torch.full((rows, width), pad_token_id, dtype=torch.int64)
-    response_mask = torch.zeros((rows, width), dtype=torch.bool)
-    rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    for row, (tokens, scores) in enumerate(zip(token_ids, log_probs)):
-        tokens, scores = list(tokens), list(scores)
-        if len(tokens) != len(scores):
-            raise ValueError(f"row {row}: {len(tokens)} tokens but {len(scores)} log-probs")
-        if len(tokens) > width:
-            raise ValueError(f"row {row}: {len(tokens)} tokens exceed the response width {width}")
-        valid = tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
-        if valid:
-            responses[row, :valid] = torch.tensor(tokens[:valid], dtype=torch.int64)
-            rollout_log_probs[row, :valid] = torch.tensor(scores[:valid], dtype=torch.float32)
-            response_mask[row, :valid] = True
-    return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": rollout_log_probs}
 
 
 def request_seeds(seed: int, step: int, prompts: int, n: int) -> list[int]:
@@ -145,11 +111,7 @@ class VLLMRolloutWorker:
         from vllm import SamplingParams as VLLMSamplingParams
 
         count = prompts.batch_size[0]
-        repeated = prompts.select("prompts", "prompt_mask")[torch.arange(count).repeat_interleave(sampling.n)]
-        requests = [
-            {"prompt_token_ids": row[mask].tolist()}
-            for row, mask in zip(prompts["prompts"], prompts["prompt_mask"].bool())
-        ]
+        requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids(prompts)]
         kwargs = sampling_kwargs(sampling, eos_token_id=self.eos_token_id)
         if sampling.greedy:
             params = [VLLMSamplingParams(**kwargs) for _ in range(count)]
@@ -171,20 +133,15 @@ class VLLMRolloutWorker:
             for completion in completions:
                 token_ids.append(list(completion.token_ids))
                 log_probs.append(_sampled_log_probs(completion))
-        repeated.update(
-            {
-                **rollout_batch(
-                    token_ids,
-                    log_probs,
-                    width=sampling.max_new_tokens,
-                    eos_token_id=self.eos_token_id,
-                    pad_token_id=self.pad_token_id,
-                ),
-                "weight_version": torch.full((count * sampling.n,), self.weight_version, dtype=torch.int64),
-                "group_index": torch.arange(count).repeat_interleave(sampling.n),
-            }
+        return sampled_batch(
+            prompts,
+            sampling,
+            token_ids,
+            log_probs,
+            weight_version=self.weight_version,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
         )
-        return repeated
 
     def apply_weights(self, update: WeightUpdate) -> int:
         """Load the actor's weights into the running engine, bucket by bucket (with LoRA the actor sends the

@@ -21,8 +21,8 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs import ConfigError
+from ppoflow.workers.rollout.requests import RequestSampling, TokenOutput
 from ppoflow.workers.rollout.sampling import SamplingParams
-from ppoflow.workers.service.requests import RequestSampling, TokenOutput
 from ppoflow.workers.service.tool_calls import TOOL_CALL_PARSERS
 
 AGENT_LOOPS: dict[str, type[AgentLoop]] = {}

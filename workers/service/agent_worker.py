@@ -7,7 +7,6 @@ Details: docs/rollout_service.md.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import uuid
 
@@ -24,7 +23,7 @@ from ppoflow.storage.bounded import client_timeouts
 from ppoflow.storage.fingerprints import model_identities
 from ppoflow.storage.step_cache.sample_cache import SampleCache
 from ppoflow.workers.models import load_tokenizer
-from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.rollout.sampling import SamplingParams, trajectory_seed
 from ppoflow.workers.service.agent_loop import AgentSettings, load_agent_loop_config, make_loops, outputs_to_batch
 from ppoflow.workers.service.gateway import Gateway
 from ppoflow.workers.service.judge import Judge
@@ -33,13 +32,6 @@ from ppoflow.workers.service.replicas import LoadBalancer
 from ppoflow.workers.service.scorer_process import configured_scorer
 
 logger = logging.getLogger("ppoflow.rollout")
-
-
-def trajectory_seed(seed: int, step: int, position: int, sample: int) -> int:
-    """The sampling seed of one trajectory: depends only on the run's seed, the step and the trajectory's
-    place in the batch, so replays and resumes sample the same whatever the scheduling."""
-    text = f"{seed}/{step}/{position}/{sample}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") % (2**63)
 
 
 class AgentLoopWorker:

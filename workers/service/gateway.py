@@ -16,10 +16,10 @@ import secrets
 import socket
 from dataclasses import replace
 
+from ppoflow.workers.rollout.requests import RequestSampling, TokenOutput
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.service.agent_loop import AgentLoopOutput, AgentSettings, turn_request
 from ppoflow.workers.service.gateway_http import build_app
-from ppoflow.workers.service.requests import RequestSampling, TokenOutput
 from ppoflow.workers.service.sessions import Choice, GatewayError, Head, Sampled, Session, choice_seed
 from ppoflow.workers.service.tool_calls import TOOL_CALL_PARSERS
 

@@ -12,7 +12,7 @@ import asyncio
 
 from ppoflow.algorithms.scoring import score_one, solution_text
 from ppoflow.configs.schema_algorithm import JudgeConfig
-from ppoflow.workers.service.requests import RequestSampling
+from ppoflow.workers.rollout.requests import RequestSampling
 from ppoflow.workers.service.scorer_process import ScorerProcess
 
 JUDGE_EXTRAS = "judge_"

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from ppoflow.configs.schema import ModelConfig, PPOConfig, ResourcesConfig
 from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
-from ppoflow.workers.service.requests import RequestSampling, TokenOutput
-from ppoflow.workers.service.serving import ContinuousBatchingEngine
+from ppoflow.workers.rollout.requests import RequestSampling, TokenOutput
+from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate
 
 logger = logging.getLogger("ppoflow.rollout")

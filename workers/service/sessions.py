@@ -14,9 +14,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from ppoflow.workers.rollout.requests import TokenOutput
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.service.agent_loop import AgentLoopOutput, AgentSettings, turn_seed
-from ppoflow.workers.service.requests import TokenOutput
 from ppoflow.workers.service.tool_calls import ToolCall, ToolCallParser
 
 

@@ -1,4 +1,4 @@
-"""A request to the continuous-batching engine (:mod:`ppoflow.workers.service.serving`): how it samples
+"""A request to the continuous-batching engine (:mod:`ppoflow.workers.rollout.serving`): how it samples
 (:class:`RequestSampling`), what it gets back (:class:`TokenOutput`), its state in flight, and the draw of each
 row's next token (:func:`sample_next_tokens`). Sampling is per request and reproducible (a seeded
 ``torch.Generator`` per request); log-probs follow :func:`ppoflow.workers.rollout.sampling.sample_responses`.
@@ -58,6 +58,10 @@ class TokenOutput:
     weight_versions: tuple[int, int]
 
 
+UNIFORM_BLOCK = 64
+"""Draws taken from a request's generator at a time (:meth:`Request.next_uniform`)."""
+
+
 @dataclass(eq=False)
 class Request:
     """A request in flight: what was asked, its own random stream, and what it has generated so far."""
@@ -70,17 +74,25 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     weight_versions: tuple[int, int] | None = None
+    _uniforms: list[float] = field(default_factory=list)
+
+    def next_uniform(self) -> float:
+        """The next draw in ``[0, 1)`` of the request's own stream (drawn from its generator in blocks: one call
+        per block, not per token)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(UNIFORM_BLOCK, generator=self.generator).tolist()[::-1]
+        return self._uniforms.pop()
 
     @property
     def cached_length(self) -> int:
-        """Tokens of this request in the KV cache: the prompt but its last token, then every token fed
-        back since (the newest token is fed at the next step)."""
+        """Tokens of this request in the KV cache: the prompt (prefilled with its first token's sampling), then every
+        sampled token but the newest, which the next decode forward feeds."""
         return len(self.prompt_ids) - 1 + len(self.token_ids)
 
     @property
     def next_input(self) -> int:
-        """The token the next decode forward feeds for this request."""
-        return self.token_ids[-1] if self.token_ids else self.prompt_ids[-1]
+        """The token the next decode forward feeds for this request (a running request has sampled one)."""
+        return self.token_ids[-1]
 
     def record(self, token: int, log_prob: float, weight_version: int) -> None:
         self.token_ids.append(token)
@@ -131,11 +143,15 @@ def sample_next_tokens(
     convention); the others scale by their temperature, keep their ``top_ks`` most likely tokens
     (``<= 0``: all), then the smallest head of those whose mass reaches their ``top_ps`` (``1``: all),
     and pick the token where that distribution's CDF crosses their ``uniforms`` draw (in ``[0, 1)``), so
-    a row's token depends on nothing but its own logits and draw.
+    a row's token depends on nothing but its own logits and draw. A row that truncates nothing takes the CDF in
+    vocabulary order, without sorting the vocabulary.
     """
     scaled = logits / temperatures.unsqueeze(1)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    truncated = (top_ks > 0) | (top_ps < 1)
+    if bool((~greedy & ~truncated).any()):
+        tokens = torch.where(greedy | truncated, tokens, _inverse_cdf(torch.softmax(scaled, dim=-1), uniforms))
+    if bool((~greedy & truncated).any()):
         vocab = logits.shape[-1]
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
@@ -143,8 +159,15 @@ def sample_next_tokens(
         probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         keep &= (mass_before < top_ps.unsqueeze(1)) | (top_ps >= 1).unsqueeze(1)
-        cdf = probs.masked_fill(~keep, 0.0).cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
-        tokens = torch.where(greedy, tokens, order.gather(-1, picked).squeeze(1))
+        picked = _inverse_cdf(probs.masked_fill(~keep, 0.0), uniforms).unsqueeze(1)
+        tokens = torch.where(~greedy & truncated, order.gather(-1, picked).squeeze(1), tokens)
     log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, log_probs
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` [rows, vocab] (non-negative, unnormalised), the column where the CDF crosses
+    ``uniforms`` [rows] times the row's total."""
+    cdf = weights.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True)
+    return picked.squeeze(1).clamp(max=weights.shape[-1] - 1)

@@ -2,9 +2,10 @@
 agent loops (verl's V1 / AgentLoop design), which call a rollout replica per sample and per turn.
 
 A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and log-probs. Each
-:meth:`step <ContinuousBatchingEngine.step>` admits waiting requests into free slots, runs one decode forward for
-all running sequences and drops the finished ones, so a finished sequence frees its slot at once. Sampling per
-request: :mod:`ppoflow.workers.service.requests`. No Ray here: a Ray actor wraps the engine.
+:meth:`step <ContinuousBatchingEngine.step>` admits waiting requests into free slots (their prefill samples their
+first tokens), runs one decode forward for all running sequences and drops the finished ones, so a finished sequence
+frees its slot at once. Sampling per
+request: :mod:`ppoflow.workers.rollout.requests`. No Ray here: a Ray actor wraps the engine.
 The KV-cache layout and sampling details: docs/rollout_service.md#the-engine.
 """
 
@@ -19,56 +20,10 @@ from contextlib import contextmanager
 
 import torch
 
-from ppoflow.workers.service.requests import Request, RequestSampling, sample_next_tokens, settle
+from ppoflow.workers.rollout.kv_rows import cache_layers, join_rows, left_padding_mask, select_rows, set_cache_layers
+from ppoflow.workers.rollout.requests import Request, RequestSampling, sample_next_tokens, settle
 
 logger = logging.getLogger(__name__)
-
-
-def left_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """``[rows, width]`` attention mask whose row ``i`` has ones in its last ``lengths[i]`` columns."""
-    columns = torch.arange(width, device=lengths.device)
-    return (columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
-
-
-def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's ``(keys, values)``, ``[rows, heads, columns, head_dim]``, of a full-attention
-    ``DynamicCache`` (its layers are ``DynamicLayer``s; see :meth:`ContinuousBatchingEngine.__init__`)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _set_cache_layers(cache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Replace each layer's keys and values in place (what ``DynamicLayer.batch_select_indices`` does)."""
-    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
-        layer.keys, layer.values = keys, values
-
-
-def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
-    """``states`` ``[rows, heads, columns, head_dim]`` with zero columns prepended up to ``width``."""
-    return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
-
-
-def _join_rows(
-    running: list[tuple[torch.Tensor, torch.Tensor]], joining: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the running rows then the joining rows on one time axis, the shorter side left-padded."""
-    width = max(running[0][0].shape[-2], joining[0][0].shape[-2])
-    return [
-        (
-            torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)]),
-            torch.cat([_left_pad(values, width), _left_pad(new_values, width)]),
-        )
-        for (keys, values), (new_keys, new_values) in zip(running, joining, strict=True)
-    ]
-
-
-def _select_rows(
-    layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, width: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, only ``rows`` and only the last ``width`` columns."""
-    return [
-        (keys[rows, :, keys.shape[-2] - width :], values[rows, :, values.shape[-2] - width :])
-        for keys, values in layers
-    ]
 
 
 class ContinuousBatchingEngine:
@@ -256,10 +211,10 @@ class ContinuousBatchingEngine:
     # --- one scheduling iteration (the stepping thread) ---------------------------------------
 
     def step(self) -> int:
-        """Admit waiting requests into free slots (prefilling their prompts), run one decode forward for
-        every running sequence, sample a token for each and finish those that end. An exception fails
-        the futures of the requests it hit (the engine stays usable). Returns how many requests are
-        running afterwards; does nothing while :meth:`paused` is held."""
+        """Admit waiting requests into free slots (prefilling their prompts and sampling their first tokens), run
+        one decode forward for every running sequence, sample a token for each and finish those that end. An
+        exception fails the futures of the requests it hit (the engine stays usable). Returns how many requests
+        are running afterwards; does nothing while :meth:`paused` is held."""
         with self._condition:
             while self._stepping:
                 self._condition.wait()
@@ -271,7 +226,7 @@ class ContinuousBatchingEngine:
         try:
             with torch.no_grad():
                 if joining:
-                    self._prefill(joining)
+                    self._prefill(joining, weight_version)
                 if self._running:
                     self._decode(weight_version)
         finally:
@@ -291,38 +246,44 @@ class ContinuousBatchingEngine:
                 joining.append(request)
         return joining
 
-    def _prefill(self, joining: list[Request]) -> None:
-        """Run the joining prompts (but their last tokens, which the next decode feeds) through the model
-        in one left-padded forward, and add their rows to the batch cache."""
+    def _prefill(self, joining: list[Request], weight_version: int) -> None:
+        """Run the joining prompts through the model in one left-padded forward, sample each one's first token from
+        its last logits, and add the rows that go on to the batch cache (their newest token is fed next step)."""
         try:
-            prefilled = [len(request.prompt_ids) - 1 for request in joining]
-            width = max(1, *prefilled)  # one masked column when every prompt is a single token
-            lengths = torch.tensor(prefilled, device=self.device)
-            input_ids = torch.zeros((len(joining), width), dtype=torch.long)
-            for row, request in enumerate(joining):
-                if len(request.prompt_ids) > 1:
-                    input_ids[row, width - len(request.prompt_ids) + 1 :] = torch.tensor(request.prompt_ids[:-1])
+            width = max(len(request.prompt_ids) for request in joining)
+            lengths = torch.tensor([len(request.prompt_ids) for request in joining], device=self.device)
+            input_ids = torch.tensor(
+                [[0] * (width - len(request.prompt_ids)) + request.prompt_ids for request in joining]
+            )
             attention_mask = left_padding_mask(lengths, width)
             position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             cache = self._new_cache()
-            self.model(
+            logits = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=True,
                 **{self._cache_argument: cache},
                 **self._prefill_options,
-            )
-            if self._running:
-                _set_cache_layers(cache, _join_rows(_cache_layers(self._cache), _cache_layers(cache)))
+            ).logits[:, -1]
+            tokens, log_probs = self._sample(joining, logits)
         except Exception as error:
             logger.exception("prefill of %d requests failed", len(joining))
             self._fail(joining, error)
             return
         with self._condition:
-            self._running, self._cache = self._running + joining, cache
             self._counters["prefills"] += 1
             self._counters["requests_admitted"] += len(joining)
+        survivors, kept_rows = self._record(joining, tokens, log_probs, weight_version)
+        if not survivors:
+            return
+        width = max(request.cached_length for request in survivors)
+        layers = select_rows(cache_layers(cache), torch.tensor(kept_rows, device=self.device), width)
+        if self._running:
+            layers = join_rows(cache_layers(self._cache), layers)
+        set_cache_layers(cache, layers)
+        with self._condition:
+            self._running, self._cache = self._running + survivors, cache
 
     def _decode(self, weight_version: int) -> None:
         """One forward for every running row (its newest token), one sampled token each, and the rows
@@ -332,36 +293,55 @@ class ContinuousBatchingEngine:
             lengths = torch.tensor([request.cached_length for request in running], device=self.device)
             width = self._cache.get_seq_length()
             input_ids = torch.tensor([[request.next_input] for request in running], device=self.device)
-            logits = (
-                self.model(
-                    input_ids=input_ids,
-                    attention_mask=left_padding_mask(lengths + 1, width + 1),
-                    position_ids=lengths.unsqueeze(1),
-                    use_cache=True,
-                    **{self._cache_argument: self._cache},
-                )
-                .logits[:, -1]
-                .float()
-            )
-            samplings = [request.sampling for request in running]
-            tokens, log_probs = sample_next_tokens(
-                logits,
-                temperatures=torch.tensor([s.log_prob_temperature for s in samplings], device=self.device),
-                top_ks=torch.tensor([s.top_k for s in samplings], device=self.device),
-                top_ps=torch.tensor([s.top_p for s in samplings], device=self.device),
-                greedy=torch.tensor([s.is_greedy for s in samplings], device=self.device),
-                uniforms=torch.cat([torch.rand(1, generator=request.generator) for request in running]).to(self.device),
-            )
-            tokens, log_probs = tokens.tolist(), log_probs.tolist()
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=left_padding_mask(lengths + 1, width + 1),
+                position_ids=lengths.unsqueeze(1),
+                use_cache=True,
+                **{self._cache_argument: self._cache},
+            ).logits[:, -1]
+            tokens, log_probs = self._sample(running, logits)
         except Exception as error:
             logger.exception("decode step over %d requests failed", len(running))
             self._fail(running, error)
             with self._condition:
                 self._running, self._cache = [], None
             return
+        with self._condition:
+            self._counters["steps"] += 1
+            self._counters["running_rows_summed"] += len(running)
+        survivors, kept_rows = self._record(running, tokens, log_probs, weight_version)
+        if len(survivors) < len(running):
+            if survivors:
+                width = max(request.cached_length for request in survivors)
+                rows = torch.tensor(kept_rows, device=self.device)
+                set_cache_layers(self._cache, select_rows(cache_layers(self._cache), rows, width))
+            with self._condition:
+                self._running, self._cache = survivors, self._cache if survivors else None
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token per request from its row of ``logits`` [rows, vocab] and its own draw, with its log-prob."""
+        samplings = [request.sampling for request in requests]
+        tokens, log_probs = sample_next_tokens(
+            logits.float(),
+            temperatures=torch.tensor([s.log_prob_temperature for s in samplings], device=self.device),
+            top_ks=torch.tensor([s.top_k for s in samplings], device=self.device),
+            top_ps=torch.tensor([s.top_p for s in samplings], device=self.device),
+            greedy=torch.tensor([s.is_greedy for s in samplings], device=self.device),
+            uniforms=torch.tensor(
+                [request.next_uniform() for request in requests], dtype=torch.float32, device=self.device
+            ),
+        )
+        return tokens.tolist(), log_probs.tolist()
+
+    def _record(
+        self, requests: list[Request], tokens: list[int], log_probs: list[float], weight_version: int
+    ) -> tuple[list[Request], list[int]]:
+        """Give each request its sampled token; settle those that end (and forget aborted or cancelled ones).
+        Returns the requests that go on and their rows."""
         finished, survivors, kept_rows = [], [], []
         with self._condition:
-            for row, (request, token, log_prob) in enumerate(zip(running, tokens, log_probs)):
+            for row, (request, token, log_prob) in enumerate(zip(requests, tokens, log_probs)):
                 registered = self._requests.get(request.request_id) is request
                 if not registered or request.future.cancelled():  # aborted, or cancelled by its caller
                     if registered:
@@ -375,18 +355,10 @@ class ContinuousBatchingEngine:
                 else:
                     del self._requests[request.request_id]
                     finished.append((request, request.output(reason, weight_version)))
-            self._counters["steps"] += 1
-            self._counters["running_rows_summed"] += len(running)
             self._counters["tokens_generated"] += len(tokens)
         for request, output in finished:
             settle(request.future, output)
-        if len(survivors) < len(running):
-            if survivors:
-                width = max(request.cached_length for request in survivors)
-                rows = torch.tensor(kept_rows, device=self.device)
-                _set_cache_layers(self._cache, _select_rows(_cache_layers(self._cache), rows, width))
-            with self._condition:
-                self._running, self._cache = survivors, self._cache if survivors else None
+        return survivors, kept_rows
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         """Fail the futures of ``requests`` with ``error`` and forget them."""
