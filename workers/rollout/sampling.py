@@ -184,7 +184,7 @@ def rollout_batch(
 ) -> dict[str, torch.Tensor]:
     """The response fields of the step batch from per-trajectory token ids and their log-probs.
 
-    Same layout as the HF engine: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
+    Every engine's layout: ``responses`` [N, width] int64, right-padded with ``pad_token_id``;
     ``response_mask`` [N, width] bool, True up to and including the first EOS; ``rollout_log_probs``
     [N, width] float32, zero wherever the mask is False. Tokens after the first EOS (an engine stops
     there, so normally there are none) are masked and replaced by padding.

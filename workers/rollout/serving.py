@@ -1,12 +1,12 @@
-"""A continuous-batching generation engine for a transformers causal LM: request-level generation for
-agent loops (verl's V1 / AgentLoop design), which call a rollout replica per sample and per turn.
+"""A continuous-batching generation engine for a transformers causal LM: a step's whole batch for the sync rollout
+(:func:`ppoflow.workers.rollout.sampling.sample_responses`), and request-level generation for agent loops (verl's V1 /
+AgentLoop design), which call a rollout replica per sample and per turn.
 
 A request is ``(request_id, prompt_ids, RequestSampling)`` and resolves a future with its tokens and log-probs. Each
 :meth:`step <ContinuousBatchingEngine.step>` admits waiting requests into free slots (their prefill samples their
 first tokens), runs one decode forward for all running sequences and drops the finished ones, so a finished sequence
-frees its slot at once. Sampling per
-request: :mod:`ppoflow.workers.rollout.requests`. No Ray here: a Ray actor wraps the engine.
-The KV-cache layout and sampling details: docs/rollout_service.md#the-engine.
+frees its slot at once. Sampling per request: :mod:`ppoflow.workers.rollout.requests`. No Ray here: a Ray actor
+wraps the engine. The KV-cache layout and sampling details: docs/rollout_service.md#the-engine.
 """
 
 from __future__ import annotations
@@ -258,14 +258,9 @@ class ContinuousBatchingEngine:
             attention_mask = left_padding_mask(lengths, width)
             position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             cache = self._new_cache()
-            logits = self.model(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_argument: cache},
-                **self._prefill_options,
-            ).logits[:, -1]
+            logits = self._last_logits(
+                input_ids.to(self.device), attention_mask, position_ids, cache, **self._prefill_options
+            )
             tokens, log_probs = self._sample(joining, logits)
         except Exception as error:
             logger.exception("prefill of %d requests failed", len(joining))
@@ -277,8 +272,10 @@ class ContinuousBatchingEngine:
         survivors, kept_rows = self._record(joining, tokens, log_probs, weight_version)
         if not survivors:
             return
-        width = max(request.cached_length for request in survivors)
-        layers = select_rows(cache_layers(cache), torch.tensor(kept_rows, device=self.device), width)
+        layers = cache_layers(cache)
+        if len(survivors) < len(joining):  # some ended on their first token
+            width = max(request.cached_length for request in survivors)
+            layers = select_rows(layers, torch.tensor(kept_rows, device=self.device), width)
         if self._running:
             layers = join_rows(cache_layers(self._cache), layers)
         set_cache_layers(cache, layers)
@@ -293,13 +290,9 @@ class ContinuousBatchingEngine:
             lengths = torch.tensor([request.cached_length for request in running], device=self.device)
             width = self._cache.get_seq_length()
             input_ids = torch.tensor([[request.next_input] for request in running], device=self.device)
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=left_padding_mask(lengths + 1, width + 1),
-                position_ids=lengths.unsqueeze(1),
-                use_cache=True,
-                **{self._cache_argument: self._cache},
-            ).logits[:, -1]
+            logits = self._last_logits(
+                input_ids, left_padding_mask(lengths + 1, width + 1), lengths.unsqueeze(1), self._cache
+            )
             tokens, log_probs = self._sample(running, logits)
         except Exception as error:
             logger.exception("decode step over %d requests failed", len(running))
@@ -318,6 +311,18 @@ class ContinuousBatchingEngine:
                 set_cache_layers(self._cache, select_rows(cache_layers(self._cache), rows, width))
             with self._condition:
                 self._running, self._cache = survivors, self._cache if survivors else None
+
+    def _last_logits(self, input_ids, attention_mask, position_ids, cache, **options) -> torch.Tensor:
+        """The model's logits at each row's last position, [rows, vocab], adding the rows' keys and values to
+        ``cache``."""
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self._cache_argument: cache},
+            **options,
+        ).logits[:, -1]
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token per request from its row of ``logits`` [rows, vocab] and its own draw, with its log-prob."""
