@@ -106,6 +106,11 @@ class RolloutConfig(Section):
         "async: the rollout service - num_replicas replicas serving per-request generation with continuous batching, "
         "called by agent loops per sample and per turn (multi-turn, tools)."
     )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        description="Dtype the rollout samples in (verl's key and default): its copy of the policy, a colocated "
+        "actor's weights cast for each generation, or vLLM's; the actor still trains and computes old log-probs "
+        "in model.dtype. On a CPU bfloat16 is fast where it has AMX or AVX512-BF16, slow where it has neither."
+    )
     num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")
     max_num_seqs: int = Field(ge=1, description="rollout.mode=async: sequences a replica decodes at once.")
     n: int = Field(ge=1, description="Responses sampled per prompt (the GRPO group size).")

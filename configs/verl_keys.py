@@ -55,7 +55,6 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     # rollout
     f"{ROLLOUT}.prompt_length": "data.max_prompt_length",
     f"{ROLLOUT}.response_length": "data.max_response_length",
-    f"{ROLLOUT}.dtype": f"{MODEL}.dtype",
     f"{MODEL}.torch_dtype": f"{MODEL}.dtype",
     f"{ROLLOUT}.nnodes": "rollout.nnodes",
     f"{ROLLOUT}.n_gpus_per_node": "rollout.n_gpus_per_node",

@@ -114,17 +114,19 @@ class RolloutOrigin:
 
     model_path: str
     tokenizer_path: str
+    dtype: str
     sampling: SamplingParams
 
     @classmethod
     def of(cls, cfg: PPOConfig, sampling: SamplingParams) -> RolloutOrigin:
         model = cfg.actor_rollout_ref.model
-        return cls(model.path, model.tokenizer_path or model.path, sampling)
+        return cls(model.path, model.tokenizer_path or model.path, cfg.actor_rollout_ref.rollout.dtype, sampling)
 
     @cached_property
     def identity(self) -> dict:
         """See :func:`~ppoflow.storage.fingerprints.rollout_identity`."""
-        return rollout_identity(self.sampling.as_dict(), model_identities(self.model_path, self.tokenizer_path))
+        models = model_identities(self.model_path, self.tokenizer_path, self.dtype)
+        return rollout_identity(self.sampling.as_dict(), models)
 
     def record(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "seed": self.sampling.seed}

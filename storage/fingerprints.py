@@ -38,9 +38,10 @@ def rollout_identity(sampling: dict, models: dict) -> dict:
     return {"sampling": {name: value for name, value in sampling.items() if name != "seed"}, **models}
 
 
-def model_identities(model_url: str, tokenizer_url: str) -> dict:
-    """``{"model": ..., "tokenizer": ...}``: the identities of a model and a tokenizer directory."""
-    return {"model": model_identity(model_url), "tokenizer": tokenizer_identity(tokenizer_url)}
+def model_identities(model_url: str, tokenizer_url: str, dtype: str) -> dict:
+    """``{"model": ..., "tokenizer": ..., "dtype": ...}``: the identities of a model and a tokenizer directory,
+    and the dtype the model samples in (``rollout.dtype``: the same weights sample differently in another)."""
+    return {"model": model_identity(model_url), "tokenizer": tokenizer_identity(tokenizer_url), "dtype": dtype}
 
 
 def model_identity(url: str) -> str:

@@ -70,7 +70,10 @@ def test_a_colocated_run_equals_one_with_a_rollout_worker_of_its_own(tiny_overri
     separate = steps_in_process(
         load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.hybrid_engine=false"]), 3, colocated=False
     )
-    for together, apart in zip(colocated, separate):
+    for together, apart in zip(colocated, separate):  # bfloat16 (rollout.dtype): the same cast of the same weights
         for name in STEP_METRICS:
             assert together[name] == apart[name], name
-    assert all(row["training/rollout_probs_diff_max"] < 1e-4 for row in colocated)  # sampled with the trained weights
+    in_float32 = load_config("grpo_tiny", tiny_overrides + ["actor_rollout_ref.rollout.dtype=float32"])
+    rows = steps_in_process(in_float32, 3, colocated=True)
+    assert all(row["training/rollout_probs_diff_max"] < 1e-4 for row in rows)  # sampled with the trained weights
+    assert all(row["training/rollout_probs_diff_max"] < 5e-2 for row in colocated)  # up to bfloat16's rounding

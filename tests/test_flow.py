@@ -241,7 +241,7 @@ def test_a_steps_independent_forward_passes_run_side_by_side(prefect_api, monkey
         )
     ]
     step = StepData(3, batch=TensorDict({"responses": torch.zeros(2, 3, dtype=torch.long)}, batch_size=[2]))
-    stages = Stages(workers=None, caches={}, orchestrated=True, rollout=RolloutOrigin("m", "m", None))
+    stages = Stages(workers=None, caches={}, orchestrated=True, rollout=RolloutOrigin("m", "m", "bfloat16", None))
 
     @flow
     def forward_passes() -> None:

@@ -23,17 +23,18 @@ from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.training.learner import unique_state_names
 from ppoflow.workers.training.lora import ADAPTER_DIR
-from ppoflow.workers.training.policy import ActorWorker, ReferenceWorker
+from ppoflow.workers.training.policy import ActorWorker, ColocatedActorWorker, ReferenceWorker
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
 FAST = ["actor_rollout_ref.actor.optim.lr=5e-2"]  # a step that moves the adapter well away from B = 0
+EXACT = ["actor_rollout_ref.rollout.dtype=float32"]  # the rollout in the actor's dtype: the passes compare exactly
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The Llama's linear layers but the output head: what ``target_modules=all-linear`` adapts."""
 
 
 @pytest.fixture
 def overrides(tiny_overrides):
-    return tiny_overrides + LORA + FAST
+    return tiny_overrides + LORA + FAST + EXACT
 
 
 @pytest.fixture
@@ -197,6 +198,22 @@ def test_weight_sync_sends_only_the_adapter_and_the_rollout_samples_as_the_merge
     torch.testing.assert_close(generated["rollout_log_probs"][mask], expected[mask], atol=1e-5, rtol=1e-5)
     base = ReferenceWorker(cfg).compute_log_prob(generated)["log_probs"]
     assert (base[mask] - expected[mask]).abs().max() > 1e-3  # and that is not the base model's
+
+
+def test_a_colocated_actor_samples_in_bfloat16_with_its_merged_weights(overrides, prompts, tmp_path):
+    """rollout.dtype=bfloat16: the colocated actor samples with base + adapter merged and cast, which is what the
+    merged export loaded in bfloat16 computes; the actor's own model stays in float32."""
+    cfg = load_config("grpo_tiny", overrides + ["actor_rollout_ref.rollout.dtype=bfloat16"])
+    actor = ColocatedActorWorker(cfg)
+    assert actor.update(trainable_batch(cfg, prompts, actor), step=1).metrics["actor/optimizer_steps"] == 1
+    generated = actor.generate(prompts, step=7, sampling=SamplingParams.for_training(cfg))
+    actor.save_pretrained(str(tmp_path / "export"))
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.bfloat16).eval()
+    expected, mask = response_log_probs(merged, generated), generated["response_mask"]
+    torch.testing.assert_close(generated["rollout_log_probs"][mask], expected[mask], atol=1e-6, rtol=0)
+    assert {parameter.dtype for parameter in actor.model.parameters()} == {torch.float32}
 
 
 def test_a_rollout_without_the_adapter_gets_the_merged_weights(overrides, prompts):

@@ -128,7 +128,7 @@ def test_the_estimate_counts_every_copy(tmp_path):
     assert {role: estimate.parts for role, estimate in every.items()} == {
         "actor": {"weights": 4 * p, "gradients": 4 * p, "AdamW state": 8 * p},
         "ref": {"weights": 4 * p},
-        "rollout": {"weights": 4 * p},
+        "rollout": {"weights": 2 * p},  # rollout.dtype: bfloat16, verl's default
         "critic": {"weights": 4 * c, "gradients": 4 * c, "AdamW state": 8 * c},
     }
     half = _estimates(path, "actor_rollout_ref.model.dtype=bfloat16")["actor"]
@@ -145,7 +145,9 @@ def test_the_estimate_counts_every_copy(tmp_path):
     )
     assert kept["actor"].parts["gathered weights"] == 4 * p  # FSDP2 keeps the whole model from forward to backward
     replicas = _estimates(path, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=3")
-    assert replicas["rollout"].parts == {"weights": 4 * p} and replicas["rollout"].processes == 3
+    assert replicas["rollout"].parts == {"weights": 2 * p} and replicas["rollout"].processes == 3
+    in_float32 = _estimates(path, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.dtype=float32")
+    assert in_float32["rollout"].parts == {"weights": 4 * p}
 
 
 def test_a_model_still_to_be_built_is_not_estimated(tmp_path):
@@ -181,7 +183,7 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_keys(capsys, tmp_path, t
         "available",
         "change actor_rollout_ref.model.dtype, actor_rollout_ref.model.lora_rank",
         "  actor_rollout_ref.rollout: the rollout needs ",
-        "change actor_rollout_ref.model.dtype, actor_rollout_ref.hybrid_engine",
+        "change actor_rollout_ref.rollout.dtype, actor_rollout_ref.hybrid_engine",
     )
 
 

@@ -234,12 +234,12 @@ def test_engine_arguments_map_the_config():
         [
             "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-            "actor_rollout_ref.model.dtype=bfloat16",
+            "actor_rollout_ref.rollout.dtype=float16",
         ],
     )
     kwargs = engine_kwargs(cfg)
     assert kwargs["gpu_memory_utilization"] == 0.3 and kwargs["tensor_parallel_size"] == 2
-    assert kwargs["dtype"] == "bfloat16" and kwargs["max_model_len"] == 8 + 3
+    assert kwargs["dtype"] == "float16" and kwargs["max_model_len"] == 8 + 3
     assert kwargs["logprobs_mode"] == LOGPROBS_MODE == "processed_logprobs"
     assert kwargs["worker_extension_cls"] == WORKER_EXTENSION and kwargs["generation_config"] == "vllm"
     assert kwargs["model"] == cfg.actor_rollout_ref.model.path

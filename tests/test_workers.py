@@ -63,13 +63,18 @@ def test_sampling_depends_only_on_seed_and_step(cfg, prompts):
     assert not torch.equal(first["responses"], other["responses"])
 
 
-def test_actor_recomputes_the_sampling_log_probs(cfg, prompts):
-    """With the same weights, the actor's log-probs equal the rollout's: the PPO ratio starts at 1."""
-    batch = HFRolloutWorker(cfg).generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_actor_recomputes_the_sampling_log_probs(tiny_overrides, prompts, dtype, tolerance):
+    """With the same weights, the actor's log-probs equal the rollout's: the PPO ratio starts at 1, up to the
+    rounding of the rollout's dtype (bfloat16 keeps 8 bits of each logit's mantissa)."""
+    cfg = load_config("grpo_tiny", [*tiny_overrides, f"actor_rollout_ref.rollout.dtype={dtype}"])
+    rollout = HFRolloutWorker(cfg)
+    assert next(rollout.model.parameters()).dtype == getattr(torch, dtype)
+    batch = rollout.generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
     for worker in (ActorWorker(cfg), ReferenceWorker(cfg)):
         log_probs = worker.compute_log_prob(batch)["log_probs"]
         mask = batch["response_mask"]
-        torch.testing.assert_close(log_probs[mask], batch["rollout_log_probs"][mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(log_probs[mask], batch["rollout_log_probs"][mask], atol=tolerance, rtol=0)
 
 
 def test_log_probs_are_position_correct_with_left_padding(cfg, prompts):
@@ -112,9 +117,9 @@ def test_update_changes_weights_and_bumps_the_version(cfg, prompts):
     assert any(not torch.equal(before[name], tensor) for name, tensor in actor.model.state_dict().items())
     rollout = HFRolloutWorker(cfg)
     assert rollout.apply_weights(actor.prepare_weights()) == 1
-    assert all(
-        torch.equal(rollout.model.state_dict()[name], tensor) for name, tensor in actor.model.state_dict().items()
-    )
+    served = rollout.model.state_dict()  # in rollout.dtype (bfloat16): the sync casts the actor's weights into it
+    trained = actor.model.state_dict()
+    assert all(torch.equal(served[name], tensor.to(served[name].dtype)) for name, tensor in trained.items())
 
 
 def test_micro_batching_does_not_change_the_update(tiny_overrides, prompts):

@@ -169,11 +169,11 @@ def estimate_memory(cfg: PPOConfig) -> tuple[list[RoleMemory], list[str]]:
 
 
 def _rollout(cfg: PPOConfig, params: int) -> list[RoleMemory]:
-    """The rollout's copies of the policy, in ``model.dtype``: none when colocated (it samples with the actor's),
-    one per replica of the rollout service, vLLM's share of each of its GPUs (its weights split over the
+    """The rollout's copies of the policy, in ``rollout.dtype``: none when colocated (it samples with the actor's
+    weights, or a cast copy of them that is freed before the update, whose peak the actor's estimate is), one per
+    replica of the rollout service, vLLM's share of each of its GPUs (its weights split over the
     tensor-parallel GPUs), else one."""
-    arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.rollout"
-    rollout = arr.rollout
+    key, rollout = "actor_rollout_ref.rollout", cfg.actor_rollout_ref.rollout
     if cfg.colocated:
         return []
     if rollout.name == "vllm":
@@ -181,13 +181,13 @@ def _rollout(cfg: PPOConfig, params: int) -> list[RoleMemory]:
         remedies = (
             f"{key}.gpu_memory_utilization",
             f"{key}.tensor_model_parallel_size",
-            "actor_rollout_ref.model.dtype",
+            f"{key}.dtype",
         )
-        weights = {"weights": -(-params // tensor_parallel) * _itemsize(arr.model.dtype)}
+        weights = {"weights": -(-params // tensor_parallel) * _itemsize(rollout.dtype)}
         return [RoleMemory("rollout", key, weights, tensor_parallel, True, rollout.gpu_memory_utilization, remedies)]
     replicas = rollout.num_replicas if rollout.mode == "async" else 1
-    remedies = ("actor_rollout_ref.model.dtype",) + (("actor_rollout_ref.hybrid_engine",) if replicas == 1 else ())
-    return [_served("rollout", key, params * _itemsize(arr.model.dtype), rollout.resources, replicas, remedies)]
+    remedies = (f"{key}.dtype",) + (("actor_rollout_ref.hybrid_engine",) if replicas == 1 else ())
+    return [_served("rollout", key, params * _itemsize(rollout.dtype), rollout.resources, replicas, remedies)]
 
 
 def _served(role: str, key: str, size: int, resources: ResourcesConfig, replicas: int, remedies: tuple) -> RoleMemory:

@@ -266,13 +266,37 @@ def dtype_of(model: ModelConfig) -> torch.dtype:
     return _DTYPES[model.dtype]
 
 
-def load_causal_lm(model: ModelConfig):
-    """Load ``model.path`` as a causal LM in ``model.dtype``."""
+def load_causal_lm(model: ModelConfig, dtype: str | None = None):
+    """Load ``model.path`` as a causal LM in ``dtype`` (default: ``model.dtype``)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        local_model_dir(model.path), dtype=dtype_of(model), trust_remote_code=model.trust_remote_code
+        local_model_dir(model.path), dtype=_DTYPES[dtype or model.dtype], trust_remote_code=model.trust_remote_code
     )
+
+
+def copy_in_dtype(model: torch.nn.Module, weights: dict[str, torch.Tensor], dtype: str) -> torch.nn.Module:
+    """A new model of ``model``'s architecture, in eval mode, holding ``weights`` (its full state dict, under its
+    own names) cast to ``dtype``: what a colocated rollout samples with when ``rollout.dtype`` is not the
+    actor's. Built on the meta device and filled by assignment, so the only memory it takes is the cast
+    weights; tied weights are cast once, and buffers left out of state dicts (rotary frequencies) are copied."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=_DTYPES[dtype])
+    cast: dict[tuple, torch.Tensor] = {}
+    state = {
+        name: cast.setdefault((tensor.data_ptr(), tensor.shape), tensor.detach().to(_DTYPES[dtype]))
+        for name, tensor in weights.items()
+    }
+    copy.load_state_dict(state, assign=True)
+    copy.tie_weights()
+    for name, buffer in model.named_buffers():
+        owner, _, attribute = name.rpartition(".")
+        target = copy.get_submodule(owner)
+        if getattr(target, attribute, None) is not None and getattr(target, attribute).is_meta:
+            setattr(target, attribute, buffer.clone())
+    return copy.eval()
 
 
 def with_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:

@@ -16,7 +16,7 @@ from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
 
 class HFRolloutWorker(ReportsMemory, Profiles):
-    """Sampling with a transformers causal LM (CPU or GPU)."""
+    """Sampling with a transformers causal LM (CPU or GPU) in ``rollout.dtype``; a weight sync casts into it."""
 
     PROFILE_ROLES = ("rollout",)
 
@@ -24,7 +24,7 @@ class HFRolloutWorker(ReportsMemory, Profiles):
         self.device = set_up_worker_process(cfg.actor_rollout_ref.rollout.resources)
         model_config = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_config)
-        model = load_causal_lm(model_config)
+        model = load_causal_lm(model_config, cfg.actor_rollout_ref.rollout.dtype)
         if rollout_holds_adapter(cfg):  # LoRA: the actor's adapter, wrapped alike; a sync sends only its tensors
             model = with_lora(model, model_config, seed=cfg.data.seed).get_base_model()
         self.model = model.to(self.device).eval()

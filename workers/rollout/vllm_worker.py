@@ -69,7 +69,7 @@ def engine_kwargs(cfg: PPOConfig) -> dict:
         "model": local_model_dir(model.path),
         "tokenizer": local_model_dir(model.tokenizer_path or model.path),
         "trust_remote_code": model.trust_remote_code,
-        "dtype": model.dtype,
+        "dtype": rollout.dtype,
         "tensor_parallel_size": rollout.tensor_model_parallel_size,
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "max_model_len": data.max_prompt_length + data.max_response_length,

@@ -292,7 +292,7 @@ def sample_cache(cfg: PPOConfig) -> SampleCache | None:
         timeout_s=skip.timeout_s,
         retries=skip.retries,
         allow_mismatch=skip.allow_mismatch,
-        models=model_identities(model.path, model.tokenizer_path or model.path),
+        models=model_identities(model.path, model.tokenizer_path or model.path, cfg.actor_rollout_ref.rollout.dtype),
         max_entry_bytes=entry_size_bound(cfg, prompts=1),
     )
 

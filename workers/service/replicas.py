@@ -27,12 +27,13 @@ class RolloutReplica:
     """One generation replica: the policy on its device behind a continuous-batching engine."""
 
     def __init__(self, cfg: PPOConfig):
-        self._serve(cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout.resources, cfg)
+        rollout = cfg.actor_rollout_ref.rollout
+        self._serve(cfg.actor_rollout_ref.model, rollout.resources, cfg, dtype=rollout.dtype)
 
-    def _serve(self, model: ModelConfig, resources: ResourcesConfig, cfg: PPOConfig) -> None:
+    def _serve(self, model: ModelConfig, resources: ResourcesConfig, cfg: PPOConfig, dtype: str | None = None) -> None:
         self.device = set_up_worker_process(resources)
         tokenizer = load_tokenizer(model)
-        self.model = load_causal_lm(model).to(self.device).eval()
+        self.model = load_causal_lm(model, dtype).to(self.device).eval()
         self.engine = ContinuousBatchingEngine(
             self.model,
             eos_token_id=tokenizer.eos_token_id,

@@ -23,6 +23,7 @@ from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import join
 from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import (
+    copy_in_dtype,
     keep_attention_off_cudnn_if_padded,
     load_causal_lm,
     load_tokenizer,
@@ -351,20 +352,25 @@ class ActorWorker(PolicyModel):
 
 
 class ColocatedActorWorker(ActorWorker):
-    """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the very model
-    it trains, so the rollout always serves the actor's current weights and weight_sync moves nothing."""
+    """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the model it trains,
+    so the rollout always serves the actor's current weights and weight_sync moves nothing. In a
+    ``rollout.dtype`` other than ``model.dtype`` it samples with a copy of them cast for the call (with LoRA:
+    merged), which generation then reads at that dtype's width; the copy is gone before the update, so it
+    does not add to the update's peak memory."""
 
     PROFILE_ROLES = ("actor", "rollout")
 
     def __init__(self, cfg: PPOConfig):
         super().__init__(cfg)
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+        self.rollout_dtype = rollout.dtype if rollout.dtype != model.dtype else None
 
     @stage_range("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
-        """The rollout worker's ``generate``, on the actor's model, stamped with its weight version."""
+        """The rollout worker's ``generate``, on the actor's weights, stamped with its weight version."""
         return sample_responses(
-            self.model,
+            self._rollout_model(),
             self.tokenizer,
             prompts,
             step=step,
@@ -372,3 +378,11 @@ class ColocatedActorWorker(ActorWorker):
             weight_version=self.weight_version,
             device=self.device,
         )
+
+    def _rollout_model(self) -> torch.nn.Module:
+        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``."""
+        if self.rollout_dtype is None:
+            return self.model
+        if self.adapter is not None:
+            return copy_in_dtype(self.adapter.base, self.adapter.merged_weights(), self.rollout_dtype)
+        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model), self.rollout_dtype)
