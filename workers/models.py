@@ -279,16 +279,23 @@ def copy_in_dtype(model: torch.nn.Module, weights: dict[str, torch.Tensor], dtyp
     """A new model of ``model``'s architecture, in eval mode, holding ``weights`` (its full state dict, under its
     own names) cast to ``dtype``: what a colocated rollout samples with when ``rollout.dtype`` is not the
     actor's. Built on the meta device and filled by assignment, so the only memory it takes is the cast
-    weights; tied weights are cast once, and buffers left out of state dicts (rotary frequencies) are copied."""
+    weights, in one allocation that is returned whole when the copy is dropped (tensor by tensor, a CPU
+    allocator would keep the freed pages in its heap); tied weights are cast once, and buffers left out of
+    state dicts (rotary frequencies) are copied."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         copy = AutoModelForCausalLM.from_config(model.config, dtype=_DTYPES[dtype])
-    cast: dict[tuple, torch.Tensor] = {}
-    state = {
-        name: cast.setdefault((tensor.data_ptr(), tensor.shape), tensor.detach().to(_DTYPES[dtype]))
-        for name, tensor in weights.items()
-    }
+    unique = {(tensor.data_ptr(), tensor.shape): tensor.detach() for tensor in weights.values()}
+    starts, total = {}, 0
+    for key, tensor in unique.items():
+        starts[key], total = total, total + -(-tensor.numel() // 64) * 64  # each slice starts 128-byte aligned
+    device = next(iter(unique.values())).device
+    flat = torch.empty(total, dtype=_DTYPES[dtype], device=device)
+    cast = {key: flat[starts[key] : starts[key] + tensor.numel()].view(tensor.shape) for key, tensor in unique.items()}
+    for key, tensor in unique.items():
+        cast[key].copy_(tensor)
+    state = {name: cast[(tensor.data_ptr(), tensor.shape)] for name, tensor in weights.items()}
     copy.load_state_dict(state, assign=True)
     copy.tie_weights()
     for name, buffer in model.named_buffers():
