@@ -6,7 +6,7 @@ and ppoflow's copy scorer: GRPO, one optimizer step per batch (prompts x samples
 response length, AdamW settings and torch threads. ppoflow runs as a user runs it (``ppoflow train``, sync
 defaults, Ray local, the benchmark's own Prefect server); TRL in a process of its own (benchmarks/trl_side.py).
 The sides alternate ``--repeats`` times per variant; s/step is the median after ``--warmup`` steps; peak memory
-is the summed RSS (and PSS) of each run's process tree, sampled every 0.2 s. Method: docs/benchmarks.md.
+is the summed RSS of each run's process tree every 0.2 s (PSS every second). Method: docs/benchmarks.md.
 
     python benchmarks/vs_trl.py [--shape 25m|qwen0.5b] [--variant full gc lora ...] [--steps 6] [--repeats 2]
 """

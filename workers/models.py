@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import fsspec
@@ -275,27 +276,34 @@ def load_causal_lm(model: ModelConfig, dtype: str | None = None):
     )
 
 
-def copy_in_dtype(model: torch.nn.Module, weights: dict[str, torch.Tensor], dtype: str) -> torch.nn.Module:
-    """A new model of ``model``'s architecture, in eval mode, holding ``weights`` (its full state dict, under its
-    own names) cast to ``dtype``: what a colocated rollout samples with when ``rollout.dtype`` is not the
-    actor's. Built on the meta device and filled by assignment, so the only memory it takes is the cast
-    weights, in one allocation that is returned whole when the copy is dropped (tensor by tensor, a CPU
-    allocator would keep the freed pages in its heap); tied weights are cast once, and buffers left out of
-    state dicts (rotary frequencies) are copied."""
+def copy_in_dtype(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dtype: str) -> torch.nn.Module:
+    """A new model of ``model``'s architecture, in eval mode, holding ``weights`` (every entry of its state dict,
+    under its own names, taken one at a time) cast to ``dtype``: what a colocated rollout samples with when
+    ``rollout.dtype`` is not the actor's. Built on the meta device and filled by assignment from one
+    allocation, which a CPU allocator returns whole when the copy is dropped (tensor by tensor it would keep the
+    freed pages in its heap); each weight is copied in as it comes, so a source that builds them (LoRA's merged
+    layers) holds one at a time. Tied weights share their slot; buffers left out of state dicts (rotary
+    frequencies) are copied."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         copy = AutoModelForCausalLM.from_config(model.config, dtype=_DTYPES[dtype])
-    unique = {(tensor.data_ptr(), tensor.shape): tensor.detach() for tensor in weights.values()}
+    shapes = copy.state_dict(keep_vars=True)
     starts, total = {}, 0
-    for key, tensor in unique.items():
-        starts[key], total = total, total + -(-tensor.numel() // 64) * 64  # each slice starts 128-byte aligned
-    device = next(iter(unique.values())).device
-    flat = torch.empty(total, dtype=_DTYPES[dtype], device=device)
-    cast = {key: flat[starts[key] : starts[key] + tensor.numel()].view(tensor.shape) for key, tensor in unique.items()}
-    for key, tensor in unique.items():
-        cast[key].copy_(tensor)
-    state = {name: cast[(tensor.data_ptr(), tensor.shape)] for name, tensor in weights.items()}
+    for tensor in shapes.values():
+        if id(tensor) not in starts:  # each slice starts 128-byte aligned
+            starts[id(tensor)], total = total, total + -(-tensor.numel() // 64) * 64
+    flat = torch.empty(total, dtype=_DTYPES[dtype], device=next(model.parameters()).device)
+    state = {
+        name: flat[starts[id(tensor)] : starts[id(tensor)] + tensor.numel()].view(tensor.shape)
+        for name, tensor in shapes.items()
+    }
+    filled = set()
+    for name, tensor in weights:
+        state[name].copy_(tensor)
+        filled.add(name)
+    if filled != set(state):
+        raise ValueError(f"weights for a {type(copy).__name__} lack {sorted(set(state) - filled)[:3]}")
     copy.load_state_dict(state, assign=True)
     copy.tie_weights()
     for name, buffer in model.named_buffers():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import fsspec
@@ -71,6 +72,16 @@ def _is_adapter_tensor(name: str) -> bool:
     return ".lora_" in name
 
 
+def _merged(layer) -> torch.Tensor:
+    """A LoRA layer's base weight plus its active adapters' updates, summed in float32, in the weight's dtype."""
+    weight = layer.base_layer.weight.detach()
+    merged = weight.float()
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            merged = merged + layer.get_delta_weight(adapter).detach().float()
+    return merged.to(weight.dtype)
+
+
 class Adapter:
     """The LoRA adapter of a peft ``model`` (:func:`with_lora`) and the base model it adapts."""
 
@@ -94,22 +105,26 @@ class Adapter:
             yield
 
     def merged_weights(self) -> dict[str, torch.Tensor]:
-        """The full weights of base + adapter under the base model's own names: each adapted layer's weight plus
-        its adapter's update (computed in float32, cast back), the model left as it is (no merge in place, so
-        no rounding drifts into the base weights)."""
+        """:meth:`merged_items` as a dict."""
+        return dict(self.merged_items())
+
+    def merged_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights of base + adapter under the base model's own names, one at a time: each adapted layer's
+        weight plus its adapter's update (computed in float32, cast back) as it comes, so a caller that uses each
+        before taking the next (a cast copy) holds one merged layer at a time; the model is left as it is (no merge
+        in place, so no rounding drifts into the base weights)."""
         from peft.tuners.lora import LoraLayer
 
-        weights = self._base_weights()
-        for name, module in self.base.named_modules():
-            if not isinstance(module, LoraLayer):
+        adapted = {
+            f"{name}.base_layer.weight": module
+            for name, module in self.base.named_modules()
+            if isinstance(module, LoraLayer)
+        }
+        for name, tensor in self.base.state_dict().items():
+            if _is_adapter_tensor(name):
                 continue
-            weight = module.base_layer.weight.detach()
-            merged = weight.float()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    merged = merged + module.get_delta_weight(adapter).detach().float()
-            weights[f"{name}.weight"] = merged.to(weight.dtype)
-        return weights
+            layer = adapted.get(name)
+            yield name.replace(".base_layer.", "."), tensor.detach() if layer is None else _merged(layer)
 
     def base_digest(self) -> str:
         """Digest of the base model's weights, computed once (they never change): the digest a plain copy of the

@@ -384,5 +384,5 @@ class ColocatedActorWorker(ActorWorker):
         if self.rollout_dtype is None:
             return self.model
         if self.adapter is not None:
-            return copy_in_dtype(self.adapter.base, self.adapter.merged_weights(), self.rollout_dtype)
-        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model), self.rollout_dtype)
+            return copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype)
+        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model).items(), self.rollout_dtype)
