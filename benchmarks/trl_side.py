@@ -99,7 +99,7 @@ def run(spec: dict) -> dict:
         gradient_accumulation_steps=1, num_generations=spec["samples"], max_completion_length=spec["response_length"],
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", learning_rate=spec["lr"],
         lr_scheduler_type="constant", adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
-        gradient_checkpointing=spec["gradient_checkpointing"],
+        gradient_checkpointing=spec["gradient_checkpointing"], shuffle_dataset=False,
     )  # fmt: skip
     trainer = TimedGRPOTrainer(
         model=spec["model"], reward_funcs=copy_reward, args=args, train_dataset=dataset,

@@ -120,6 +120,7 @@ def ppoflow_overrides(args, model_dir: Path, prompts_file: Path, variant: str, r
         f"data.train_files={prompts_file}",
         "data.val_files=null",
         "data.synthetic=null",
+        "data.shuffle=false",  # the prompts in file order, as TRL's side takes them: the same batches
         f"data.train_batch_size={shape['prompts']}",
         f"data.max_prompt_length={DIGITS + 1}",
         f"data.max_response_length={args.response_length}",
