@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from ppoflow.configs import load_config
+from ppoflow.workers.models import copy_in_dtype, load_causal_lm
 from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.training.critic import CriticWorker
 from ppoflow.workers.training.policy import ActorWorker, ReferenceWorker
+from tests.conftest import model_config
 
 
 @pytest.fixture
@@ -278,3 +280,21 @@ def test_a_local_role_calls_its_workers_methods_by_name():
     update = workers.actor.start_prepare_weights(again=True)
     assert workers.get(update) == ("prepare_weights", (), {"again": True, "version": None})
     assert workers.get(workers.rollout.start_apply_weights(update)) == ("apply_weights", (update,), {})
+
+
+def test_a_copy_in_another_dtype_holds_every_weight_cast_in_one_allocation(tiny_model):
+    """The colocated rollout's bfloat16 copy: each weight cast (the tied embedding and head in one slot), the
+    rotary buffers copied, every parameter a view of one storage (freed whole); a source missing a weight is
+    refused rather than leaving the slot unset."""
+    model = load_causal_lm(model_config(tiny_model))
+    state = model.state_dict()
+    copy = copy_in_dtype(model, state.items(), "bfloat16")
+    copied = copy.state_dict()
+    assert set(copied) == set(state) and not copy.training
+    assert all(torch.equal(copied[name], tensor.to(torch.bfloat16)) for name, tensor in state.items())
+    assert len({parameter.untyped_storage().data_ptr() for parameter in copy.parameters()}) == 1
+    assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight
+    buffers = dict(copy.named_buffers())
+    assert all(torch.equal(buffers[name], buffer) for name, buffer in model.named_buffers())
+    with pytest.raises(ValueError, match="lack"):
+        copy_in_dtype(model, list(state.items())[1:], "bfloat16")
