@@ -115,16 +115,10 @@ class Adapter:
         in place, so no rounding drifts into the base weights)."""
         from peft.tuners.lora import LoraLayer
 
-        adapted = {
-            f"{name}.base_layer.weight": module
-            for name, module in self.base.named_modules()
-            if isinstance(module, LoraLayer)
-        }
-        for name, tensor in self.base.state_dict().items():
-            if _is_adapter_tensor(name):
-                continue
+        adapted = {f"{name}.weight": layer for name, layer in self.base.named_modules() if isinstance(layer, LoraLayer)}
+        for name, tensor in self._base_weights().items():
             layer = adapted.get(name)
-            yield name.replace(".base_layer.", "."), tensor.detach() if layer is None else _merged(layer)
+            yield name, tensor if layer is None else _merged(layer)
 
     def base_digest(self) -> str:
         """Digest of the base model's weights, computed once (they never change): the digest a plain copy of the
