@@ -26,24 +26,27 @@ from vs_trl import build_model, parameter_count  # benchmarks/ is the script's f
 PROMPT = 16
 
 
-def long_tailed_batch(sequences: int, max_response: int, *, prompt: int = PROMPT, vocab: int = 32):
-    """Prompts of 4 to ``prompt`` tokens (left-padded), responses of 8 to ``max_response`` (one of each extreme; most
-    short: 8 + (max - 8) * u^6), token ids from 4 to ``vocab``, random advantages."""
+def long_tailed_batch(sequences: int, max_response: int, *, prompt: int = PROMPT, vocab: int = 32, samples: int = 1):
+    """Prompts of 4 to ``prompt`` tokens (left-padded), each for ``samples`` consecutive rows (a GRPO group);
+    responses of 8 to ``max_response`` (one of each extreme; most short: 8 + (max - 8) * u^6), token ids from 4 to
+    ``vocab``, random advantages."""
     import torch
     from tensordict import TensorDict
 
     generator = torch.Generator().manual_seed(0)
     lengths = (8 + (max_response - 8) * torch.rand(sequences, generator=generator) ** 6).long()
     lengths[0], lengths[1] = 8, max_response
-    prompt_lengths = torch.randint(4, prompt + 1, (sequences,), generator=generator)
+    groups = sequences // samples
+    prompt_lengths = torch.randint(4, prompt + 1, (groups,), generator=generator).repeat_interleave(samples)
     prompt_mask = torch.arange(prompt) >= (prompt - prompt_lengths).unsqueeze(1)
     response_mask = torch.arange(max_response) < lengths.unsqueeze(1)
-    tokens = lambda width: torch.randint(4, vocab, (sequences, width), generator=generator)  # noqa: E731
+    tokens = lambda rows, width: torch.randint(4, vocab, (rows, width), generator=generator)  # noqa: E731
+    prompts = tokens(groups, prompt).repeat_interleave(samples, dim=0)
     return TensorDict(
         {
-            "prompts": tokens(prompt) * prompt_mask,
+            "prompts": prompts * prompt_mask,
             "prompt_mask": prompt_mask,
-            "responses": tokens(max_response) * response_mask,
+            "responses": tokens(sequences, max_response) * response_mask,
             "response_mask": response_mask,
             "advantages": torch.randn(sequences, max_response, generator=generator) * response_mask,
         },

@@ -61,7 +61,9 @@ class ModelConfig(Section):
         description="Pack each micro-batch's sequences into one row without pad tokens (position ids restart per "
         "sequence, attention stays inside each) for every forward pass of the model's roles: log-probs, values "
         "and the updates. Flash attention takes a micro-batch in one row; sdpa and eager in rows as wide as its "
-        "longest sequence, filled first-fit, whose block masks cost each row's width squared."
+        "longest unit, filled first-fit, whose masks cost each row's width squared. A unit is a sequence or, where "
+        "the estimate says it costs less, a prompt once followed by the responses of its samples in the "
+        "micro-batch (a GRPO group), each response attending to the prompt and to itself."
     )
     build: TinyModelConfig | None = Field(
         description="Build a random-init tiny Llama into `path` when it holds no model (demo and tests), announced on "

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ppoflow.configs import ConfigError, load_config
+from ppoflow.configs import ConfigError
 from ppoflow.workers.training.critic import CriticWorker
 from ppoflow.workers.training.data_parallel import DataParallel
 from ppoflow.workers.training.learner import micro_batches, response_logits
@@ -24,54 +24,23 @@ from ppoflow.workers.training.packing import (
     token_budget_parts,
 )
 from ppoflow.workers.training.policy import ActorWorker
+from tests.packing_helpers import FLOAT32, PACKED, PROMPT, RESPONSE, WEIGHTS, config, long_tailed_batch, updated
 
-PROMPT, RESPONSE = 8, 24  # the grpo_tiny preset's prompts; responses long enough for a long tail
 BUDGET = PROMPT + RESPONSE  # the smallest budget the config accepts
-PACKED = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
 DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=true"]  # ref, rollout and critic follow (verl's interpolations)
-FLOAT32 = {"atol": 1e-5, "rtol": 1e-5}
-"""Packed and padded rows run the same float32 arithmetic on different tensor shapes (another summation order)."""
-WEIGHTS = {"atol": 1e-5, "rtol": 1e-4}
-"""Updated weights: AdamW's first step moves each weight by about lr = 1e-3, so 1e-5 is 1% of a step."""
-
-
-def config(tiny_overrides, *words: str):
-    return load_config(
-        "grpo_tiny",
-        [*tiny_overrides, f"data.max_response_length={RESPONSE}", "algorithm.adv_estimator=gae", *words],
-    )
 
 
 @pytest.fixture
 def batch() -> TensorDict:
-    """16 rows (4 prompts x n=4) with a long tail: most responses of 1-3 tokens, a few of 6-24; prompts of 1-8
-    tokens, left-padded; random tokens of the tiny vocabulary; advantages, returns and values for the updates."""
-    response_lengths = torch.tensor([1, 1, 2, 1, 3, 1, 2, 1, 6, 1, 1, 2, 11, 1, 3, 24])
-    prompt_lengths = torch.tensor([8, 3, 1, 5, 8, 2, 6, 4, 7, 1, 8, 3, 5, 2, 6, 8])
-    generator = torch.Generator().manual_seed(0)
-    rows = len(response_lengths)
-    prompt_mask = torch.arange(PROMPT) >= (PROMPT - prompt_lengths).unsqueeze(1)
-    response_mask = torch.arange(RESPONSE) < response_lengths.unsqueeze(1)
-    tokens = lambda width: torch.randint(4, 32, (rows, width), generator=generator)  # noqa: E731
-    return TensorDict(
-        {
-            "prompts": tokens(PROMPT) * prompt_mask,
-            "prompt_mask": prompt_mask,
-            "responses": tokens(RESPONSE) * response_mask,
-            "response_mask": response_mask,
-            "advantages": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
-            "returns": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
-            "values": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
-        },
-        batch_size=[rows],
-    )
+    return long_tailed_batch(prompts=16)  # a prompt of its own in every row
 
 
 def test_pack_lays_sequences_end_to_end_and_to_rows_puts_them_back():
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 0], [9, 10, 11, 12, 0, 0]])  # P = 3, R = 3
     kept = torch.tensor([[False, True, True, True, True, False], [True, True, True, True, False, False]])
     positions = kept[:, 3:]
-    ids, position_ids, index = pack(input_ids, kept, (kept.cumsum(1) - 1).clamp(min=0), 3, positions)
+    ids, position_ids, index, mask = pack(input_ids, kept, (kept.cumsum(1) - 1).clamp(min=0), 3, positions)
+    assert mask is None  # one sequence per unit: the position ids keep attention inside each
     assert ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]  # restarting per sequence
     # the outputs at 6 (predicting 7), 7 (predicting 8) and 11 (predicting 12)
@@ -83,7 +52,7 @@ def test_pack_in_rows_fills_them_first_fit_and_gives_each_remainder_a_block_of_i
     input_ids = torch.tensor([[0, 0, 5, 6, 0, 0], [9, 10, 11, 12, 13, 0], [0, 1, 2, 3, 0, 0], [0, 0, 7, 8, 4, 0]])
     kept = input_ids != 0  # lengths 2, 5, 3, 3; rows of 5: [5], [3, 2], [3] (by decreasing length, first fit)
     positions = kept[:, 3:]
-    ids, position_ids, index = pack(input_ids, kept, (kept.cumsum(1) - 1).clamp(min=0), 3, positions, width=5)
+    ids, position_ids, index, _ = pack(input_ids, kept, (kept.cumsum(1) - 1).clamp(min=0), 3, positions, in_rows=True)
     assert ids.tolist() == [[9, 10, 11, 12, 13], [1, 2, 3, 5, 6], [7, 8, 4, 0, 0]]
     assert position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
     # each index predicts a response token of its own sequence, in row-major order: 6 | 12, 13 | 3 | 8, 4
@@ -132,7 +101,7 @@ def test_packed_attention_stays_inside_each_sequence(tiny_overrides, batch):
                 torch.cat([rows["prompts"], rows["responses"]], 1),
                 torch.cat([rows["prompt_mask"], positions], 1),
             )
-            ids, _, index = pack(input_ids, kept, kept.cumsum(1) - 1, PROMPT, positions)
+            ids, _, index, _ = pack(input_ids, kept, kept.cumsum(1) - 1, PROMPT, positions)
             leaked.append(model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0, index])
     assert not torch.allclose(leaked[0][positions[0].sum() :], leaked[1][positions[0].sum() :], atol=1e-3)
 
@@ -156,11 +125,6 @@ def test_packed_and_token_budget_values_equal_the_padded_ones(tiny_overrides, ba
         torch.testing.assert_close(values, padded, **FLOAT32)
 
 
-def _updated(worker, batch):
-    result = worker.update(batch, step=1)
-    return result, {name: tensor.clone() for name, tensor in worker.model.state_dict().items()}
-
-
 def test_packed_token_budget_updates_equal_the_padded_row_count_ones(tiny_overrides, batch):
     """The actor on-policy (its own log-probs come back in row order) and the critic: the same metrics and weights
     from the padded path in micro-batches of 4 rows as packed in micro-batches of at most 32 tokens."""
@@ -170,8 +134,8 @@ def test_packed_token_budget_updates_equal_the_padded_row_count_ones(tiny_overri
     results = []
     for words in (rows, budget):
         cfg = config(tiny_overrides, *words)
-        actor, actor_weights = _updated(ActorWorker(cfg), batch.exclude("values", "returns"))
-        critic_metrics, critic_weights = _updated(CriticWorker(cfg), batch)
+        actor, actor_weights = updated(ActorWorker(cfg), batch.exclude("values", "returns"))
+        critic_metrics, critic_weights = updated(CriticWorker(cfg), batch)
         results.append((actor, actor_weights, critic_metrics, critic_weights))
     (actor_a, weights_a, critic_a, critic_weights_a), (actor_b, weights_b, critic_b, critic_weights_b) = results
     mask = batch["response_mask"]
@@ -193,7 +157,7 @@ def test_the_loss_normalisation_does_not_depend_on_the_cut(tiny_overrides, batch
     cuts += [[*PACKED, *DYNAMIC, f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={2 * BUDGET}"]]
     trainable = batch.exclude("values", "returns")
     trainable["old_log_probs"] = ActorWorker(config(tiny_overrides)).compute_log_prob(batch)["log_probs"] + 0.05
-    results = [_updated(ActorWorker(config(tiny_overrides, *base, *words)), trainable) for words in cuts]
+    results = [updated(ActorWorker(config(tiny_overrides, *base, *words)), trainable) for words in cuts]
     (expected, expected_weights), others = results[0], results[1:]
     assert expected.metrics["actor/optimizer_steps"] == 2
     for result, weights in others:
@@ -247,7 +211,7 @@ def test_bf16_compute_at_one_rank_keeps_float32_weights_and_optimizer_state(tiny
     log_probs = {name: worker.compute_log_prob(batch)["log_probs"] for name, worker in workers.items()}
     assert not torch.equal(log_probs["bf16"], log_probs["fp32"])  # autocast did act
     torch.testing.assert_close(log_probs["bf16"][mask], log_probs["fp32"][mask], atol=1e-2, rtol=1e-2)
-    results = {name: _updated(worker, trainable) for name, worker in workers.items()}
+    results = {name: updated(worker, trainable) for name, worker in workers.items()}
     (fp32, fp32_weights), (bf16, bf16_weights) = results["fp32"], results["bf16"]
     assert bf16.metrics["actor/pg_loss"] != fp32.metrics["actor/pg_loss"]
     for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):

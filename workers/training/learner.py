@@ -17,7 +17,14 @@ from ppoflow.configs.schema import FSDPConfig, OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
 from ppoflow.workers.training.data_parallel import DataParallel, unique_state_names
-from ppoflow.workers.training.packing import pack, response_positions, sequence_lengths, token_budget_parts
+from ppoflow.workers.training.packing import (
+    pack,
+    prompt_groups,
+    response_positions,
+    sequence_lengths,
+    sharing_pays,
+    token_budget_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +46,26 @@ def response_logits(
 ) -> torch.Tensor:
     """The model's logits (a value head's: its scores) that predict each response token inside its row's extent,
     [K, ...] in row-major order (:func:`~.packing.to_rows` makes them [N, R, ...]). ``remove_padding``: over the
-    micro-batch packed into one row (:func:`~.packing.pack`), else over the padded rows with an attention mask.
-    ``compute_dtype``: under ``torch.autocast`` to it (mixed precision at one rank), the logits then in float32."""
+    micro-batch packed without pad tokens (:func:`~.packing.pack`): in one row for flash attention; for sdpa and
+    eager in rows of the longest unit, the samples of one prompt behind one copy of it where that costs less
+    (:func:`~.packing.sharing_pays`). Else over the padded rows with an attention mask. ``compute_dtype``: under
+    ``torch.autocast`` to it (mixed precision at one rank), the logits then in float32."""
     input_ids, kept, position_ids = sequence_inputs(batch)
     prompt_length, positions = batch["prompts"].shape[1], response_positions(batch)
-    if remove_padding:  # flash attention's varlen kernels take one row; the others, rows of the longest sequence
-        width = None if attention_implementation(model).startswith("flash") else int(kept.sum(dim=1).max())
-        input_ids, position_ids, index = pack(input_ids, kept, position_ids, prompt_length, positions, width=width)
-        inputs = {"input_ids": input_ids, "position_ids": position_ids}  # no mask: packed, by the position ids
+    if remove_padding:
+        in_rows = not attention_implementation(model).startswith("flash")  # varlen kernels: one row, no tree masks
+        groups = prompt_groups(batch) if in_rows else None
+        if groups is not None and not sharing_pays(kept, prompt_length, groups, attention_pair_weight(model)):
+            groups = None
+        input_ids, position_ids, index, mask = pack(
+            input_ids, kept, position_ids, prompt_length, positions, in_rows=in_rows, groups=groups
+        )
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask}
+        if mask is not None and attention_implementation(model) == "eager":  # eager adds the mask to its scores
+            dtype = compute_dtype or next(model.parameters()).dtype
+            inputs["attention_mask"] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
     else:
         inputs = {"input_ids": input_ids, "attention_mask": kept.long(), "position_ids": position_ids}
     autocast = torch.autocast(input_ids.device.type, dtype=compute_dtype, enabled=compute_dtype is not None)
@@ -56,6 +75,13 @@ def response_logits(
     if remove_padding:
         return logits.flatten(0, 1)[index]
     return logits[:, prompt_length - 1 : prompt_length + positions.shape[1] - 1][positions]
+
+
+def attention_pair_weight(model: torch.nn.Module) -> float:
+    """One attended query-key pair's multiply-adds against the rest of a token's forward pass, estimated from the
+    config: scores and weighted values take 2 x hidden per layer, the weights one per parameter."""
+    config = model.config.get_text_config()
+    return 2 * config.hidden_size * config.num_hidden_layers / sum(weight.numel() for weight in model.parameters())
 
 
 def attention_implementation(model: torch.nn.Module) -> str:

@@ -31,6 +31,38 @@ def sequence_lengths(batch: TensorDict) -> list[int]:
     return (batch["prompt_mask"].sum(dim=1) + response_extent(batch)).tolist()
 
 
+def prompt_groups(batch: TensorDict) -> torch.Tensor:
+    """[N] long: an id per distinct prompt (its tokens and padding), 0 to G - 1; a GRPO group's samples share one."""
+    prompts = torch.cat([batch["prompts"], batch["prompt_mask"].long()], dim=1)
+    return torch.unique(prompts, dim=0, return_inverse=True)[1]
+
+
+def unit_lengths(kept: torch.Tensor, prompt_length: int, groups: torch.Tensor) -> torch.Tensor:
+    """[G] tokens of each group's unit: its prompt once, then every one of its rows' responses."""
+    prompt_lengths = kept[:, :prompt_length].sum(dim=1)
+    first = prompt_lengths.new_zeros(int(groups.max()) + 1 if len(groups) else 0).scatter_(0, groups, prompt_lengths)
+    return first.index_add(0, groups, kept[:, prompt_length:].sum(dim=1))
+
+
+def layout_cost(lengths: Sequence[int], pair_weight: float) -> float:
+    """What a forward pass over ``lengths`` in rows as wide as the longest (:func:`first_fit`) costs, in tokens:
+    B x W token slots, each W x ``pair_weight`` more for attention (one attended pair's cost against the rest of a
+    token's work)."""
+    width = max(lengths, default=0)
+    slots = len(first_fit(lengths, width)[2]) * width
+    return slots * (1 + width * pair_weight)
+
+
+def sharing_pays(kept: torch.Tensor, prompt_length: int, groups: torch.Tensor, pair_weight: float) -> bool:
+    """Whether laying each group's responses behind one copy of its prompt costs less (:func:`layout_cost`) than a
+    unit per sequence, as it does for a GRPO group until attention over its responses outweighs the prompt tokens
+    saved."""
+    if len(groups) == 0 or int(groups.max()) + 1 == len(groups):
+        return False
+    shared = unit_lengths(kept, prompt_length, groups).tolist()
+    return layout_cost(shared, pair_weight) < layout_cost(kept.sum(dim=1).tolist(), pair_weight)
+
+
 def pack(
     input_ids: torch.Tensor,
     kept: torch.Tensor,
@@ -38,23 +70,39 @@ def pack(
     prompt_length: int,
     positions: torch.Tensor,
     *,
-    width: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    in_rows: bool = False,
+    groups: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The ``kept`` tokens of padded ``input_ids`` [N, P + R] laid end to end: ``(input_ids [B, W], position_ids
-    [B, W], index [K])``, ``index`` the positions in the flattened [B * W] outputs that predict the response tokens
-    at ``positions`` [N, R], in row-major order (those of column P - 1 + j predict response token j).
+    [B, W], index [K], mask)``, ``index`` the positions in the flattened [B * W] outputs that predict the response
+    tokens at ``positions`` [N, R], in row-major order (those of column P - 1 + j predict response token j).
 
-    ``width`` None: one row, the sequences in their order (flash attention's varlen kernels take it at no cost per
-    pair). Else rows of at most ``width`` tokens, filled first-fit by decreasing length, each row's remainder a
-    block of its own (token 0, positions from 0): sdpa and eager attention then cost B x W x W pairs, not T x T."""
-    lengths = kept.sum(dim=1)
-    if width is None:
-        rows, starts, used = torch.zeros_like(lengths), lengths.cumsum(0) - lengths, lengths.sum().view(1)
+    A unit is a sequence or, with ``groups`` (:func:`prompt_groups`), a prompt followed by the responses of its
+    group's rows. ``in_rows`` False: one row, the units in order (flash attention's varlen kernels take it at no
+    cost per pair). True: rows as wide as the longest unit, filled first-fit by decreasing length, each row's
+    remainder a block of its own (token 0, positions from 0): sdpa and eager attention then cost B x W x W pairs,
+    not T x T. ``mask`` None when every unit is one sequence (the position ids, restarting, keep attention inside
+    it), else [B, 1, W, W] bool (:func:`shared_prompt_mask`)."""
+    groups = torch.arange(len(kept), device=kept.device) if groups is None else groups
+    prompt_kept, response_kept = kept[:, :prompt_length], kept[:, prompt_length:]
+    lengths = unit_lengths(kept, prompt_length, groups)
+    if in_rows:
+        rows, starts, used = (part.to(kept.device) for part in first_fit(lengths.tolist(), int(lengths.max())))
     else:
-        rows, starts, used = (part.to(kept.device) for part in first_fit(lengths.tolist(), width))
+        rows, starts, used = torch.zeros_like(lengths), lengths.cumsum(0) - lengths, lengths.sum().view(1)
     row_width = int(used.max()) if len(used) else 0
-    flat_start = (rows * row_width + starts).unsqueeze(1)
-    packed_index = flat_start + (kept.cumsum(dim=1) - 1)  # where each kept token goes in the flattened rows
+    unit_start = (rows * row_width + starts)[groups]  # each row's unit, in the flattened rows
+    response_start = unit_start + prompt_kept.sum(dim=1) + earlier_responses(response_kept.sum(dim=1), groups)
+    packed_index = (
+        torch.cat(  # where each kept token goes in the flattened rows; a group's rows share its prompt
+            [
+                unit_start.unsqueeze(1) + prompt_kept.cumsum(dim=1),
+                response_start.unsqueeze(1) + response_kept.cumsum(dim=1),
+            ],
+            dim=1,
+        )
+        - 1
+    )
     destination = packed_index[kept]
     packed_ids = input_ids.new_zeros(len(used) * row_width)
     packed_ids[destination] = input_ids[kept]
@@ -64,7 +112,39 @@ def pack(
     response_length = positions.shape[1]
     index = packed_index[:, prompt_length - 1 : prompt_length + response_length - 1][positions]
     shape = (len(used), row_width)
-    return packed_ids.view(shape), packed_positions.view(shape), index
+    shared = len(lengths) < len(kept)
+    mask = shared_prompt_mask(packed_index, kept, prompt_length, groups, shape) if shared else None
+    return packed_ids.view(shape), packed_positions.view(shape), index, mask
+
+
+def earlier_responses(lengths: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """[N]: the response tokens of the rows before each one in its group (its response's offset in the unit)."""
+    order = torch.argsort(groups, stable=True)
+    before = lengths[order].cumsum(0) - lengths[order]  # over the rows sorted by group
+    group_start = torch.bincount(groups).cumsum(0) - torch.bincount(groups)
+    offsets = torch.empty_like(lengths)
+    offsets[order] = before - before[group_start][groups[order]]
+    return offsets
+
+
+def shared_prompt_mask(
+    packed_index: torch.Tensor, kept: torch.Tensor, prompt_length: int, groups: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """[B, 1, W, W] bool, query by key: each token attends to the earlier tokens of its unit on its own path, the
+    prompt and its own response, so that every response sees what it would see alone; an unused slot, itself."""
+    slots = shape[0] * shape[1]
+    unit = -1 - torch.arange(slots, device=kept.device)  # every unused slot a unit of its own
+    unit[packed_index[kept]] = groups.unsqueeze(1).expand_as(kept)[kept]
+    response = kept.clone()
+    response[:, :prompt_length] = False
+    path = torch.zeros(slots, dtype=torch.long, device=kept.device)  # 0: the prompt, row + 1: that row's response
+    path[packed_index[response]] = (
+        torch.arange(1, len(kept) + 1, device=kept.device).unsqueeze(1).expand_as(kept)[response]
+    )
+    unit, path = unit.view(shape), path.view(shape)
+    causal = torch.ones(shape[1], shape[1], dtype=torch.bool, device=kept.device).tril()
+    on_path = (path.unsqueeze(1) == 0) | (path.unsqueeze(1) == path.unsqueeze(2))
+    return (causal & (unit.unsqueeze(1) == unit.unsqueeze(2)) & on_path).unsqueeze(1)
 
 
 def first_fit(lengths: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
