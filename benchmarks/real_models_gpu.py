@@ -1,13 +1,15 @@
 """The real-models check on one GPU: the actor in process (no Ray, no Prefect), its plain path against gradient
 checkpointing, padding-free token-budget micro-batches, LoRA and bf16 mixed precision.
 
-A random-init Qwen2 with Qwen2.5-0.5B's shapes and vocabulary takes a long-tailed batch (benchmarks/packing.py);
+A random-init Qwen2 with Qwen2.5-0.5B's shapes and vocabulary takes a long-tailed batch (benchmarks/packing.py)
+whose prompts each serve ``--samples`` sequences, as a GRPO group's do (packing then shares them under sdpa);
 each setting is a fresh ``ActorWorker`` that computes the log-probs, updates once and computes them again. Its
 log-probs, entropy and grad norm are checked against the plain path's (LoRA's against LoRA on the plain path)
 within the tolerances printed beside them; reported per pass: peak ``torch.cuda.max_memory_allocated``, tokens/s.
 Method and figures: docs/benchmarks.md#on-a-gpu.
 
-    python benchmarks/real_models_gpu.py [--sequences 64] [--max-response 2048] [--micro 4] [--budget 16384]
+    python benchmarks/real_models_gpu.py [--sequences 64] [--samples 8] [--max-response 2048] [--micro 4]
+        [--budget 16384]
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def run_setting(args, model_dir: Path, setting: list[str]) -> dict:
         torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     actor = ActorWorker(load_config("grpo_tiny", overrides(args, model_dir, setting)))
     weights_gb = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    batch = long_tailed_batch(args.sequences, args.max_response, prompt=PROMPT, vocab=args.vocab)
+    batch = long_tailed_batch(args.sequences, args.max_response, prompt=PROMPT, vocab=args.vocab, samples=args.samples)
     tokens = sum(sequence_lengths(batch))
     actor.compute_log_prob(batch[:2])  # warm-up: the first pass's one-time costs (kernels, allocator)
     with Pass(torch, tokens) as log_prob:
@@ -176,6 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--max-response", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=8, help="consecutive sequences per prompt (a GRPO group)")
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"])
@@ -195,8 +198,9 @@ def main() -> None:
     model_dir = build_model(Path(args.scratch), args.layers, args.vocab)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"{device}; torch {torch.__version__}; Qwen2 {args.layers} layers x hidden 896, vocab {args.vocab}; "
-          f"{args.sequences} sequences, prompts 4-{PROMPT}, responses 8-{args.max_response}; padded micro-batches "
-          f"of {args.micro} rows, token budget {args.budget}", flush=True)  # fmt: skip
+          f"{args.sequences} sequences, {args.samples} per prompt of 4-{PROMPT} tokens, responses 8-"
+          f"{args.max_response}; padded micro-batches of {args.micro} rows, token budget {args.budget}",
+          flush=True)  # fmt: skip
     runs, report, failures = {}, {}, []
     for name in args.settings:
         setting, compared_with, tolerance = SETTINGS[name]
