@@ -159,7 +159,9 @@ class PPOUpdateConfig(TrainingEngineConfig):
     use_dynamic_bsz: bool = Field(
         description="Cut each mini-batch into micro-batches of at most ppo_max_token_len_per_gpu real tokens "
         "(prompt + response, padding not counted; balanced, Karmarkar-Karp) instead of "
-        "ppo_micro_batch_size_per_gpu rows; the critic's value forward too (forward_max_token_len_per_gpu)."
+        "ppo_micro_batch_size_per_gpu rows; the critic's value forward too (forward_max_token_len_per_gpu). "
+        "With use_remove_padding under sdpa or eager, a prompt's samples stay in one micro-batch where they fit, "
+        "for the packed pass to share the prompt."
     )
     ppo_max_token_len_per_gpu: int = Field(
         ge=1,

@@ -25,6 +25,7 @@ from ppoflow.workers.training.learner import (
     micro_batches,
     pad_responses,
     response_logits,
+    sharing_groups,
     weights_digest,
 )
 from ppoflow.workers.training.packing import response_positions, to_rows
@@ -57,6 +58,7 @@ class CriticWorker(ReportsMemory, Profiles):
             device=self.device,
             parallel=self.parallel,
             nonfinite=cfg.trainer.nonfinite,
+            remove_padding=critic.model.use_remove_padding,
         )
 
     @stage_range("critic_compute_values")
@@ -66,10 +68,12 @@ class CriticWorker(ReportsMemory, Profiles):
         self.model.eval()
         cfg, values, rows = self.cfg, [], []
         budget = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+        together = sharing_groups(self.model, batch, cfg.model.use_remove_padding) if budget else None
+        cuts = micro_batches(
+            batch, self.parallel, size=cfg.forward_micro_batch_size_per_gpu, max_tokens=budget, keep_together=together
+        )
         with torch.no_grad():
-            for group, micro in micro_batches(
-                batch, self.parallel, size=cfg.forward_micro_batch_size_per_gpu, max_tokens=budget
-            ):
+            for group, micro in cuts:
                 values.append(self._values(micro.to(self.device)).float().cpu())
                 rows += group
         values = self.parallel.gather_indexed(rows, pad_responses(values, batch["responses"].shape[1]), len(batch))

@@ -18,6 +18,7 @@ from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
 from ppoflow.workers.training.data_parallel import DataParallel, unique_state_names
 from ppoflow.workers.training.packing import (
+    budget_items,
     pack,
     prompt_groups,
     response_positions,
@@ -54,7 +55,7 @@ def response_logits(
     prompt_length, positions = batch["prompts"].shape[1], response_positions(batch)
     if remove_padding:
         in_rows = not attention_implementation(model).startswith("flash")  # varlen kernels: one row, no tree masks
-        groups = prompt_groups(batch) if in_rows else None
+        groups = sharing_groups(model, batch, remove_padding)
         if groups is not None and not sharing_pays(kept, prompt_length, groups, attention_pair_weight(model)):
             groups = None
         input_ids, position_ids, index, mask = pack(
@@ -75,6 +76,14 @@ def response_logits(
     if remove_padding:
         return logits.flatten(0, 1)[index]
     return logits[:, prompt_length - 1 : prompt_length + positions.shape[1] - 1][positions]
+
+
+def sharing_groups(model: torch.nn.Module, batch: TensorDict, remove_padding: bool) -> torch.Tensor | None:
+    """The rows' prompt groups (:func:`~.packing.prompt_groups`) when ``model``'s packed passes may lay each group
+    behind one copy of its prompt (``remove_padding`` under sdpa or eager attention), else None."""
+    if not remove_padding or attention_implementation(model).startswith("flash"):
+        return None
+    return prompt_groups(batch)
 
 
 def attention_pair_weight(model: torch.nn.Module) -> float:
@@ -108,19 +117,29 @@ def weights_digest(model: torch.nn.Module, parallel: DataParallel) -> str | None
 
 
 def micro_batches(
-    batch: TensorDict, parallel: DataParallel, *, size: int | None, max_tokens: int | None = None
+    batch: TensorDict,
+    parallel: DataParallel,
+    *,
+    size: int | None,
+    max_tokens: int | None = None,
+    keep_together: torch.Tensor | None = None,
 ) -> Iterator[tuple[list[int], TensorDict]]:
     """This rank's rows of ``batch`` (:meth:`DataParallel.shares`) as micro-batches, each with the indices of its
     rows in ``batch`` and its response padding trimmed to its own longest response: ``max_tokens`` (dynamic bsz):
-    balanced groups of at most that many real tokens (:func:`~.packing.token_budget_parts`); else slices of at
-    most ``size`` rows (all rows when None). With data-parallel ranks every rank cuts as many micro-batches as the
+    balanced groups of at most that many real tokens (:func:`~.packing.token_budget_parts`), the rows of one
+    ``keep_together`` id (:func:`sharing_groups`) side by side where the budget allows; else slices of at most
+    ``size`` rows (all rows when None). With data-parallel ranks every rank cuts as many micro-batches as the
     rank that needs most (each forward pass is a collective), near-equal slices in rows."""
     shares = parallel.shares(batch)
     rows = shares[parallel.rank]
     if max_tokens is not None:
         lengths = sequence_lengths(batch)
-        cuts = token_budget_parts([[lengths[row] for row in share] for share in shares], max_tokens)
-        groups = [[rows[index] for index in group] for group in cuts[parallel.rank]]
+        items = [budget_items(share, lengths, keep_together, max_tokens) for share in shares]
+        cuts = token_budget_parts(
+            [[sum(lengths[row] for row in item) for item in share] for share in items], max_tokens
+        )
+        mine = items[parallel.rank]
+        groups = [sorted(row for index in cut for row in mine[index]) for cut in cuts[parallel.rank]]
     elif (count := parallel.micro_count(batch, size)) is not None:
         groups = [part.tolist() for part in torch.tensor(rows, dtype=torch.long).tensor_split(count)]
     else:
@@ -165,9 +184,10 @@ class Learner:
         device: torch.device,
         parallel: DataParallel,
         nonfinite: str,
+        remove_padding: bool = False,
     ):
         self.model, self.grad_clip, self.device, self.parallel = model, grad_clip, device, parallel
-        self.nonfinite = nonfinite
+        self.nonfinite, self.remove_padding = nonfinite, remove_padding
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapter
         # fused: one kernel over all tensors instead of a loop of element-wise ops per tensor (what transformers'
         # Trainer, and so TRL, uses by default); sharded parameters (DTensors) keep the per-tensor loop.
@@ -213,7 +233,11 @@ class Learner:
                 num_tokens = float(mini["response_mask"].sum())
                 num_seqs = float(mini["response_mask"].any(dim=1).sum())
                 totals: dict[str, float] = {}
-                for _, micro in micro_batches(mini, self.parallel, size=micro_batch_size, max_tokens=max_token_len):
+                together = sharing_groups(self.model, mini, self.remove_padding) if max_token_len else None
+                cuts = micro_batches(
+                    mini, self.parallel, size=micro_batch_size, max_tokens=max_token_len, keep_together=together
+                )
+                for _, micro in cuts:
                     share = float(micro["response_mask"].sum()) / num_tokens if num_tokens else 0.0
                     loss, summed, averaged = micro_loss(micro.to(self.device), num_tokens, num_seqs)
                     loss.backward()

@@ -188,6 +188,21 @@ def karmarkar_karp(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(members) for _, members in groups]
 
 
+def budget_items(rows: Sequence[int], lengths: Sequence[int], keep_together: torch.Tensor | None, budget: int):
+    """``rows`` (their token ``lengths`` indexed by row) as the items a token budget cuts: each row alone or, with
+    ``keep_together`` ([N] ids: :func:`prompt_groups`), the rows of one id together in chunks of at most
+    ``budget`` tokens, so that a micro-batch holds a prompt's samples side by side for a packed pass to share it."""
+    if keep_together is None:
+        return [[row] for row in rows]
+    chunks: dict[int, list[list[int]]] = {}
+    for row in rows:
+        group = chunks.setdefault(int(keep_together[row]), [[]])
+        if group[-1] and sum(lengths[other] for other in group[-1]) + lengths[row] > budget:
+            group.append([])
+        group[-1].append(row)
+    return [chunk for group in chunks.values() for chunk in group]
+
+
 def token_budget_parts(shares: Sequence[Sequence[int]], budget: int) -> list[list[list[int]]]:
     """Each share's rows (given by their token lengths; one share per data-parallel rank) cut into the same
     number of micro-batches of at most ``budget`` tokens: the fewest, from ceil(tokens / budget) of the largest

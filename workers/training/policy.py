@@ -40,6 +40,7 @@ from ppoflow.workers.training.learner import (
     micro_batches,
     pad_responses,
     response_logits,
+    sharing_groups,
     trained_state_names,
     weights_digest,
 )
@@ -85,7 +86,10 @@ class PolicyModel(ReportsMemory, Profiles):
         rank 0 returns them all (the others: None)."""
         self.model.eval()
         parts, rows = [], []
-        cuts = micro_batches(batch, self.parallel, size=self.micro_batch_size, max_tokens=self.max_token_len)
+        together = sharing_groups(self.model, batch, self.remove_padding) if self.max_token_len else None
+        cuts = micro_batches(
+            batch, self.parallel, size=self.micro_batch_size, max_tokens=self.max_token_len, keep_together=together
+        )
         with torch.no_grad():
             for group, micro in cuts:
                 parts.append(self.token_log_probs(micro.to(self.device))[0].float().cpu())
@@ -164,6 +168,7 @@ class ActorWorker(PolicyModel):
             device=self.device,
             parallel=self.parallel,
             nonfinite=cfg.trainer.nonfinite,
+            remove_padding=self.remove_padding,
         )
         # A mode that is not on-policy may sample with weights older than the actor's: keep what was last pushed.
         on_policy = needs_of(cfg.trainer.mode).on_policy
