@@ -3,9 +3,11 @@
 A row's tokens are its prompt without the left padding and its response up to its extent (its last model or tool
 token). :func:`pack` lays a micro-batch's sequences end to end, in one row for flash attention's varlen kernels or
 in rows as wide as the longest sequence for sdpa and eager (whose block-diagonal causal mask costs the square of
-a row's width), position ids restarting at 0 per sequence so that transformers keeps attention inside each.
-:func:`to_rows` puts per-token outputs back as [N, R]. :func:`token_budget_parts` cuts rows into micro-batches of
-at most a budget of tokens, as many on every data-parallel rank.
+a row's width), position ids restarting at 0 per sequence so that transformers keeps attention inside each. Under
+sdpa and eager the samples of one prompt (a GRPO group) may share one copy of it, their responses behind it under
+a mask of their own, where :func:`sharing_pays` says that costs less. :func:`to_rows` puts per-token outputs back
+as [N, R]. :func:`token_budget_parts` cuts rows into micro-batches of at most a budget of tokens, as many on every
+data-parallel rank, keeping a prompt's samples together where they fit (:func:`budget_items`).
 """
 
 from __future__ import annotations
