@@ -54,7 +54,7 @@ class StageResult:
 
 _NON_TENSOR_KEY = "ppoflow.non_tensor"
 _BATCH_SIZE_KEY = "ppoflow.batch_size"
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -264,7 +264,7 @@ def read_safetensors(payload: bytes | bytearray | memoryview) -> tuple[dict[str,
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, entry in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
         if dtype is None:
             raise ValueError(f"tensor {name!r}: unsupported dtype {entry.get('dtype')!r}")
         shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]

@@ -22,6 +22,7 @@ import torch
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
 from ppoflow.storage.fs import path_problem
+from ppoflow.storage.safetensors_stream import write_safetensors
 from ppoflow.workers.transport import send_batches_as_plain_values
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -114,19 +115,47 @@ def model_config(model: ModelConfig, key: str) -> dict:
     return config
 
 
-def save_pretrained(model, tokenizer, url: str, *, weights: dict[str, torch.Tensor]) -> None:
+def save_pretrained(
+    model,
+    tokenizer,
+    url: str,
+    *,
+    weights: dict[str, torch.Tensor],
+    stream: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> None:
     """Write ``model`` (its config, and ``weights``: its full state dict, gathered when it is sharded) and
-    ``tokenizer`` as a Hugging Face directory at ``url`` (local path or fsspec URL)."""
+    ``tokenizer`` as a Hugging Face directory at ``url`` (local path or fsspec URL). ``stream``: the weights to
+    write instead, one at a time in ``weights``' order, ``weights`` then giving only their names, dtypes and
+    shapes (its tensors may alias the model's): each is written as it comes (:func:`write_safetensors`) when
+    transformers would save them unconverted; for a model whose weights transformers converts, gathered first."""
     import tempfile
 
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(url))
     with tempfile.TemporaryDirectory() as staging:
-        model.save_pretrained(staging, state_dict=weights)
+        layout = None if stream is None else unconverted_layout(model, weights)
+        if layout is None:
+            model.save_pretrained(staging, state_dict=weights if stream is None else dict(stream))
+        else:  # transformers writes the config files; the weights follow one by one
+            model.save_pretrained(staging, state_dict={})
+            kept = ((name, tensor) for name, tensor in stream if name in layout)  # tied aliases left out
+            write_safetensors(os.path.join(staging, "model.safetensors"), layout, kept, {"format": "pt"})
         _name_unwrapped_architecture(Path(staging) / "config.json", model)
         tokenizer.save_pretrained(staging)
         fs.makedirs(root, exist_ok=True)
         for name in os.listdir(staging):
             fs.put_file(os.path.join(staging, name), f"{root.rstrip('/')}/{name}")
+
+
+def unconverted_layout(model, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``weights`` as transformers' ``save_pretrained`` would write them (tied aliases left out) when it writes
+    them as they are; None when it would convert them (renamed or fused tensors, as for some mixture-of-experts)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    kept = remove_tied_weights_from_state_dict(dict(weights), model)
+    saved = revert_weight_conversion(model, kept)
+    unchanged = saved.keys() == kept.keys() and all(saved[name] is tensor for name, tensor in kept.items())
+    return kept if unchanged else None
 
 
 def _name_unwrapped_architecture(config_path: Path, model) -> None:

@@ -116,7 +116,7 @@ class Adapter:
         from peft.tuners.lora import LoraLayer
 
         adapted = {f"{name}.weight": layer for name, layer in self.base.named_modules() if isinstance(layer, LoraLayer)}
-        for name, tensor in self._base_weights().items():
+        for name, tensor in self.base_weights().items():
             layer = adapted.get(name)
             yield name, tensor if layer is None else _merged(layer)
 
@@ -125,7 +125,7 @@ class Adapter:
         base model has (:func:`~ppoflow.workers.training.learner.weights_digest`), so a reference pass cached by
         a run without LoRA stays valid."""
         if self._base_digest is None:
-            self._base_digest = tensors_digest(self._base_weights())
+            self._base_digest = tensors_digest(self.base_weights())
         return self._base_digest
 
     def digest(self) -> str:
@@ -133,7 +133,7 @@ class Adapter:
         hashed again)."""
         return tensors_digest(self.weights(), self.base_digest())
 
-    def _base_weights(self) -> dict[str, torch.Tensor]:
+    def base_weights(self) -> dict[str, torch.Tensor]:
         """The base model's state under its own names (no ``base_layer``), adapter tensors left out."""
         return {
             name.replace(".base_layer.", "."): tensor.detach()

@@ -321,7 +321,8 @@ class ActorWorker(PolicyModel):
         in ``url/adapter``."""
         if self.adapter is not None:
             tokenizer = load_tokenizer(self.model_config)
-            save_pretrained(self.adapter.base, tokenizer, url, weights=self.adapter.merged_weights())
+            base, merged = self.adapter.base_weights(), self.adapter.merged_items()  # merged one layer at a time
+            save_pretrained(self.adapter.base, tokenizer, url, weights=base, stream=merged)
             save_pretrained(self.model, tokenizer, join(url, ADAPTER_DIR), weights=self.model.state_dict())
             return
         weights = self.parallel.full_state_dict(self.model)
