@@ -123,7 +123,8 @@ def earlier_responses(lengths: torch.Tensor, groups: torch.Tensor) -> torch.Tens
     """[N]: the response tokens of the rows before each one in its group (its response's offset in the unit)."""
     order = torch.argsort(groups, stable=True)
     before = lengths[order].cumsum(0) - lengths[order]  # over the rows sorted by group
-    group_start = torch.bincount(groups).cumsum(0) - torch.bincount(groups)
+    sizes = torch.bincount(groups)
+    group_start = sizes.cumsum(0) - sizes
     offsets = torch.empty_like(lengths)
     offsets[order] = before - before[group_start][groups[order]]
     return offsets
