@@ -64,7 +64,10 @@ def test_async_mode_settings_are_checked_before_anything_starts(words, key, need
     assert any(k == key and needle in message for k, message in found), found
 
 
-@pytest.mark.parametrize("partial_rollout", [True, False])
+@pytest.mark.parametrize(
+    "partial_rollout",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # ~5 s each; the partial rollout runs by default
+)
 def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model, partial_rollout):
     """A replica put to sleep mid-request returns the partial output; the load balancer resumes it once the
     replica wakes with new weights, so the turn's tokens span versions 0 and 3 (partial rollout) - or,
@@ -106,6 +109,7 @@ def test_an_aborted_request_resumes_with_the_new_weights(ray_local, tiny_model, 
         assert (3, 3) in spans and spans <= {(3, 3), (0, 0)}
 
 
+@pytest.mark.slow  # ~6 s; an async run trains by default below
 def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model):
     """What an async run does with the groups still in flight when it ends: a group whose requests wait on
     a sleeping replica is cancelled, ends, and takes its requests with it - the replica, woken, has

@@ -38,6 +38,7 @@ class RecordingSync(SyncTrainer):
 '''
 
 
+@pytest.mark.slow  # a run (~7 s); the registration and its errors run by default below
 def test_a_users_own_mode_is_named_in_the_config(prefect_api, ray_local, tiny_model, tmp_path):
     from ppoflow.configs import load_config
     from ppoflow.flows.train import run_ppo_train

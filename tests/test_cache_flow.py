@@ -148,6 +148,7 @@ def test_damaged_entries_are_regenerated_never_loaded(prefect_api, ray_local, go
     assert all(StepCache(str(root)).status(step).valid for step in (1, 2, 3, 4))  # and dumped again
 
 
+@pytest.mark.slow  # two replays (~10 s); a poisoned entry regenerates by default in test_cache_security
 def test_a_rejected_entry_is_a_failed_task_run_saying_why(prefect_api, ray_local, golden, tmp_path, caplog):
     """A rollout entry with one bit flipped, and a reward entry computed from another batch: each replay's
     task run is Failed (never Cached) and its logs say why, the stage then runs again as a Completed task run

@@ -112,6 +112,7 @@ def test_a_sync_run_filters_groups_and_replays_bit_identically(prefect_api, ray_
             assert before[name] == after[name], (name, before["step"])  # bit for bit
 
 
+@pytest.mark.slow  # a run (~6 s); filtering in a sync run runs by default
 def test_the_limit_on_generation_batches_fails_the_step_naming_it(prefect_api, ray_local, overrides, tmp_path):
     from ppoflow.flows.train import ppo_train
 
@@ -122,6 +123,7 @@ def test_the_limit_on_generation_batches_fails_the_step_naming_it(prefect_api, r
     assert "max_num_gen_batches=1" in str(state.result(raise_on_failure=False))
 
 
+@pytest.mark.slow  # a run (~7 s); the filter metric's choice is unit-tested above
 def test_acc_from_a_scorer_without_one_fails_the_run_saying_so(prefect_api, ray_local, overrides, tmp_path):
     from ppoflow.flows.train import ppo_train
 
@@ -131,6 +133,7 @@ def test_acc_from_a_scorer_without_one_fails_the_run_saying_so(prefect_api, ray_
     assert "reports no `acc`" in str(state.result(raise_on_failure=False))
 
 
+@pytest.mark.slow  # a run (~8 s); sync filtering runs by default
 def test_one_step_off_filters_groups(prefect_api, ray_local, overrides, tmp_path):
     rows, _ = train([*overrides, "trainer.mode=one_step_off", "data.gen_batch_size=8"], tmp_path / "off", 2, {})
     assert all(row["train/num_gen_batches"] >= 1 for row in rows)

@@ -93,6 +93,7 @@ def build_sevens_judge(path) -> None:
     model.save_pretrained(path)
 
 
+@pytest.mark.slow  # a model worker of its own (~17 s); the judge on the rollout's replicas runs by default
 def test_a_judge_model_of_its_own_scores_on_its_replicas(prefect_api, ray_local, tiny_model, tmp_path):
     """The judge model (always ``7777``) judges every trajectory of both steps on its own replicas, in its own
     tokens: the policy, judging, would say something else, and the judge's replicas would too had they been sent

@@ -184,6 +184,7 @@ def test_a_run_cancelled_in_prefect_stops_and_leaves_no_process_behind(prefect_a
         assert left_behind(tree, process.pid, marker) == {}
 
 
+@pytest.mark.slow  # ~11 s of grace periods, with the other process-tree tests
 def test_the_watchdog_stops_what_carries_its_marker_and_spares_the_rest():
     """The watchdog on its own: once the process it watches is SIGKILLed, a marked child that ignores SIGTERM
     (SIGKILLed after the grace period) and a marked child in a session of its own are stopped, an unmarked one

@@ -139,6 +139,7 @@ def test_a_training_step_adds_the_service_score_to_the_rule_score(prefect_api, r
     assert metrics["critic/score/mean"] == pytest.approx((sum(rule) + sum(model)) / 16)  # reward_model.combine=sum
 
 
+@pytest.mark.slow  # a run (~7 s); the client's failures are unit-tested above
 def test_a_service_that_fails_every_request_fails_the_step_naming_the_url(prefect_api, ray_local, tiny_overrides):
     """It answers preflight's connection (a service that is down there is exit 2: test_reward_preflight.py), then
     503 to every request: the step fails after the bounded retries, naming the URL."""

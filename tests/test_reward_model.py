@@ -94,6 +94,8 @@ def test_a_model_without_a_reward_head_is_refused_naming_the_key(tiny_model, rew
     assert caught.value.problems == [("reward_model.model.path", f"{path} scores 2 labels; a reward model scores one")]
 
 
+# two runs (~15 s); by default the worker's scores are checked above, the reward-model stage in test_remote_reward
+@pytest.mark.slow
 def test_a_training_run_scores_with_the_reward_model_worker(prefect_api, ray_local, tiny_overrides, tmp_path):
     """Twice, from the same cached rollout: the second run replays the stage (same batch, same weights)."""
     path = str(tmp_path / "rm")

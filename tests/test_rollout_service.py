@@ -73,6 +73,7 @@ def test_sessions_stick_to_a_replica_and_load_spreads(ray_local, replicas):
     assert balancer.in_flight == [0, 0]
 
 
+@pytest.mark.slow  # a replica killed and its requests moved (~8 s)
 def test_requests_on_a_killed_replica_are_served_by_another(ray_local, replicas):
     from ppoflow.workers.service.replicas import LoadBalancer
 
@@ -115,6 +116,7 @@ def test_a_restarted_replica_gets_the_last_weights_before_the_next_batch(ray_loc
     assert ray_local.get([replica.weight_version.remote() for replica in replicas]) == [7, 7]
 
 
+@pytest.mark.slow  # ~10 s; the vault run below goes through the service's agent workers by default
 def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_local, replicas, tiny_model):
     import torch
     from tensordict import TensorDict

@@ -15,6 +15,8 @@ import pytest
 from ppoflow.flows.cli import SERVER_ENV
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow  # a Prefect server of its own (~16 s to start on 2 busy cores)
+
 
 def read_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=2) as response:

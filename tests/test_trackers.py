@@ -192,6 +192,7 @@ READ_TRACKIO = (
 )
 
 
+@pytest.mark.slow  # a run in a process of its own (~13 s); the MLflow run and the tracker faults run by default
 def test_an_offline_wandb_run_and_a_trackio_run_read_back_with_their_own_readers(tiny_model, tmp_path):
     """wandb offline (``WANDB_MODE=offline``) and trackio (local, ``TRACKIO_DIR``) in a run of its own process
     (trackio reads TRACKIO_DIR once, at import); read back with ``wandb leet inspect --json`` (wandb-core's
