@@ -94,7 +94,7 @@ def run(spec: dict) -> dict:
         )  # fmt: skip
     args = GRPOConfig(
         output_dir=spec["output_dir"], use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
-        save_strategy="no", logging_steps=1, seed=spec["seed"], model_init_kwargs={"dtype": "float32"},
+        save_strategy="no", logging_steps=1, seed=spec["seed"], model_init_kwargs={"dtype": spec["dtype"]},
         max_steps=spec["steps"], per_device_train_batch_size=spec["prompts"] * spec["samples"],
         gradient_accumulation_steps=1, num_generations=spec["samples"], max_completion_length=spec["response_length"],
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", learning_rate=spec["lr"],

@@ -46,11 +46,13 @@ PACKING_KEYS = [
     "actor_rollout_ref.actor.use_dynamic_bsz=true",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
 ]
+BF16_BASE_KEYS = ["actor_rollout_ref.model.dtype=bfloat16"]  # the frozen base in bfloat16 (either side: LoRA only)
 VARIANTS = {  # gradient checkpointing, LoRA, ppoflow's extra overrides (TRL's GRPOTrainer has no padding-free path)
     "full": {"gc": False, "lora": False, "overrides": []},
     "gc": {"gc": True, "lora": False, "overrides": []},
     "lora": {"gc": False, "lora": True, "overrides": LORA_KEYS},
     "lora_gc": {"gc": True, "lora": True, "overrides": LORA_KEYS},
+    "lora_gc_bf16": {"gc": True, "lora": True, "overrides": LORA_KEYS + BF16_BASE_KEYS, "dtype": "bfloat16"},
     "lora_padded": {"gc": False, "lora": True, "overrides": LORA_KEYS + PADDED_KEYS},
     "lora_packed": {"gc": False, "lora": True, "overrides": LORA_KEYS + PACKING_KEYS},
 }
@@ -173,7 +175,7 @@ def run_ppoflow(args, model_dir: Path, prompts_file: Path, variant: str, run_dir
 
     from ppoflow.flows.tracking import read_metrics
 
-    env = side_env(args.threads) | {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    env = side_env(args.threads) | {"PREFECT_API_URL": PREFECT_API_URL.value()} | dict(args.env)
     command = [*PPOFLOW, "train", *ppoflow_overrides(args, model_dir, prompts_file, variant, run_dir)]
     peak, wall = watched("ppoflow train", command, env, run_dir.with_suffix(".log"), {server_pid: "prefect server"})
     rows = [row for row in read_metrics(str(run_dir)) if row["step"] > args.warmup]
@@ -198,7 +200,7 @@ def run_trl(args, model_dir: Path, prompts_file: Path, variant: str, run_dir: Pa
         "samples": SHAPES[args.shape]["samples"], "response_length": args.response_length, "lr": args.lr,
         "threads": args.threads, "gradient_checkpointing": VARIANTS[variant]["gc"] or args.gc,
         "lora_rank": LORA["lora_rank"] if lora else 0, "lora_alpha": LORA["lora_alpha"],
-        "target_modules": LORA["target_modules"],
+        "target_modules": LORA["target_modules"], "dtype": VARIANTS[variant].get("dtype", "float32"),
     }  # fmt: skip
     files = ("spec.json", "result.json")
     (run_dir / files[0]).write_text(json.dumps(spec))
@@ -304,6 +306,14 @@ def main() -> None:
         action="append",
         default=[],
         help="a ppoflow key=value added to every ppoflow run (e.g. ray.worker_niceness=15); repeatable",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=lambda word: tuple(word.split("=", 1)),
+        help="NAME=VALUE in the environment of every ppoflow run (its Ray workers inherit it), e.g. "
+        "MALLOC_MMAP_THRESHOLD_=1048576; repeatable",
     )
     parser.add_argument("--scratch", default="outputs/bench/vs_trl", help="models, prompts and run directories")
     args = parser.parse_args()

@@ -10,6 +10,8 @@ clip, step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from tensordict import TensorDict
@@ -375,20 +377,27 @@ class ColocatedActorWorker(ActorWorker):
     @stage_range("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """The rollout worker's ``generate``, on the actor's weights, stamped with its weight version."""
-        return sample_responses(
-            self._rollout_model(),
-            self.tokenizer,
-            prompts,
-            step=step,
-            sampling=sampling,
-            weight_version=self.weight_version,
-            device=self.device,
-        )
+        with self._rollout_model() as model:
+            return sample_responses(
+                model,
+                self.tokenizer,
+                prompts,
+                step=step,
+                sampling=sampling,
+                weight_version=self.weight_version,
+                device=self.device,
+            )
 
-    def _rollout_model(self) -> torch.nn.Module:
-        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``."""
+    @contextmanager
+    def _rollout_model(self) -> Iterator[torch.nn.Module]:
+        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``, held in the
+        gradients' buffer where it fits (full fine-tuning: the copy then adds nothing to the process's memory)."""
         if self.rollout_dtype is None:
-            return self.model
-        if self.adapter is not None:
-            return copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype)
-        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model).items(), self.rollout_dtype)
+            yield self.model
+            return
+        with self.learner.lent_gradients(getattr(torch, self.rollout_dtype)) as memory:
+            if self.adapter is not None:
+                yield copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype, memory)
+            else:
+                weights = self.parallel.full_state_dict(self.model).items()
+                yield copy_in_dtype(self.model, weights, self.rollout_dtype, memory)
