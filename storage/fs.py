@@ -178,15 +178,15 @@ def remove_if_present(fs: AbstractFileSystem, path: str) -> None:
         pass
 
 
-def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+def atomic_write(fs: AbstractFileSystem, path: str, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` so that readers see either the old file or the whole new one.
 
     Local: write a hidden sibling temp file, fsync it, rename it over ``path`` and fsync the
     directory (so the rename survives a power loss). Any other filesystem: one ``pipe`` (a PUT,
-    which object stores apply atomically).
+    which object stores apply atomically; botocore takes bytes, not a memoryview).
     """
     if not isinstance(fs, LocalFileSystem):
-        fs.pipe_file(path, data)
+        fs.pipe_file(path, bytes(data))
         return
     directory, name = os.path.split(fs._strip_protocol(path))
     try:

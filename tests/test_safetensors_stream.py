@@ -1,5 +1,6 @@
 """The export's safetensors writer: a file written tensor by tensor reads back as safetensors wrote it, refuses a
-stream unlike its layout, and a LoRA export through it holds the merged weights (tests/test_lora.py loads them)."""
+stream unlike its layout; a full fine-tuning export goes through it and loads back exactly, and a LoRA export
+through it holds the merged weights (tests/test_lora.py loads them)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,32 @@ def test_a_plain_model_streams_without_its_tied_alias(tiny_model):
     layout = unconverted_layout(model, weights)
     assert layout is not None and set(layout) < set(weights)
     assert set(weights) - set(layout) == {"lm_head.weight"} and model.config.tie_word_embeddings
+
+
+def test_a_full_fine_tuning_export_streams_and_loads_as_the_trained_model(tiny_overrides, tmp_path, monkeypatch):
+    """The actor writes its trained weights tensor by tensor (the writer sees every weight but the tied alias,
+    one at a time), and transformers loads them back exactly."""
+    import ppoflow.workers.models as models
+    from ppoflow.configs import load_config
+    from ppoflow.workers.training.policy import ActorWorker
+
+    written = []
+
+    def watched(path, layout, tensors, metadata):
+        def each():
+            for name, tensor in tensors:
+                written.append(name)
+                yield name, tensor
+
+        return write_safetensors(path, layout, each(), metadata)
+
+    monkeypatch.setattr(models, "write_safetensors", watched)
+    actor = ActorWorker(load_config("grpo_tiny", tiny_overrides))
+    with torch.no_grad():
+        for parameter in actor.model.parameters():
+            parameter.add_(0.25)  # weights no load could give back by chance
+    actor.save_pretrained(str(tmp_path / "hf"))
+    state = actor.model.state_dict()
+    assert written == [name for name in state if name != "lm_head.weight"]
+    loaded = load_causal_lm(model_config(str(tmp_path / "hf"))).state_dict()
+    assert set(loaded) == set(state) and all(torch.equal(loaded[name], state[name]) for name in state)

@@ -328,8 +328,8 @@ class ActorWorker(PolicyModel):
             save_pretrained(self.model, tokenizer, join(url, ADAPTER_DIR), weights=self.model.state_dict())
             return
         weights = self.parallel.full_state_dict(self.model)
-        if self.parallel.is_rank_zero:
-            save_pretrained(self.model, load_tokenizer(self.model_config), url, weights=weights)
+        if self.parallel.is_rank_zero:  # written one tensor at a time, not serialized whole first
+            save_pretrained(self.model, load_tokenizer(self.model_config), url, weights=weights, stream=weights.items())
 
     def prepare_weights(self, again: bool = False, version: int | None = None) -> WeightUpdate:
         """Lay out (and, through the object store, publish) the current weights for the rollout worker,
@@ -363,8 +363,9 @@ class ColocatedActorWorker(ActorWorker):
     """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the model it trains,
     so the rollout always serves the actor's current weights and weight_sync moves nothing. In a
     ``rollout.dtype`` other than ``model.dtype`` it samples with a copy of them cast for the call (with LoRA:
-    merged), which generation then reads at that dtype's width; the copy is gone before the update, so it
-    does not add to the update's peak memory."""
+    merged), which generation then reads at that dtype's width; the copy is gone before the update, and with
+    full fine-tuning it is built in the gradients' buffer (:meth:`Learner.lent_gradients`), so it adds to
+    neither phase's peak memory."""
 
     PROFILE_ROLES = ("actor", "rollout")
 
