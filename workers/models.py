@@ -305,20 +305,14 @@ def load_causal_lm(model: ModelConfig, dtype: str | None = None):
     )
 
 
-def copy_in_dtype(
-    model: torch.nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    dtype: str,
-    memory: torch.Tensor | None = None,
-) -> torch.nn.Module:
+def copy_in_dtype(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dtype: str) -> torch.nn.Module:
     """A new model of ``model``'s architecture, in eval mode, holding ``weights`` (every entry of its state dict,
     under its own names, taken one at a time) cast to ``dtype``: what a colocated rollout samples with when
     ``rollout.dtype`` is not the actor's. Built on the meta device and filled by assignment from one
     allocation, which a CPU allocator returns whole when the copy is dropped (tensor by tensor it would keep the
     freed pages in its heap); each weight is copied in as it comes, so a source that builds them (LoRA's merged
     layers) holds one at a time. Tied weights share their slot; buffers left out of state dicts (rotary
-    frequencies) are copied. ``memory``, a flat tensor of ``dtype``, holds the copy instead where it is long
-    enough (the colocated actor lends its gradients' buffer between updates)."""
+    frequencies) are copied."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -328,10 +322,7 @@ def copy_in_dtype(
     for tensor in shapes.values():
         if id(tensor) not in starts:  # each slice starts 128-byte aligned
             starts[id(tensor)], total = total, total + -(-tensor.numel() // 64) * 64
-    if memory is not None and memory.dtype == _DTYPES[dtype] and memory.numel() >= total:
-        flat = memory[:total]
-    else:
-        flat = torch.empty(total, dtype=_DTYPES[dtype], device=next(model.parameters()).device)
+    flat = torch.empty(total, dtype=_DTYPES[dtype], device=next(model.parameters()).device)
     state = {
         name: flat[starts[id(tensor)] : starts[id(tensor)] + tensor.numel()].view(tensor.shape)
         for name, tensor in shapes.items()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from tensordict import TensorDict
@@ -199,10 +198,6 @@ class Learner:
             weight_decay=optim.weight_decay,
             fused=not parallel.sharded,
         )
-        # Unsharded, every gradient is a view of one buffer, zeroed before each mini-batch rather than freed after
-        # each step: freed, glibc keeps its pages anyway, and kept, they can be lent out between updates.
-        self.gradients, self.gradient_views = (None, []) if parallel.sharded else flat_gradients(trainable)
-        self.gradients_lent = False
         warmup = optim.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0
@@ -230,14 +225,11 @@ class Learner:
         ``fail`` raises :class:`NonFiniteError` naming the step, stage, epoch and mini-batch; ``skip`` warns,
         counts it in ``<prefix>/nonfinite_skipped`` and goes on (``<prefix>/optimizer_steps``: those made).
         Every rank sees the same summed values and norm, so all decide alike."""
-        if self.gradients_lent:
-            raise RuntimeError("an update while the gradients' memory is lent out (Learner.lent_gradients)")
         self.model.train()
         rows, skipped = [], 0
         count = -(-batch.batch_size[0] // mini_batch_size)
         for epoch in range(epochs):
             for index, mini in enumerate(mini_batches(batch, mini_batch_size, shuffle=shuffle, generator=generator)):
-                self._zero_gradients()
                 num_tokens = float(mini["response_mask"].sum())
                 num_seqs = float(mini["response_mask"].any(dim=1).sum())
                 totals: dict[str, float] = {}
@@ -256,8 +248,7 @@ class Learner:
                 totals = self.parallel.sum_metrics(totals)
                 totals[f"{prefix}/grad_norm"] = self._clip_gradients()
                 if nonfinite_values(totals):
-                    self._drop_gradients()
-                    self._zero_gradients()  # nothing left to step on
+                    self.optimizer.zero_grad(set_to_none=True)
                     problem = (
                         f"step {step} update_{prefix}, epoch {epoch + 1} of {epochs}, mini-batch {index + 1} of "
                         f"{count}: non-finite {describe_values(totals)}"
@@ -295,8 +286,6 @@ class Learner:
 
     def load(self, directory: str, entries: dict[str, dict]) -> None:
         """Restore model, optimizer and schedule from a checkpoint written with any number of ranks."""
-        for parameter, _ in self.gradient_views:  # DCP builds optimizer state only for gradient-less parameters
-            parameter.grad = None  # (the views are the gradients again from the next mini-batch)
         if "model.safetensors" not in entries:
             state = DataParallel.load_sharded(directory, entries, self.model, self.optimizer)
         else:
@@ -312,60 +301,10 @@ class Learner:
         return float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
 
     def _step(self) -> None:
-        """One optimizer and schedule step on the (finite) gradients, which are then dropped."""
+        """One optimizer and schedule step on the (finite) gradients, which are then cleared."""
         self.optimizer.step()
-        self._drop_gradients()
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-
-    def _zero_gradients(self) -> None:
-        """Zero the flat buffer and make its views the gradients again (whatever set a ``.grad`` since)."""
-        if self.gradients is not None:
-            self.gradients.zero_()
-            for parameter, view in self.gradient_views:
-                parameter.grad = view
-
-    def _drop_gradients(self) -> None:
-        """Free sharded gradients; the flat buffer stays, to be zeroed before the next mini-batch."""
-        if self.gradients is None:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    @contextmanager
-    def lent_gradients(self, dtype: torch.dtype) -> Iterator[torch.Tensor | None]:
-        """The gradients' buffer as flat scratch memory of ``dtype`` until the block ends (None when sharded):
-        the colocated rollout holds its copy of the weights there between updates. An update meanwhile raises,
-        and the next one zeroes the buffer first."""
-        if self.gradients is None:
-            yield None
-            return
-        self.gradients_lent = True
-        try:
-            yield self.gradients.view(dtype)
-        finally:
-            self.gradients_lent = False
-
-
-def flat_gradients(
-    parameters: list[torch.Tensor],
-) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One buffer made the ``.grad`` of every parameter in ``parameters``, each a view starting 128 bytes aligned,
-    which backward passes accumulate into in place once zeroed (before each mini-batch: its pages are touched
-    then, not when it is made); the buffer and (parameter, view) pairs, or (None, []) when their dtypes or devices
-    differ."""
-    if len({(parameter.dtype, parameter.device) for parameter in parameters}) != 1:
-        return None, []
-    align = 128 // parameters[0].element_size()
-    starts, total = [], 0
-    for parameter in parameters:
-        starts.append(total)
-        total += -(-parameter.numel() // align) * align
-    flat = torch.empty(total, dtype=parameters[0].dtype, device=parameters[0].device)
-    views = [
-        (parameter, flat[start : start + parameter.numel()].view_as(parameter))
-        for parameter, start in zip(parameters, starts)
-    ]
-    for parameter, view in views:
-        parameter.grad = view
-    return flat, views
 
 
 def trained_state_names(model: torch.nn.Module) -> set[str]:

@@ -10,8 +10,6 @@ clip, step.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from tensordict import TensorDict
@@ -363,9 +361,8 @@ class ColocatedActorWorker(ActorWorker):
     """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the model it trains,
     so the rollout always serves the actor's current weights and weight_sync moves nothing. In a
     ``rollout.dtype`` other than ``model.dtype`` it samples with a copy of them cast for the call (with LoRA:
-    merged), which generation then reads at that dtype's width; the copy is gone before the update, and with
-    full fine-tuning it is built in the gradients' buffer (:meth:`Learner.lent_gradients`), so it adds to
-    neither phase's peak memory."""
+    merged), which generation then reads at that dtype's width; the copy is gone before the update, so it
+    does not add to the update's peak memory."""
 
     PROFILE_ROLES = ("actor", "rollout")
 
@@ -378,27 +375,20 @@ class ColocatedActorWorker(ActorWorker):
     @stage_range("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """The rollout worker's ``generate``, on the actor's weights, stamped with its weight version."""
-        with self._rollout_model() as model:
-            return sample_responses(
-                model,
-                self.tokenizer,
-                prompts,
-                step=step,
-                sampling=sampling,
-                weight_version=self.weight_version,
-                device=self.device,
-            )
+        return sample_responses(
+            self._rollout_model(),
+            self.tokenizer,
+            prompts,
+            step=step,
+            sampling=sampling,
+            weight_version=self.weight_version,
+            device=self.device,
+        )
 
-    @contextmanager
-    def _rollout_model(self) -> Iterator[torch.nn.Module]:
-        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``, held in the
-        gradients' buffer where it fits (full fine-tuning: the copy then adds nothing to the process's memory)."""
+    def _rollout_model(self) -> torch.nn.Module:
+        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``."""
         if self.rollout_dtype is None:
-            yield self.model
-            return
-        with self.learner.lent_gradients(getattr(torch, self.rollout_dtype)) as memory:
-            if self.adapter is not None:
-                yield copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype, memory)
-            else:
-                weights = self.parallel.full_state_dict(self.model).items()
-                yield copy_in_dtype(self.model, weights, self.rollout_dtype, memory)
+            return self.model
+        if self.adapter is not None:
+            return copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype)
+        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model).items(), self.rollout_dtype)
