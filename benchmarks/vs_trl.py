@@ -112,6 +112,14 @@ def side_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
+def environment_word(word: str) -> tuple[str, str]:
+    """``--env``'s NAME=VALUE as a pair; argparse names the argument when it has no name or no ``=``."""
+    name, equals, value = word.partition("=")
+    if not name or not equals:
+        raise argparse.ArgumentTypeError(f"{word!r} is not NAME=VALUE")
+    return name, value
+
+
 def ppoflow_overrides(args, model_dir: Path, prompts_file: Path, variant: str, run_dir: Path) -> list[str]:
     """``ppoflow train``'s overrides: the default preset's sync GRPO, reshaped to the benchmark's batch."""
     shape = SHAPES[args.shape]
@@ -311,7 +319,7 @@ def main() -> None:
         "--env",
         action="append",
         default=[],
-        type=lambda word: tuple(word.split("=", 1)),
+        type=environment_word,
         help="NAME=VALUE in the environment of every ppoflow run (its Ray workers inherit it), e.g. "
         "MALLOC_MMAP_THRESHOLD_=1048576; repeatable",
     )
