@@ -71,7 +71,11 @@ def main() -> None:
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
         words = ppoflow_overrides(
-            settings, build_model(scratch, args.shape), write_prompts(scratch, 256), args.variant, Path(run_dir)
+            settings,
+            build_model(scratch, args.shape, VARIANTS[args.variant].get("dtype", "float32")),
+            write_prompts(scratch, 256),
+            args.variant,
+            Path(run_dir),
         )
         cfg = load_config("grpo_tiny", words)
         torch.set_num_threads(args.threads)

@@ -59,9 +59,11 @@ VARIANTS = {  # gradient checkpointing, LoRA, ppoflow's extra overrides (TRL's G
 PPOFLOW = [str(Path(sys.executable).with_name("ppoflow"))]  # the command line a user runs
 
 
-def build_model(scratch: Path, shape: str) -> Path:
-    """The shape's random-init Qwen2 with ppoflow's character tokenizer (and its chat template), built once."""
-    directory = scratch / f"{shape}-model"
+def build_model(scratch: Path, shape: str, dtype: str = "float32") -> Path:
+    """The shape's random-init Qwen2 with ppoflow's character tokenizer (and its chat template), built once, saved
+    in ``dtype``: a variant on a bfloat16 base loads a bfloat16 checkpoint, as Qwen2.5's are published (cast from
+    a float32 file, loading alone would peak at both copies)."""
+    directory = scratch / (f"{shape}-model" if dtype == "float32" else f"{shape}-model-{dtype}")
     if (directory / "config.json").exists():
         return directory
     import tempfile
@@ -79,8 +81,8 @@ def build_model(scratch: Path, shape: str) -> Path:
         **SHAPES[shape]["model"], vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    torch.manual_seed(0)  # the same weights in either dtype
+    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -328,16 +330,19 @@ def main() -> None:
     args.response_length = args.response_length or SHAPES[args.shape]["response_length"]
     scratch = Path(args.scratch).resolve()
     (scratch / "runs").mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(scratch, args.shape)
+    model_dirs = {
+        variant: build_model(scratch, args.shape, VARIANTS[variant].get("dtype", "float32")) for variant in args.variant
+    }
     prompts_file = write_prompts(scratch, max(256, 2 * SHAPES[args.shape]["prompts"] * (args.warmup + args.steps)))
-    params = parameter_count(model_dir)
+    params = parameter_count(model_dirs[args.variant[0]])  # either dtype: the same shapes
     shape = SHAPES[args.shape]
-    print(f"{args.shape}: Qwen2 {params / 1e6:.1f}M params at {model_dir}; {shape['prompts']} prompts x "
+    print(f"{args.shape}: Qwen2 {params / 1e6:.1f}M params at {scratch}; {shape['prompts']} prompts x "
           f"{shape['samples']} samples a step, {args.response_length} response tokens at most; {args.threads} torch "
           f"threads a side; {args.warmup} warm-up + {args.steps} measured steps; {os.cpu_count()} cores")  # fmt: skip
     runs: dict[str, dict[str, list[dict]]] = {}
     with local_prefect_server(str(scratch)) as server_pid:
         for variant in args.variant:
+            model_dir = model_dirs[variant]
             problem = unknown_keys(ppoflow_overrides(args, model_dir, prompts_file, variant, scratch / "probe"))
             if problem:
                 print(f"variant {variant} waits for its config keys; skipped. ppoflow says:\n  {problem}")

@@ -5,6 +5,7 @@ refused before anything loads (exit code 2, naming the keys). The end-to-end run
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -55,6 +56,27 @@ def test_a_process_reports_its_peak_resident_memory_since_its_last_report():
     assert third["max_rss_gb"] < first["max_rss_gb"] - 0.9 * size / GIB  # reset: the buffer was gone all window
     assert abs(first["cpu_memory_used_gb"] - psutil.virtual_memory().used / GIB) < 0.5  # verl's figure (psutil's)
     assert "max_memory_allocated_gb" not in first  # this process never used CUDA
+
+
+FREED_IN_THE_HEAP = """
+import psutil, torch
+from ppoflow.workers.memory import release_freed_memory
+mapped = torch.empty(16 * 2**20, dtype=torch.uint8)
+del mapped  # freeing a mapped block lifts glibc's threshold: later blocks of up to its size come from the heap
+blocks = [torch.ones(8 * 2**20, dtype=torch.uint8) for _ in range(64)]  # 512 MiB in the heap, every page touched
+pin = torch.ones(2**20, dtype=torch.uint8)  # above them (a tiny one would reuse a cached chunk): the heap's top stays
+del blocks
+held = psutil.Process().memory_info().rss
+print(release_freed_memory(), (held - psutil.Process().memory_info().rss) / 2**20)
+"""
+
+
+def test_memory_freed_inside_the_heap_goes_back_to_the_system():
+    released, mib = subprocess.run(  # a fresh process: its heap holds only what this scenario put there
+        [sys.executable, "-c", FREED_IN_THE_HEAP], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert released == "True"
+    assert float(mib) > 400  # of the 512 MiB freed (without the release: ~0)
 
 
 def test_step_metrics_carry_verl_names_for_the_actor_and_every_role_under_its_own():

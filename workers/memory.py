@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from typing import Any
 
@@ -55,6 +57,19 @@ def process_memory() -> dict[str, float]:
         pass
     used = proc_kib("/proc/meminfo", "MemTotal") - proc_kib("/proc/meminfo", "MemAvailable")
     return {**stats, "max_rss_gb": peak * 1024 / GIB, NODE_MEMORY: used * 1024 / GIB}
+
+
+def release_freed_memory() -> bool:
+    """Give the pages of memory this process has freed back to the system (glibc's ``malloc_trim``); False where
+    the C library has none. Why: torch's CPU tensors under 32 MiB come from glibc's heap, which keeps what they
+    free; after an update that is the gradients and the backward's intermediates, which the next stage
+    (generation, with the rollout's copy beside the weights) would otherwise sit on top of."""
+    library = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(library), "malloc_trim", None) if library else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def proc_kib(path: str, name: str) -> int:
