@@ -16,11 +16,10 @@ import logging
 import math
 import re
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from prefect.artifacts import (
     TableArtifact,
     create_markdown_artifact,
@@ -35,6 +34,9 @@ from ppoflow.algorithms.validation_metrics import CORE_MEAN
 from ppoflow.configs import config_as_dict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.storage.fs import atomic_write, join, open_fs
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +293,11 @@ def markdown_table(row: dict | list[tuple[str, object]], header: tuple[str, str]
 
 
 def reward_figure(rows: list[dict], title: str) -> Figure:
-    """Training score per step, and validation rewards as markers, on an Agg canvas (no display needed)."""
+    """Training score per step, and validation rewards as markers, on an Agg canvas (no display needed). matplotlib
+    is imported here, at the run's end, so that no start of ``ppoflow train`` waits for it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(8, 4))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
