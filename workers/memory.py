@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 from typing import Any
 
@@ -64,12 +64,20 @@ def release_freed_memory() -> bool:
     the C library has none. Why: torch's CPU tensors under 32 MiB come from glibc's heap, which keeps what they
     free; after an update that is the gradients and the backward's intermediates, which the next stage
     (generation, with the rollout's copy beside the weights) would otherwise sit on top of."""
-    library = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(library), "malloc_trim", None) if library else None
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim():
+    """``malloc_trim`` among the symbols this process has loaded (glibc's); None elsewhere (musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
 
 
 def proc_kib(path: str, name: str) -> int:
