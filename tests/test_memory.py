@@ -11,20 +11,17 @@ import sys
 import time
 
 import pytest
-import torch
-from tensordict import TensorDict
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ppoflow.configs import load_config
-from ppoflow.configs.schema import OptimConfig
 from ppoflow.workers import memory, memory_estimate
 from ppoflow.workers.memory import GIB, MemoryReports, ReportsMemory, memory_metrics, process_memory
 from ppoflow.workers.memory_estimate import estimate_memory, parameter_count
 from ppoflow.workers.models import load_value_model
 from ppoflow.workers.roles import RayObjects, RayRole
 from ppoflow.workers.training import learner as learner_module
-from ppoflow.workers.training.data_parallel import DataParallel
 from tests.conftest import model_config
+from tests.learner_helpers import linear_learner, rows, train_on
 from tests.preflight_helpers import assert_user_error, run_cli
 
 TINY = {"vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
@@ -86,31 +83,12 @@ def test_memory_freed_inside_the_heap_goes_back_to_the_system():
 
 
 def test_an_update_gives_back_what_it_freed_once_its_gradients_are_gone(monkeypatch):
-    model, cpu = torch.nn.Linear(3, 1), torch.device("cpu")
-    learner = learner_module.Learner(
-        model,
-        OptimConfig(lr=0.1, betas=[0.9, 0.99], weight_decay=0.0, lr_warmup_steps=0),
-        grad_clip=1.0,
-        device=cpu,
-        parallel=DataParallel.join(None, cpu),
-        nonfinite="fail",
-    )
+    learner = linear_learner("fail")
     released = []  # the gradients as they were at each release
     monkeypatch.setattr(
-        learner_module, "release_freed_memory", lambda: released.append([p.grad for p in model.parameters()])
+        learner_module, "release_freed_memory", lambda: released.append([p.grad for p in learner.model.parameters()])
     )
-    batch = TensorDict({"x": torch.rand(8, 3), "response_mask": torch.ones(8, 2, dtype=torch.bool)}, batch_size=[8])
-    metrics = learner.train(
-        batch,
-        lambda micro, num_tokens, num_seqs: (model(micro["x"]).sum() / num_seqs, {}, {}),
-        epochs=2,
-        mini_batch_size=4,
-        micro_batch_size=2,
-        shuffle=False,
-        generator=torch.Generator().manual_seed(0),
-        prefix="actor",
-        step=1,
-    )
+    metrics = train_on(learner, rows([1.0, -1.0, 0.5, 2.0] * 2), epochs=2)
     assert metrics["actor/optimizer_steps"] == 4.0
     assert released == [[None, None]]  # once, after the last optimizer step had freed them
 
