@@ -66,7 +66,7 @@ class OutageProxy:
                     elif source is upstream:
                         client.sendall(data)
                     # stall: what the client sends is read and dropped; nothing ever comes back
-        except OSError:
+        except (OSError, ValueError):  # a socket switch() closed: fileno -1, which select refuses with ValueError
             return
         finally:
             for connection in (client, upstream):
