@@ -182,6 +182,13 @@ class RayConfig(Section):
         "(Ray's own default, 15, makes the model yield to everything else on the machine; docs/benchmarks.md). "
         "A cluster joined through `address` keeps its own setting.",
     )
+    worker_allocator: Literal["jemalloc", "system"] = Field(
+        description="Memory allocator of the local Ray's worker processes: jemalloc = the build Ray ships (and "
+        "runs its own GCS and raylet with), keeping freed pages for reuse and handing them back at each stage's "
+        "end (a faster update with a lower peak than glibc's malloc; docs/architecture.md#memory); system = the C "
+        "library's malloc. An LD_PRELOAD or MALLOC_CONF of the driver's wins; a cluster joined through `address` "
+        "keeps its own.",
+    )
 
 
 class SkipStageConfig(Section):

@@ -229,6 +229,7 @@ RANGES = [
     Rule("critic.forward_max_token_len_per_gpu", [(0, ">= 1")], [1]),
     Rule("ray.worker_niceness", [(-1, ">= 0 (got -1)"), (20, "less than or equal to 19 (got 20)")], [0, 19]),
     Rule("ray.num_cpus", [(0, ">= 1"), (1.5, "Input should be a valid integer (got 1.5)")], [1]),
+    Rule("ray.worker_allocator", [("tcmalloc", "Input should be 'jemalloc' or 'system' (got 'tcmalloc')")], ["system"]),
     Rule("skip.rollout.steps", [("[1,0]", ">= 1 (got 0)")], ["[1]"], ("skip.rollout.enable=true",)),
     # the profiler
     Rule(

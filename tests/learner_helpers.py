@@ -1,5 +1,5 @@
 """What the Learner's own tests share: a one-layer model with its Learner, rows of inputs and advantages, and an
-update over them in mini- and micro-batches (tests/test_nonfinite.py, tests/test_memory.py)."""
+update over them in mini- and micro-batches (tests/test_nonfinite.py)."""
 
 from __future__ import annotations
 

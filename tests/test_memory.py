@@ -1,27 +1,32 @@
-"""Memory made visible and checked: each process's peaks per report, freed memory given back after each update,
-the roles' figures as step metrics (a busy role read a step later), the estimate of every copy from a model's
-config alone, and a layout that cannot fit refused before anything loads (exit code 2, naming the keys). The
-end-to-end run's metrics: tests/test_flow.py."""
+"""Memory made visible and checked: each process's peaks per report, freed memory given back at the end of each
+worker stage (kept for reuse until then by jemalloc, the workers' allocator), the roles' figures as step metrics (a
+busy role read a step later), the estimate of every copy from a model's config alone, and a layout that cannot
+fit refused before anything loads (exit code 2, naming the keys). The end-to-end run's metrics:
+tests/test_flow.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
+from tensordict import TensorDict
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ppoflow.configs import load_config
-from ppoflow.workers import memory, memory_estimate
+from ppoflow.workers import memory, memory_estimate, stage
+from ppoflow.workers.launcher import JEMALLOC_CONF, allocator_env
 from ppoflow.workers.memory import GIB, MemoryReports, ReportsMemory, memory_metrics, process_memory
 from ppoflow.workers.memory_estimate import estimate_memory, parameter_count
 from ppoflow.workers.models import load_value_model
 from ppoflow.workers.roles import RayObjects, RayRole
-from ppoflow.workers.training import learner as learner_module
+from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.training.policy import ColocatedActorWorker
 from tests.conftest import model_config
-from tests.learner_helpers import linear_learner, rows, train_on
 from tests.preflight_helpers import assert_user_error, run_cli
 
 TINY = {"vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
@@ -82,15 +87,73 @@ def test_memory_freed_inside_the_heap_goes_back_to_the_system():
     assert float(mib) > 400  # of the 512 MiB freed (without the release: ~0)
 
 
-def test_an_update_gives_back_what_it_freed_once_its_gradients_are_gone(monkeypatch):
-    learner = linear_learner("fail")
-    released = []  # the gradients as they were at each release
+KEPT_BY_JEMALLOC = """
+import psutil, torch
+from ppoflow.workers.memory import release_freed_memory
+before = psutil.Process().memory_info().rss
+blocks = [torch.ones(n * 2**20, dtype=torch.uint8) for n in (1, 2, 4, 8, 16) for _ in range(16)]  # 496 MiB
+del blocks
+kept = psutil.Process().memory_info().rss
+print(release_freed_memory(), (kept - before) / 2**20, (kept - psutil.Process().memory_info().rss) / 2**20)
+"""
+
+
+def test_jemalloc_keeps_what_a_worker_frees_until_the_release_gives_it_back(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    env = {**os.environ, **allocator_env("jemalloc")}  # a local Ray's worker, as ppoflow starts them
+    released, kept, given_back = subprocess.run(
+        [sys.executable, "-c", KEPT_BY_JEMALLOC], capture_output=True, text=True, check=True, env=env
+    ).stdout.split()
+    assert released == "True"  # through jemalloc's mallctl, which only the preloaded library has
+    assert float(kept) > 400  # of the 496 MiB freed, kept for reuse (glibc unmaps its blocks of 16 MiB at once)
+    assert float(given_back) > 400
+
+
+def test_the_allocator_is_jemalloc_unless_the_driver_preloads_its_own_or_asks_for_malloc(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("MALLOC_CONF", "narenas:2")
+    assert allocator_env("jemalloc")["MALLOC_CONF"] == "narenas:2"  # the user's settings
+    monkeypatch.delenv("MALLOC_CONF")
+    assert allocator_env("jemalloc")["MALLOC_CONF"] == JEMALLOC_CONF
+    assert allocator_env("jemalloc")["LD_PRELOAD"].endswith("ray/core/libjemalloc.so")
+    assert allocator_env("system") == {}
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so")
+    assert allocator_env("jemalloc") == {}  # the workers inherit the driver's own
+
+
+def test_a_worker_stage_gives_back_what_it_freed_when_it_ends_or_fails(monkeypatch):
+    calls = []
+    monkeypatch.setattr(stage, "release_freed_memory", lambda: calls.append("released"))
+
+    @stage.worker_stage("rollout_generate")
+    def generate(fail: bool) -> str:
+        calls.append("ran")
+        if fail:
+            raise ValueError("boom")
+        return "rollout"
+
+    assert generate(False) == "rollout"
+    with pytest.raises(ValueError, match="boom"):
+        generate(True)
+    assert calls == ["ran", "released", "ran", "released"]
+
+
+def test_each_stage_of_a_worker_ends_in_a_release_the_updates_after_its_gradients_are_gone(monkeypatch, tiny_overrides):
+    cfg = load_config("grpo_tiny", tiny_overrides)
+    actor = ColocatedActorWorker(cfg)
+    released = []  # the gradients at each release
     monkeypatch.setattr(
-        learner_module, "release_freed_memory", lambda: released.append([p.grad for p in learner.model.parameters()])
+        stage, "release_freed_memory", lambda: released.append([p.grad for p in actor.model.parameters()])
     )
-    metrics = train_on(learner, rows([1.0, -1.0, 0.5, 2.0] * 2), epochs=2)
-    assert metrics["actor/optimizer_steps"] == 4.0
-    assert released == [[None, None]]  # once, after the last optimizer step had freed them
+    digits = torch.randint(3, 13, (2, 5), generator=torch.Generator().manual_seed(0))
+    prompts = TensorDict({"prompts": digits, "prompt_mask": torch.ones_like(digits, dtype=torch.bool)}, batch_size=[2])
+    batch = actor.generate(prompts, step=1, sampling=SamplingParams.for_training(cfg))
+    batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
+    batch["advantages"] = torch.randn(batch["responses"].shape) * batch["response_mask"]
+    assert actor.update(batch, step=1).metrics["actor/grad_norm"] > 0
+    assert len(released) == 3  # generate, compute_log_prob, update
+    assert all(grad is None for grad in released[-1])  # the update's release comes after its last step freed them
 
 
 def test_step_metrics_carry_verl_names_for_the_actor_and_every_role_under_its_own():

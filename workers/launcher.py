@@ -8,6 +8,7 @@ too, so that only workers/ imports Ray. Details: docs/architecture.md#workers.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import uuid
@@ -17,6 +18,8 @@ from ppoflow.configs.schema import PPOConfig, ResourcesConfig
 from ppoflow.workers.resources import check_fits, ray_resources, role_resources, scoring_cpus
 from ppoflow.workers.roles import ActorBaseRole, LocalRole, RayGroupRole, RayObjects, RayRole, Workers
 from ppoflow.workers.transport import send_batches_as_plain_values
+
+logger = logging.getLogger(__name__)
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -45,6 +48,28 @@ def worker_env() -> dict[str, str]:
     """The environment every worker process gets: :data:`WORKER_ENV` plus the forwarded driver variables."""
     forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
     return {**forwarded, **WORKER_ENV}
+
+
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+"""jemalloc as the workers run it: every page a process frees stays with it for reuse. An update frees and
+allocates the same gradients and intermediates each micro-batch; pages handed back as they cool would be faulted
+in again (docs/benchmarks.md). They go back at each stage's end instead (:mod:`ppoflow.workers.stage`)."""
+
+
+def allocator_env(allocator: str) -> dict[str, str]:
+    """The environment that makes a local Ray's workers run ``ray.worker_allocator``. ``jemalloc``: the build Ray
+    ships, and runs its GCS and raylet with, preloaded with :data:`JEMALLOC_CONF`; the driver's own LD_PRELOAD or
+    MALLOC_CONF, where set, wins (the workers inherit it). ``system``, or no jemalloc in Ray's wheel (not Linux):
+    nothing, the C library's malloc."""
+    import ray
+
+    if allocator != "jemalloc" or "LD_PRELOAD" in os.environ:
+        return {}
+    library = os.path.join(os.path.dirname(ray.__file__), "core", "libjemalloc.so")
+    if not os.path.exists(library):
+        logger.warning("ray.worker_allocator=jemalloc: Ray ships none here (no %s); workers use malloc", library)
+        return {}
+    return {"LD_PRELOAD": library, "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}
 
 
 RESTARTS = 3
@@ -309,7 +334,7 @@ def _connect_ray(cfg: PPOConfig, roles: dict[str, ResourcesConfig]) -> bool:
         num_cpus=num_cpus,
         num_gpus=_local_gpu_count(),
         include_dashboard=False,
-        runtime_env={"env_vars": worker_env()},
+        runtime_env={"env_vars": worker_env() | allocator_env(cfg.ray.worker_allocator)},
         log_to_driver=True,
         _system_config={"worker_niceness": cfg.ray.worker_niceness},
     )

@@ -60,22 +60,32 @@ def process_memory() -> dict[str, float]:
 
 
 def release_freed_memory() -> bool:
-    """Give the pages of memory this process has freed back to the system (glibc's ``malloc_trim``); False where
-    the C library has none. Why: torch's CPU tensors under 32 MiB come from glibc's heap, which keeps what they
-    free; after an update that is the gradients and the backward's intermediates, which the next stage
-    (generation, with the rollout's copy beside the weights) would otherwise sit on top of."""
-    trim = _malloc_trim()
+    """Give the pages of memory this process has freed back to the system; False where the allocator offers no
+    way. Why: freed memory stays with the allocator (torch's CPU tensors under 32 MiB come from glibc's heap, and
+    jemalloc, as a local Ray's workers run it, keeps every freed page:
+    :data:`~ppoflow.workers.launcher.JEMALLOC_CONF`); after an update
+    that is the gradients and the backward's intermediates, which the next stage (generation, with the rollout's
+    copy beside the weights) would otherwise sit on top of. jemalloc purges all its arenas; glibc trims its heap."""
+    mallctl = _allocator_symbol("mallctl")
+    if mallctl is not None:
+        return mallctl(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
+    trim = _allocator_symbol("malloc_trim")
     if trim is None:
         return False
     trim(0)
     return True
 
 
+MALLCTL_ARENAS_ALL = 4096
+"""jemalloc's ``MALLCTL_ARENAS_ALL``: ``arena.<i>.purge`` with it for ``<i>`` purges every arena."""
+
+
 @functools.cache
-def _malloc_trim():
-    """``malloc_trim`` among the symbols this process has loaded (glibc's); None elsewhere (musl, macOS, Windows)."""
+def _allocator_symbol(name: str):
+    """``name`` among the symbols this process has loaded: jemalloc's ``mallctl`` where it is preloaded,
+    glibc's ``malloc_trim``; None where neither is (musl, macOS, Windows)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
+        return getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError, TypeError):
         return None
 

@@ -4,13 +4,13 @@
 and :meth:`Profiles.stop_profile` the process records a torch profiler trace (``tool=torch``, CPU and CUDA
 activity, Chrome trace format) or the CUDA allocator's history (``tool=torch_memory``, a snapshot for
 pytorch.org/memory_viz), then writes it to ``<save_path>/step<N>/<roles>_rank<r>.json.gz`` (or ``.pickle``),
-made locally and uploaded atomically to any fsspec URL. Stages are ``record_function`` ranges (:func:`stage_range`).
-A failure to record or write warns and loses only that file. Details: docs/trackers.md#profiler.
+made locally and uploaded atomically to any fsspec URL. Stages are ``record_function`` ranges
+(:mod:`ppoflow.workers.stage`). A failure to record or write warns and loses only that file. Details:
+docs/trackers.md#profiler.
 """
 
 from __future__ import annotations
 
-import functools
 import gzip
 import logging
 import os
@@ -61,21 +61,6 @@ class ProfileSettings:
             for role in roles
             if role in self.roles and (self.roles[role].all_ranks or rank in (self.roles[role].ranks or [0]))
         ]
-
-
-def stage_range(label: str):
-    """Run the decorated worker method inside a ``record_function(label)`` range (verl's stage labels:
-    ``actor_update``, ``actor_compute_log_prob``, ...), which a trace shows as the stage's window."""
-
-    def decorate(method):
-        @functools.wraps(method)
-        def in_range(*args, **kwargs):
-            with torch.profiler.record_function(label):
-                return method(*args, **kwargs)
-
-        return in_range
-
-    return decorate
 
 
 class Profiles:

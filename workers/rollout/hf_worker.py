@@ -9,8 +9,9 @@ from tensordict import TensorDict
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import load_causal_lm, load_tokenizer, set_up_worker_process
-from ppoflow.workers.profiler import Profiles, stage_range
+from ppoflow.workers.profiler import Profiles
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
+from ppoflow.workers.stage import worker_stage
 from ppoflow.workers.training.lora import rollout_holds_adapter, with_lora
 from ppoflow.workers.weight_sync import WeightReceiver, WeightUpdate, join_group
 
@@ -32,7 +33,7 @@ class HFRolloutWorker(ReportsMemory, Profiles):
         self.backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
         self.receiver = WeightReceiver()
 
-    @stage_range("rollout_generate")
+    @worker_stage("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
         return sample_responses(

@@ -17,7 +17,8 @@ from ppoflow.workers.models import (
     set_up_worker_process,
     with_gradient_checkpointing,
 )
-from ppoflow.workers.profiler import Profiles, stage_range
+from ppoflow.workers.profiler import Profiles
+from ppoflow.workers.stage import worker_stage
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
     Learner,
@@ -61,7 +62,7 @@ class CriticWorker(ReportsMemory, Profiles):
             remove_padding=critic.model.use_remove_padding,
         )
 
-    @stage_range("critic_compute_values")
+    @worker_stage("critic_compute_values")
     def compute_values(self, batch: TensorDict) -> TensorDict | None:
         """``values`` [N, R]: the value of the state before each response token, zero after EOS. Each rank
         computes its rows; rank 0 returns them all (the others: None)."""
@@ -90,7 +91,7 @@ class CriticWorker(ReportsMemory, Profiles):
         """Checksum of the current weights (guards a cached value pass)."""
         return weights_digest(self.model, self.parallel)
 
-    @stage_range("critic_update")
+    @worker_stage("critic_update")
     def update(self, batch: TensorDict, *, step: int) -> dict[str, float] | None:
         """Clipped value-loss epochs over ``batch`` (needs ``values`` and ``returns``); metrics on rank 0."""
         cfg = self.cfg

@@ -16,7 +16,6 @@ from ppoflow.algorithms.finite import NonFiniteError, describe_values, nonfinite
 from ppoflow.configs.schema import FSDPConfig, OptimConfig
 from ppoflow.storage.batch import tensors_digest, trim_response_padding
 from ppoflow.storage.checkpoint import load_module, save_module
-from ppoflow.workers.memory import release_freed_memory
 from ppoflow.workers.training.data_parallel import DataParallel, unique_state_names
 from ppoflow.workers.training.packing import (
     budget_items,
@@ -225,8 +224,7 @@ class Learner:
         A mini-batch whose loss, metrics or gradient norm is not finite takes no optimizer (or schedule) step:
         ``fail`` raises :class:`NonFiniteError` naming the step, stage, epoch and mini-batch; ``skip`` warns,
         counts it in ``<prefix>/nonfinite_skipped`` and goes on (``<prefix>/optimizer_steps``: those made).
-        Every rank sees the same summed values and norm, so all decide alike. What the update freed goes back to
-        the system at its end (:func:`release_freed_memory`)."""
+        Every rank sees the same summed values and norm, so all decide alike."""
         self.model.train()
         rows, skipped = [], 0
         count = -(-batch.batch_size[0] // mini_batch_size)
@@ -263,7 +261,6 @@ class Learner:
                 self._step()
                 totals[f"{prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
                 rows.append(totals)
-        release_freed_memory()  # the freed gradients and intermediates, before the next stage allocates
         return {
             **mean_metrics(rows),
             f"{prefix}/optimizer_steps": float(len(rows)),

@@ -31,8 +31,9 @@ from ppoflow.workers.models import (
     set_up_worker_process,
     with_gradient_checkpointing,
 )
-from ppoflow.workers.profiler import Profiles, stage_range
+from ppoflow.workers.profiler import Profiles
 from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
+from ppoflow.workers.stage import worker_stage
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
     Learner,
@@ -135,7 +136,7 @@ class ReferenceWorker(PolicyModel):
             ranks=ranks,
         )
 
-    compute_log_prob = stage_range("ref_compute_log_prob")(PolicyModel.compute_log_prob)
+    compute_log_prob = worker_stage("ref_compute_log_prob")(PolicyModel.compute_log_prob)
 
 
 class ActorWorker(PolicyModel):
@@ -186,7 +187,7 @@ class ActorWorker(PolicyModel):
         later mini-batch updates of a separate_async step (verl's CPU weight slot 0 for decoupled PPO)."""
         self._step_start = self._trained_state()
 
-    @stage_range("actor_compute_log_prob")
+    @worker_stage("actor_compute_log_prob")
     def compute_log_prob(self, batch: TensorDict, *, at_step_start: bool = False) -> TensorDict:
         """Per-token ``log_probs`` of the responses, [N, R], no gradient; ``at_step_start``: under the weights
         :meth:`snapshot_weights` kept, loaded in place for the pass and the current ones put back after it
@@ -201,7 +202,7 @@ class ActorWorker(PolicyModel):
             finally:
                 self.model.load_state_dict(current, strict=False)
 
-    @stage_range("ref_compute_log_prob")
+    @worker_stage("ref_compute_log_prob")
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """The reference's ``log_probs`` when it is this model's base (``ref_in_actor``, LoRA): the same pass
         with the adapter disabled."""
@@ -217,7 +218,7 @@ class ActorWorker(PolicyModel):
         names = trained_state_names(self.model)
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items() if name in names}
 
-    @stage_range("actor_update")
+    @worker_stage("actor_update")
     def update(self, batch: TensorDict, *, step: int) -> StageResult:
         """PPO epochs over ``batch`` (needs ``advantages``; ``ref_log_probs`` for a KL loss); metrics ``actor/*``.
 
@@ -372,7 +373,7 @@ class ColocatedActorWorker(ActorWorker):
         model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
         self.rollout_dtype = rollout.dtype if rollout.dtype != model.dtype else None
 
-    @stage_range("rollout_generate")
+    @worker_stage("rollout_generate")
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """The rollout worker's ``generate``, on the actor's weights, stamped with its weight version."""
         return sample_responses(
