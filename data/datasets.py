@@ -140,7 +140,8 @@ def _read_file(url: str, key: str) -> list[dict]:
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(io.BytesIO(data)).to_pylist()
+            # one file, read whole: ParquetFile, unlike read_table, needs neither pyarrow.dataset nor pandas
+            return pq.ParquetFile(io.BytesIO(data)).read().to_pylist()
         except pyarrow.ArrowException as error:  # a zero-byte or truncated file, or not parquet at all
             raise ConfigError([(key, f"{url!r} is not a readable parquet file: {error}")]) from None
     try:

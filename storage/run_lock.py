@@ -27,7 +27,6 @@ from datetime import UTC, datetime
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
-from s3fs.utils import FileExpired
 
 from ppoflow.storage.fs import atomic_write, join, open_fs
 
@@ -344,6 +343,8 @@ class _ObjectLockStore(_LockStore):
         return _etag(written)
 
     def read(self):
+        from s3fs.utils import FileExpired  # here, not at the top: a run on local disk never imports s3fs
+
         while True:
             try:
                 with self.fs.open(self.path, "rb") as file:  # s3fs reads with If-Match: the bytes of that ETag
