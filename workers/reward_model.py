@@ -29,6 +29,7 @@ from ppoflow.workers.models import (
     tiny_tokenizer,
 )
 from ppoflow.workers.remote_reward import RewardSample
+from ppoflow.workers.stage import worker_stage
 from ppoflow.workers.training.packing import token_budget_parts
 
 SEQUENCE_CLASSIFICATION, VALUE_HEAD = "sequence classification", "value head"
@@ -129,6 +130,7 @@ class RewardModelWorker(ReportsMemory):
         self.head = reward_head(self.settings.model)
         self.model = load_reward_model(self.settings.model, self.head).to(self.device).eval()
 
+    @worker_stage("compute_rm_score")
     def score(self, samples: list[RewardSample]) -> tuple[list[float], dict[str, list[float]]]:
         """Each sample's score (the head's output at its last token), in forward passes of at most
         ``micro_batch_size_per_gpu`` responses or, with ``use_dynamic_bsz``, ``forward_max_token_len_per_gpu``

@@ -1,5 +1,5 @@
 """A worker's stage methods (verl's labels: ``rollout_generate``, ``actor_compute_log_prob``,
-``ref_compute_log_prob``, ``critic_compute_values``, ``actor_update``, ``critic_update``).
+``ref_compute_log_prob``, ``critic_compute_values``, ``actor_update``, ``critic_update``, ``compute_rm_score``).
 
 Each runs inside a ``record_function`` range under its label, which a profiler trace shows as the stage's window
 (:mod:`ppoflow.workers.profiler`), and gives what it freed back to the system when it ends
