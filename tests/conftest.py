@@ -230,10 +230,19 @@ def golden(prefect_server, ray_local, tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray shared by every test that needs one (runs reuse it instead of starting their own)."""
+    """A local Ray shared by every test that needs one (runs reuse it instead of starting their own), its
+    workers on the allocator a run's own local Ray gives them (``ray.worker_allocator``'s default)."""
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from ppoflow.workers.launcher import allocator_env
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": allocator_env("jemalloc")},
+    )
     try:
         yield ray
     finally:
