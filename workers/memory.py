@@ -61,11 +61,10 @@ def process_memory() -> dict[str, float]:
 
 def release_freed_memory() -> bool:
     """Give the pages of memory this process has freed back to the system; False where the allocator offers no
-    way. Why: freed memory stays with the allocator (torch's CPU tensors under 32 MiB come from glibc's heap, and
-    jemalloc, as a local Ray's workers run it, keeps every freed page:
-    :data:`~ppoflow.workers.launcher.JEMALLOC_CONF`); after an update
-    that is the gradients and the backward's intermediates, which the next stage (generation, with the rollout's
-    copy beside the weights) would otherwise sit on top of. jemalloc purges all its arenas; glibc trims its heap."""
+    way. Why: freed memory stays with the allocator (glibc's heap keeps what torch's CPU tensors under 32 MiB
+    free; jemalloc, as a local Ray's workers run it, keeps every freed page:
+    :data:`~ppoflow.workers.launcher.JEMALLOC_CONF`), and the next stage would sit on top of it
+    (:mod:`ppoflow.workers.stage` calls this at each stage's end). jemalloc purges its arenas; glibc trims its heap."""
     mallctl = _allocator_symbol("mallctl")
     if mallctl is not None:
         return mallctl(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
