@@ -20,13 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensordict import TensorDict
 
 from ppoflow.algorithms.finite import NonFiniteError
 from ppoflow.configs import load_config
+from ppoflow.configs.schema import OptimConfig
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import train
 from ppoflow.storage.checkpoint import read_trainer_state
-from tests.learner_helpers import linear_learner, rows, train_on
+from ppoflow.workers.training.data_parallel import DataParallel
+from ppoflow.workers.training.learner import Learner
 
 pytestmark = pytest.mark.reliability
 
@@ -182,6 +185,55 @@ def test_the_cli_exits_non_zero_with_the_one_line_reason(prefect_server, ray_loc
 
 
 # ------------------------------------------------------------------------------ the Learner
+
+
+def linear_learner(nonfinite: str) -> Learner:
+    torch.manual_seed(0)
+    optim = OptimConfig(lr=0.1, betas=[0.9, 0.99], weight_decay=0.0, lr_warmup_steps=0)
+    return Learner(
+        torch.nn.Linear(3, 1),
+        optim,
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+        parallel=DataParallel.join(None, torch.device("cpu")),
+        nonfinite=nonfinite,
+    )
+
+
+def advantage_loss(learner: Learner):
+    """A policy-gradient-like loss: each row's prediction times its advantage."""
+
+    def micro_loss(micro: TensorDict, num_tokens: float, num_seqs: float):
+        loss = (learner.model(micro["x"]).squeeze(-1) * micro["advantages"]).sum() / num_seqs
+        return loss, {"actor/pg_loss": loss}, {}
+
+    return micro_loss
+
+
+def rows(advantages: list[float]) -> TensorDict:
+    count = len(advantages)
+    return TensorDict(
+        {
+            "x": torch.arange(count * 3, dtype=torch.float32).reshape(count, 3) / 10,
+            "advantages": torch.tensor(advantages),
+            "response_mask": torch.ones(count, 2, dtype=torch.bool),
+        },
+        batch_size=[count],
+    )
+
+
+def train_on(learner: Learner, batch: TensorDict, epochs: int = 1) -> dict[str, float]:
+    return learner.train(
+        batch,
+        advantage_loss(learner),
+        epochs=epochs,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        shuffle=False,
+        generator=torch.Generator().manual_seed(0),
+        prefix="actor",
+        step=7,
+    )
 
 
 FINITE = [1.0, -1.0, 0.5, 2.0]
