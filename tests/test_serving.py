@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from ppoflow.workers.rollout import serving
 from ppoflow.workers.rollout.requests import RequestSampling, sample_next_tokens
 from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from tests.conftest import model_config
@@ -248,6 +249,38 @@ def test_the_background_thread_serves_requests_from_other_threads(model, tokeniz
     finally:
         engine.stop()
     assert not any(thread.name == "continuous-batching" for thread in threading.enumerate())
+
+
+def test_the_stepping_thread_gives_memory_back_when_its_batch_drains(model, tokenizer, prompts, monkeypatch):
+    """Once per drained batch, finished or aborted (a sleeping replica's), with its KV cache already dropped."""
+    engine, releases = engine_for(model, tokenizer, max_num_seqs=2), []
+    monkeypatch.setattr(serving, "release_freed_memory", lambda: releases.append(engine._cache))
+
+    def released(count: int) -> bool:  # within 30 s, and an idle engine releases nothing more
+        deadline = time.monotonic() + 30
+        while len(releases) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return releases == [None] * count
+
+    engine.start()
+    try:
+        finished = [engine.submit(f"r{index}", prompts[index], greedy()) for index in range(3)]
+        assert all(future.result(timeout=30).finish_reason for future in finished) and released(1)
+        decoding, resume, decode = threading.Event(), threading.Event(), engine._decode
+
+        def held_decode(weight_version: int) -> None:  # the abort lands while the request is running
+            decoding.set()
+            resume.wait(timeout=30)
+            decode(weight_version)
+
+        monkeypatch.setattr(engine, "_decode", held_decode)
+        aborted = engine.submit("aborted", prompts[0], greedy(ignore_eos=True))
+        assert decoding.wait(timeout=30) and engine.abort_all() == 1
+        resume.set()
+        assert aborted.result(timeout=30).finish_reason == "abort" and released(2)
+    finally:
+        engine.stop()
 
 
 def test_paused_blocks_steps_while_held(model, tokenizer, prompts, greedy_references):

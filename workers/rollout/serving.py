@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ppoflow.workers.memory import release_freed_memory
 from ppoflow.workers.rollout.kv_rows import cache_layers, join_rows, left_padding_mask, select_rows, set_cache_layers
 from ppoflow.workers.rollout.requests import Request, RequestSampling, sample_next_tokens, settle
 
@@ -200,6 +201,10 @@ class ContinuousBatchingEngine:
             self._thread = None
 
     def _serve(self) -> None:
+        """Step while there is work. When a step leaves none (the batch finished, or every request was aborted,
+        as a sleeping replica's are), give what it freed, the batch's KV cache above all, back to the system:
+        a long-lived replica's allocator would otherwise keep its largest batch's pages for good
+        (:func:`~ppoflow.workers.memory.release_freed_memory`)."""
         while True:
             with self._condition:
                 while not self._stop_requested and (self._pause_depth or not (self._waiting or self._running)):
@@ -207,6 +212,10 @@ class ContinuousBatchingEngine:
                 if self._stop_requested:
                     return
             self.step()
+            with self._condition:
+                drained = not (self._waiting or self._running)
+            if drained:
+                release_freed_memory()
 
     # --- one scheduling iteration (the stepping thread) ---------------------------------------
 
