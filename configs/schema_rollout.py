@@ -109,8 +109,8 @@ class RolloutConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         description="Dtype the rollout samples in (verl's key and default): its copy of the policy, a colocated "
         "actor's weights cast for each generation, or vLLM's; the actor still trains and computes old log-probs "
-        "in model.dtype. On a CPU, bfloat16 pays where it has bfloat16 instructions (AMX, AVX512-BF16); elsewhere "
-        "float32 may be faster."
+        "in model.dtype. On a CPU, bfloat16 pays where the CPU multiplies it on AMX; without AMX (AVX512-BF16 "
+        "included) float32 samples faster: docs/benchmarks.md, ninth run."
     )
     num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")
     max_num_seqs: int = Field(ge=1, description="rollout.mode=async: sequences a replica decodes at once.")
