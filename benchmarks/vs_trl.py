@@ -110,6 +110,19 @@ def write_prompts(scratch: Path, rows: int) -> Path:
     return path
 
 
+def bfloat16_instructions() -> str:
+    """This CPU's bfloat16 instructions, from /proc/cpuinfo: the default rollout samples in bfloat16, which is the
+    faster dtype on AMX and the slower one without it (docs/benchmarks.md, ninth run), so the ratio depends on it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return "bfloat16 instructions unknown"
+    return "bfloat16 instructions: " + (
+        ", ".join(flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags) or "none"
+    )
+
+
 def side_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
@@ -338,7 +351,8 @@ def main() -> None:
     shape = SHAPES[args.shape]
     print(f"{args.shape}: Qwen2 {params / 1e6:.1f}M params at {scratch}; {shape['prompts']} prompts x "
           f"{shape['samples']} samples a step, {args.response_length} response tokens at most; {args.threads} torch "
-          f"threads a side; {args.warmup} warm-up + {args.steps} measured steps; {os.cpu_count()} cores")  # fmt: skip
+          f"threads a side; {args.warmup} warm-up + {args.steps} measured steps; {os.cpu_count()} cores, "
+          f"{bfloat16_instructions()}")  # fmt: skip
     runs: dict[str, dict[str, list[dict]]] = {}
     with local_prefect_server(str(scratch)) as server_pid:
         for variant in args.variant:
