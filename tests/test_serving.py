@@ -12,7 +12,6 @@ import torch
 
 from ppoflow.workers.rollout import serving
 from ppoflow.workers.rollout.requests import RequestSampling, sample_next_tokens
-from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 from tests.conftest import model_config
 
 CPU = torch.device("cpu")
@@ -66,8 +65,8 @@ def greedy_references(model, tokenizer, prompts) -> list[list[int]]:
     return references
 
 
-def engine_for(model, tokenizer, **options) -> ContinuousBatchingEngine:
-    return ContinuousBatchingEngine(model, eos_token_id=tokenizer.eos_token_id, device=CPU, **options)
+def engine_for(model, tokenizer, **options) -> serving.ContinuousBatchingEngine:
+    return serving.ContinuousBatchingEngine(model, eos_token_id=tokenizer.eos_token_id, device=CPU, **options)
 
 
 def greedy(max_new_tokens: int = MAX_NEW_TOKENS, **options) -> RequestSampling:
@@ -90,7 +89,7 @@ def sampled(seed: int, max_new_tokens: int = MAX_NEW_TOKENS, **options) -> Reque
     )
 
 
-def drain(engine: ContinuousBatchingEngine) -> None:
+def drain(engine: serving.ContinuousBatchingEngine) -> None:
     """Step until nothing is running or waiting."""
     while engine.step() or engine.stats()["waiting"]:
         pass
@@ -194,7 +193,7 @@ def test_eos_and_stop_tokens_end_a_request_and_max_new_tokens_gives_length(
     assert (by_stop_token.result().token_ids, by_stop_token.result().finish_reason) == (reference[:ends_at], "stop")
     assert (by_length.result().token_ids, by_length.result().finish_reason) == (reference[:3], "length")
 
-    eos_engine = ContinuousBatchingEngine(model, eos_token_id=stop_token, device=CPU)
+    eos_engine = serving.ContinuousBatchingEngine(model, eos_token_id=stop_token, device=CPU)
     by_eos = eos_engine.submit("eos", prompts[index], greedy())
     past_eos = eos_engine.submit("ignore", prompts[index], greedy(ignore_eos=True))
     drain(eos_engine)
@@ -265,7 +264,8 @@ def test_the_stepping_thread_gives_memory_back_when_its_batch_drains(model, toke
 
     engine.start()
     try:
-        finished = [engine.submit(f"r{index}", prompts[index], greedy()) for index in range(3)]
+        with engine.paused():  # all three queued before the first step: one batch, one drain
+            finished = [engine.submit(f"r{index}", prompts[index], greedy()) for index in range(3)]
         assert all(future.result(timeout=30).finish_reason for future in finished) and released(1)
         decoding, resume, decode = threading.Event(), threading.Event(), engine._decode
 
@@ -397,4 +397,4 @@ def test_models_without_full_attention_caches_are_refused():
         sliding_window=8,
     )
     with pytest.raises(NotImplementedError, match="full-attention"):
-        ContinuousBatchingEngine(MistralForCausalLM(config), eos_token_id=2, device=CPU)
+        serving.ContinuousBatchingEngine(MistralForCausalLM(config), eos_token_id=2, device=CPU)
