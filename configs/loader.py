@@ -12,8 +12,9 @@ by meaning (:mod:`configs.verl_keys`), a typo the closest known key.
 from __future__ import annotations
 
 import copy
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import yaml
@@ -77,8 +78,9 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
         cfg = PPOConfig.model_validate(container)
     except ValidationError as error:
         problems += validation_problems(error)
-        fallbacks = [_fallback(OmegaConf.merge(defaults, preset), skip_defaults), _fallback(defaults, skip_defaults)]
-        cfg = _stand_in(container, error, [fallback for fallback in fallbacks if fallback is not None])
+        # lazily: the defaults are resolved only when the preset's values do not make a valid stand-in
+        fallbacks = (_fallback(merged, skip_defaults) for merged in (OmegaConf.merge(defaults, preset), defaults))
+        cfg = _stand_in(container, error, (fallback for fallback in fallbacks if fallback is not None))
     if cfg is not None:
         problems += [problem for problem in cross_field_errors(cfg) if not _names_a_reported_key(problem, problems)]
     if problems:
@@ -107,7 +109,7 @@ def _fallback(merged: DictConfig, skip_defaults: dict) -> dict | None:
     return container
 
 
-def _stand_in(container: dict, error: ValidationError, fallbacks: list[dict]) -> PPOConfig | None:
+def _stand_in(container: dict, error: ValidationError, fallbacks: Iterable[dict]) -> PPOConfig | None:
     """A valid config for the cross-field rules when the schema refused ``container``: every key it refused
     takes its value from the first fallback (the preset, then the defaults), or is dropped where the fallback
     has none (an unknown key, or one whose field default applies). None when no valid config comes of it."""
@@ -188,10 +190,21 @@ def _preset_path(config: str) -> Path:
 
 
 def read_yaml(path: Path) -> DictConfig:
+    """The YAML mapping in ``path``, shared between calls while the file is unchanged (every load reads the
+    defaults, and parsing them is most of a load's time): read it, never modify it."""
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
+    return _parsed_yaml(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_yaml(path: Path, mtime_ns: int, size: int) -> DictConfig:
     try:
         text = path.read_text()
         # OmegaConf.load takes a top-level string for more YAML ("words" -> {"words": None}): look first
-        top = yaml.safe_load(text)
+        top = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         if top is None or isinstance(top, dict):
             return OmegaConf.create(text)
     except Exception as error:  # yaml and OmegaConf raise many types; name the file

@@ -56,6 +56,20 @@ def test_yaml_file_path_is_merged_over_the_defaults(tmp_path):
     assert cfg.critic.ppo_mini_batch_size == 4  # interpolation of the actor's mini-batch
 
 
+def test_an_edited_yaml_file_is_read_anew_and_a_load_leaves_the_shared_defaults_alone(tmp_path):
+    path = tmp_path / "mine.yaml"
+
+    def temperature(words=()):
+        return load_config(str(path), list(words)).actor_rollout_ref.rollout.temperature
+
+    preset = "data:\n  train_files: /d/t.jsonl\nactor_rollout_ref:\n  model:\n    path: /m\n  rollout:\n"
+    path.write_text(f"{preset}    temperature: 0.5\n")
+    assert temperature(["actor_rollout_ref.rollout.temperature=0.7"]) == 0.7
+    assert temperature() == 0.5  # the override changed no shared copy
+    path.write_text(f"{preset}    temperature: 0.25\n")  # another size: read anew
+    assert temperature() == 0.25
+
+
 def test_missing_yaml_file_and_unknown_preset(tmp_path):
     key, message = problems_of(str(tmp_path / "nope.yaml"), [])[0]
     assert key == "--config" and "no such file" in message and "nope.yaml" in message
