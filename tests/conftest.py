@@ -6,13 +6,14 @@ Every server binds to 127.0.0.1 on a free port and is stopped when the session e
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import tempfile
+from pathlib import Path
 
 import pytest
+
+from tests.servers import EARLY, adopt_or_start, start_mlflow_server, start_prefect_server
 
 TEST_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -106,47 +107,46 @@ def s3_server():
 # --- prefect_server: a real `ppoflow server` for the session --------------------------------------
 
 
+EARLY_ROOT = pytest.StashKey[Path]()
+"""The temporary folder of the early servers' homes, removed at unconfigure."""
+
+
+def pytest_configure(config):
+    """A run of the default test paths starts the Prefect and MLflow servers now, to boot during collection."""
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.collectonly:
+        root = Path(tempfile.mkdtemp(prefix="ppoflow-early-servers-"))
+        config.stash[EARLY_ROOT] = root
+        (root / "prefect-home").mkdir()
+        (root / "mlflow").mkdir()
+        EARLY["prefect"] = start_prefect_server(root / "prefect-home", free_port())
+        EARLY["mlflow"] = start_mlflow_server(root / "mlflow", free_port())
+
+
+def pytest_unconfigure(config):
+    for name in list(EARLY):
+        EARLY.pop(name).stop()
+    if EARLY_ROOT in config.stash:
+        shutil.rmtree(config.stash[EARLY_ROOT], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """Start ``ppoflow server`` (``prefect server start`` with ppoflow's settings) on a free port with its
-    own PREFECT_HOME; yield its API URL.
+    """``ppoflow server`` (``prefect server start`` with ppoflow's settings) on a free port with its own
+    PREFECT_HOME, started early (:mod:`tests.servers`) or now; yields its API URL.
 
     The URL is also exported as PREFECT_API_URL so that subprocesses (CLI runs, serve processes)
     report to the same server. Tests running flows in this process use :func:`prefect_api`.
     """
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_API_URL": url}
-    log = open(home / "server.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ppoflow.flows.cli", "server", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    server = adopt_or_start(
+        "prefect", lambda: start_prefect_server(tmp_path_factory.mktemp("prefect-home"), free_port())
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start; see {home / 'server.log'}")
-            time.sleep(0.5)
+        server.wait_until_healthy(f"{server.url}/health")
         with pytest.MonkeyPatch.context() as environment:
-            environment.setenv("PREFECT_API_URL", url)
-            yield url
+            environment.setenv("PREFECT_API_URL", server.url)
+            yield server.url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
 
 
 @pytest.fixture

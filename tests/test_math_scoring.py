@@ -185,9 +185,9 @@ def test_a_run_scores_the_math_verify_scorers_in_a_scorer_process_as_in_this_one
 
 
 def test_a_pathological_answer_is_cut_off_at_the_deadline():
-    """``9^{9^{9^9}}`` keeps sympy busy past math-verify's own 5 s: the scorer process's 4 s deadline ends it,
+    """``9^{9^{9^9}}`` keeps sympy busy past math-verify's own 5 s: the scorer process's 2 s deadline ends it,
     and with on_timeout=score the response scores timeout_score, counted; the next response scores as usual."""
-    scorers = RunBuiltinScorers(timeout_s=4, on_timeout="score", timeout_score=-2.0, error_score=0.0)
+    scorers = RunBuiltinScorers(timeout_s=2, on_timeout="score", timeout_score=-2.0, error_score=0.0)
     warm = score_responses(["math_dapo"], ["Answer: 0.5"], ["\\frac12"], scorers)  # math-verify imported
     assert warm[0] == [1.0]
     sources = ["math_dapo"] * 2

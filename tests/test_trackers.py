@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -21,31 +20,18 @@ from ppoflow.flows.train import train
 from tests.conftest import free_port, small_run
 from tests.outage_proxy import OutageProxy
 from tests.preflight_helpers import assert_user_error, run_cli
+from tests.servers import adopt_or_start, start_mlflow_server
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A real ``mlflow server`` on 127.0.0.1 (SQLite backend, temp artifact root); stopped afterwards."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "art")]
-    command += ["--workers", "1"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    """A real ``mlflow server`` on 127.0.0.1 (SQLite backend, temp artifacts), started early or now; stopped after."""
+    server = adopt_or_start("mlflow", lambda: start_mlflow_server(tmp_path_factory.mktemp("mlflow"), free_port()))
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not start")
-        yield url
+        server.wait_until_healthy(f"{server.url}/health")
+        yield server.url
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 def test_a_run_logs_to_mlflow_and_the_file_logger_and_dumps_its_generations(
