@@ -92,10 +92,13 @@ def overrides(tiny_model, tmp_path):
     return [*small_run(tiny_model, tmp_path / "data"), "trainer.test_freq=-1", *FILTER]
 
 
-def test_a_sync_run_filters_groups_and_replays_bit_identically(prefect_api, ray_local, overrides, tmp_path):
+def test_a_sync_run_filters_groups(prefect_api, ray_local, overrides, tmp_path):
     # the random tiny model copies nothing at first: many groups score 0 on every response
-    dump = tmp_path / "dump"
-    rows, _ = train(overrides, tmp_path / "first", 3, rollout_skip(dump, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+    rows, _ = train(overrides, tmp_path / "first", 3, {})
+    check_filtered(rows)
+
+
+def check_filtered(rows: list[dict]) -> None:
     for row in rows:
         generated = row["train/num_gen_batches"] * 4  # gen_batch_size = train_batch_size = 4 prompts
         kept = generated - row["training/filter_groups/evicted_samples"]
@@ -104,7 +107,14 @@ def test_a_sync_run_filters_groups_and_replays_bit_identically(prefect_api, ray_
         assert row["reward/useful_group_ratio"] == 1.0  # every trained group's scores differ
     assert sum(row["training/filter_groups/evicted_samples"] for row in rows) > 0
     assert any(row["train/num_gen_batches"] > 1 for row in rows)
-    replayed, _ = train(overrides, tmp_path / "replay", 3, rollout_skip(dump, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+
+
+@pytest.mark.slow  # two runs (~15 s); the sync filtering above runs by default, a cached replay in test_cache_flow.py
+def test_a_sync_run_with_filtered_groups_replays_bit_identically(prefect_api, ray_local, overrides, tmp_path):
+    dump, steps = tmp_path / "dump", list(range(1, 11))  # feed indexes: refills go past the 3 steps
+    rows, _ = train(overrides, tmp_path / "first", 3, rollout_skip(dump, steps))
+    check_filtered(rows)
+    replayed, _ = train(overrides, tmp_path / "replay", 3, rollout_skip(dump, steps))
     assert all(row["skip/rollout/hit"] == 1 for row in replayed)
     for before, after in zip(rows, replayed, strict=True):
         assert before["train/num_gen_batches"] == after["train/num_gen_batches"]
