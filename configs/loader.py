@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -78,8 +79,8 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
         cfg = PPOConfig.model_validate(container)
     except ValidationError as error:
         problems += validation_problems(error)
-        # lazily: the defaults are resolved only when the preset's values do not make a valid stand-in
-        fallbacks = (_fallback(merged, skip_defaults) for merged in (OmegaConf.merge(defaults, preset), defaults))
+        # lazily: the defaults alone are resolved only when the preset's values do not make a valid stand-in
+        fallbacks = (_fallback(*sources) for sources in ((defaults, preset), (defaults,)))
         cfg = _stand_in(container, error, (fallback for fallback in fallbacks if fallback is not None))
     if cfg is not None:
         problems += [problem for problem in cross_field_errors(cfg) if not _names_a_reported_key(problem, problems)]
@@ -95,17 +96,33 @@ def _normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
     return _unify_trainer_mode(container) + _make_paths_absolute(container)
 
 
-def _fallback(merged: DictConfig, skip_defaults: dict) -> dict | None:
-    """``merged`` (the defaults, perhaps with the preset) resolved and normalized as a config is, with null for
-    its ``???`` keys: where a refused key takes its value from. None when it does not resolve (a broken preset)."""
-    merged = copy.deepcopy(merged)
+_FALLBACKS: dict[tuple, tuple[tuple[DictConfig, ...], dict | None]] = {}
+"""The last few :func:`_fallback` results, by their sources' identities, the working and the home directory."""
+
+
+def _fallback(*sources: DictConfig) -> dict | None:
+    """The ``sources`` (the defaults, perhaps with the preset) merged, resolved and normalized as a config is,
+    with null for their ``???`` keys: where a refused key takes its value from. None when they do not resolve (a
+    broken preset). Every refused load needs one, so it is kept while :func:`read_yaml` returns the same sources
+    (their files unchanged): read it, never modify it."""
+    key = (*map(id, sources), os.getcwd(), os.environ.get("HOME"))
+    held = _FALLBACKS.get(key)
+    if held is None or any(kept is not source for kept, source in zip(held[0], sources, strict=True)):
+        while len(_FALLBACKS) >= 8:
+            _FALLBACKS.pop(next(iter(_FALLBACKS)))
+        held = _FALLBACKS[key] = (sources, _resolved_fallback(sources))
+    return held[1]
+
+
+def _resolved_fallback(sources: tuple[DictConfig, ...]) -> dict | None:
+    merged = OmegaConf.merge(*sources)
     for key in _missing_keys(OmegaConf.to_container(merged, resolve=False)):
         OmegaConf.update(merged, key, None)
     try:
         container = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException:
         return None
-    _normalize(container, skip_defaults)
+    _normalize(container, OmegaConf.to_container(sources[0].skip.rollout))
     return container
 
 
