@@ -213,11 +213,12 @@ def read_yaml(path: Path) -> DictConfig:
         stat = path.stat()
     except OSError as error:
         raise ConfigError([(str(path), f"unreadable YAML: {error}")]) from None
-    return _parsed_yaml(path, stat.st_mtime_ns, stat.st_size)
+    # resolved: a relative path read from another directory is another file
+    return _parsed_yaml(path, path.resolve(), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=32)
-def _parsed_yaml(path: Path, mtime_ns: int, size: int) -> DictConfig:
+def _parsed_yaml(path: Path, resolved: Path, mtime_ns: int, size: int) -> DictConfig:
     try:
         text = path.read_text()
         # OmegaConf.load takes a top-level string for more YAML ("words" -> {"words": None}): look first

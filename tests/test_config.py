@@ -70,6 +70,19 @@ def test_an_edited_yaml_file_is_read_anew_and_a_load_leaves_the_shared_defaults_
     assert temperature() == 0.25
 
 
+def test_a_relative_yaml_path_read_from_another_directory_is_another_file(tmp_path, monkeypatch):
+    preset = "data:\n  train_files: /d/t.jsonl\nactor_rollout_ref:\n  model:\n    path: /m\n  rollout:\n"
+    for name, value in (("a", "0.5"), ("b", "0.4")):  # the same size and modification time
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.yaml").write_text(f"{preset}    temperature: {value}\n")
+        os.utime(tmp_path / name / "mine.yaml", ns=(0, 0))
+    temperatures = []
+    for name in ("a", "b"):
+        monkeypatch.chdir(tmp_path / name)
+        temperatures.append(load_config("mine.yaml").actor_rollout_ref.rollout.temperature)
+    assert temperatures == [0.5, 0.4]
+
+
 def test_missing_yaml_file_and_unknown_preset(tmp_path):
     key, message = problems_of(str(tmp_path / "nope.yaml"), [])[0]
     assert key == "--config" and "no such file" in message and "nope.yaml" in message
