@@ -1,7 +1,7 @@
 """The session's server processes (``ppoflow server`` for Prefect, ``mlflow server``), startable before they are
 needed.
 
-Each takes 10-14 s to boot on 2 cores, mostly one process importing and migrating its SQLite database. When pytest
+Each takes 8-14 s to boot on 2 cores, mostly one process importing and migrating its SQLite database. When pytest
 runs its default test paths, conftest starts both as it configures, so that they boot during collection (one
 core) instead of in the first test that needs them; a fixture then adopts the early process, or starts its own.
 """
