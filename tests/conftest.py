@@ -104,7 +104,7 @@ def s3_server():
         server.stop()
 
 
-# --- prefect_server: a real `ppoflow server` for the session --------------------------------------
+# --- early servers: Prefect and MLflow boot during collection (tests/servers.py) ----------------------
 
 
 EARLY_ROOT = pytest.StashKey[Path]()
@@ -129,6 +129,9 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.stash[EARLY_ROOT], ignore_errors=True)
 
 
+# --- prefect_server: a real `ppoflow server` for the session --------------------------------------
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """``ppoflow server`` (``prefect server start`` with ppoflow's settings) on a free port with its own
@@ -141,7 +144,7 @@ def prefect_server(tmp_path_factory):
         "prefect", lambda: start_prefect_server(tmp_path_factory.mktemp("prefect-home"), free_port())
     )
     try:
-        server.wait_until_healthy(f"{server.url}/health")
+        server.wait_until_healthy()
         with pytest.MonkeyPatch.context() as environment:
             environment.setenv("PREFECT_API_URL", server.url)
             yield server.url

@@ -29,11 +29,12 @@ class Server:
     log_path: Path
     log: IO[bytes] = field(repr=False)
 
-    def wait_until_healthy(self, health_url: str, timeout_s: float = 180) -> None:
+    def wait_until_healthy(self, timeout_s: float = 180) -> None:
+        """Return once ``<url>/health`` answers 200 (both servers have it); fail naming the log otherwise."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                with urllib.request.urlopen(health_url, timeout=2) as response:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
                         return
             except OSError:

@@ -28,7 +28,7 @@ def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` on 127.0.0.1 (SQLite backend, temp artifacts), started early or now; stopped after."""
     server = adopt_or_start("mlflow", lambda: start_mlflow_server(tmp_path_factory.mktemp("mlflow"), free_port()))
     try:
-        server.wait_until_healthy(f"{server.url}/health")
+        server.wait_until_healthy()
         yield server.url
     finally:
         server.stop()
