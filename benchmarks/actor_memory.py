@@ -3,9 +3,9 @@
 ``ColocatedActorWorker`` with vs_trl.py's overrides for ``--variant`` generates for the shape's prompts (random
 copy-task digits), updates on random advantages, ``--steps`` times, then writes its Hugging Face export, as the
 last act of a run does. A thread reads the process's RSS every 2 ms; reported: each step's generation and
-update seconds with the peak RSS of each, the RSS just before and the peak during the first optimizer step (where
-AdamW's moments appear), and the export's seconds and peak RSS. The load average is printed. Figures:
-docs/benchmarks.md, "Side by side with TRL", fifth run.
+update seconds with the peak RSS of each and the RSS before the update, the RSS just before and the peak during
+the first optimizer step (where AdamW's moments appear), and the export's seconds and peak RSS. The load average
+is printed. Figures: docs/benchmarks.md, "Side by side with TRL", fifth and tenth runs.
 
     python benchmarks/actor_memory.py [--shape qwen0.5b] [--variant gc] [--steps 3] [--override key=value ...]
 """
@@ -107,10 +107,12 @@ def main() -> None:
             batch = actor.generate(prompts, step=step, sampling=SamplingParams.for_training(cfg))
             generated, generation_peak = time.perf_counter(), rss.gb()
             batch["advantages"] = torch.randn(batch["responses"].shape, generator=generator) * batch["response_mask"]
+            before_update = rss.now()
             rss.reset()
             actor.update(batch, step=step)
             print(f"step {step}: generation {generated - started:.2f} s, peak {generation_peak:.2f} GB; update "
-                  f"{time.perf_counter() - generated:.2f} s, peak {rss.gb():.2f} GB", flush=True)  # fmt: skip
+                  f"{time.perf_counter() - generated:.2f} s, RSS {before_update:.2f} GB before, peak {rss.gb():.2f} GB",
+                  flush=True)  # fmt: skip
         rss.reset()
         started = time.perf_counter()
         actor.save_pretrained(str(Path(run_dir) / "huggingface"))
