@@ -1,8 +1,9 @@
-"""The memory a run on this stack costs before any model: a bare driver (Python with Prefect and Ray, running a
-one-task flow against a Prefect server and starting a local Ray as ppoflow does), Ray's processes beside it and
-the Prefect server, each process's RSS and PSS read from the system. What it is for: the floor under
-vs_trl.py's whole-run memory, which no driver of ppoflow's can go below (docs/benchmarks.md, tenth run).
-Ray's prestarted idle workers are left out (in a run one of them becomes the model's worker).
+"""The memory a run on this stack costs before any model, each process's RSS and PSS read from the system: a bare
+driver (Python with Prefect and Ray, running a one-task flow against a Prefect server and starting a local Ray
+without its dashboard, as ppoflow's local Ray runs), Ray's processes beside it and the Prefect server. What it
+is for: the floor under vs_trl.py's whole-run memory, which no driver of ppoflow's can go below
+(docs/benchmarks.md, tenth run). Ray's prestarted idle workers are left out (in a run one of them becomes the
+model's worker).
 
     python benchmarks/fixed_cost.py
 """
