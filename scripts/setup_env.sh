@@ -24,7 +24,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANTED" ]; then
     # a meta path finder; nothing to act on, so not shown.
     PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q $NO_COMPILE -e ".${1:+[$1]}"
     if [ ! -e "$COMPILED" ]; then
-        # the packages' own test folders (an eighth of the source) are never imported; a few vendored files do not compile
+        # the packages' own test folders are never imported; a few vendored files do not compile
         python -m compileall -qq -j 0 -x '/tests?/' "$VENV"/lib/python3*/site-packages >/dev/null || true
         touch "$COMPILED"
     fi

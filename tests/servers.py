@@ -1,7 +1,7 @@
 """The session's server processes (``ppoflow server`` for Prefect, ``mlflow server``), startable before they are
 needed.
 
-Each takes 8-14 s to boot on 2 cores, mostly one process importing and migrating its SQLite database. When pytest
+Each takes seconds to boot, mostly one process importing and migrating its SQLite database. When pytest
 runs its default test paths, conftest starts both as it configures, so that they boot during collection (one
 core) instead of in the first test that needs them; a fixture then adopts the early process, or starts its own.
 """
@@ -70,7 +70,8 @@ def start_mlflow_server(root: Path, port: int) -> Server:
     """``mlflow server`` on 127.0.0.1:``port``: a SQLite backend and an artifact folder under ``root``."""
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     command += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "art")]
-    # job execution (MLflow's GenAI jobs, nothing of tracking) starts 8 more processes: ~14 s of CPU, ~1.8 GB
+    # job execution (MLflow's GenAI jobs, nothing of tracking) starts more processes that compete with the tests
+    # for memory and CPU (docs/trackers.md)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     return _start("mlflow server", f"http://127.0.0.1:{port}", command, root / "server.log", env)
 

@@ -109,7 +109,7 @@ def check_filtered(rows: list[dict]) -> None:
     assert any(row["train/num_gen_batches"] > 1 for row in rows)
 
 
-@pytest.mark.slow  # two runs (~15 s); the sync filtering above runs by default, a cached replay in test_cache_flow.py
+@pytest.mark.slow  # two runs; the sync filtering above runs by default, a cached replay in test_cache_flow.py
 def test_a_sync_run_with_filtered_groups_replays_bit_identically(prefect_api, ray_local, overrides, tmp_path):
     dump, steps = tmp_path / "dump", list(range(1, 11))  # feed indexes: refills go past the 3 steps
     rows, _ = train(overrides, tmp_path / "first", 3, rollout_skip(dump, steps))
