@@ -60,7 +60,7 @@ def main() -> None:
 
     from ppoflow.configs import load_config
     from ppoflow.workers.rollout.sampling import SamplingParams
-    from ppoflow.workers.training.policy import ColocatedActorWorker
+    from ppoflow.workers.training.colocated import ColocatedActorWorker
 
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ def main() -> None:
     import torch
 
     from ppoflow.configs import load_config
-    from ppoflow.configs.rules import installed_vllm_version
+    from ppoflow.configs.rules_vllm import installed_vllm_version
     from ppoflow.configs.schema import TinyModelConfig
     from ppoflow.workers.models import build_tiny_model, load_tokenizer
     from ppoflow.workers.rollout.hf_worker import HFRolloutWorker

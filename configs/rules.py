@@ -8,7 +8,6 @@ rules on a stand-in with the refused keys at their defaults, so they report in t
 
 from __future__ import annotations
 
-import os
 import re
 
 from ppoflow.configs.modes import mode_errors, needs_of
@@ -18,6 +17,7 @@ from ppoflow.configs.rules_policy_loss import policy_loss_errors
 from ppoflow.configs.rules_profiler import profiler_errors
 from ppoflow.configs.rules_resources import data_parallel_errors, resource_errors
 from ppoflow.configs.rules_reward_model import reward_model_errors
+from ppoflow.configs.rules_vllm import vllm_errors
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.configs.stages import SAMPLE_CACHE_KEY
 
@@ -129,7 +129,7 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     if rollout.name == "vllm":
-        errors += _vllm_errors(cfg)
+        errors += vllm_errors(cfg)
     if rollout.mode == "async":
         errors += _rollout_service_errors(cfg) + _gateway_errors(rollout)
     elif rollout.agent.gateway.enable:
@@ -141,30 +141,17 @@ def cross_field_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
 
 
 def _colocation_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """What ``actor_rollout_ref.hybrid_engine=true`` (one worker for actor and rollout) cannot combine with."""
+    """What ``actor_rollout_ref.hybrid_engine=true`` (the actor's ranks generate too) cannot combine with (a vllm
+    engine's own needs: :func:`~ppoflow.configs.rules_vllm.vllm_errors`)."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.hybrid_engine"
     if not needs_of(cfg.trainer.mode).on_policy:
         return [
             (
                 key,
-                f"trainer.mode={cfg.trainer.mode} generates while the actor trains, which needs a rollout worker "
-                "of its own; set hybrid_engine=false (or null)",
-            )
-        ]
-    if rollout.mode != "sync":
-        return [
-            (
-                key,
-                f"rollout.mode={rollout.mode} serves generation from replicas of their own; set "
-                "hybrid_engine=false (or null)",
-            )
-        ]
-    if rollout.name != "hf":
-        return [
-            (
-                key,
-                f"rollout.name={rollout.name} cannot share the actor's worker yet (its engine would have to "
-                "sleep during training); set hybrid_engine=false (or null)",
+                f"trainer.mode={cfg.trainer.mode} generates while the actor trains, so its rollout needs devices "
+                "of its own (verl's rule): set hybrid_engine=false (or null) and give the rollout its own pool "
+                "(rollout.nnodes, rollout.n_gpus_per_node and actor_rollout_ref.rollout.resources; "
+                "docs/scale_out.md#layouts)",
             )
         ]
     if rollout.weight_sync.backend != "object_store":
@@ -267,91 +254,6 @@ def _token_budget_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         for key, dynamic, budget in budgets
         if dynamic and budget < longest
     ]
-
-
-VLLM_MIN_VERSION = "0.10.2"
-"""Oldest vLLM the vllm engine runs on: its ``logprobs_mode`` engine argument (log-probs after temperature
-scaling, see :mod:`ppoflow.workers.rollout.vllm_worker`) first shipped in 0.10.2."""
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version, or None; reads package metadata only (importing vllm is slow)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def vllm_version_supported(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release >= Version(VLLM_MIN_VERSION).release
-    except InvalidVersion:
-        return True  # an unusual local build: let the engine itself decide
-
-
-def _vllm_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """``rollout.name=vllm`` needs vLLM installed, a CUDA GPU here and GPUs reserved for the rollout."""
-    import torch
-
-    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
-    errors: list[tuple[str, str]] = []
-    # Joining a Ray cluster, the engine runs on its GPU nodes: this machine (the driver) needs neither.
-    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    version = installed_vllm_version() if local else VLLM_MIN_VERSION
-    if version is None:
-        errors.append(
-            (
-                f"{key}.name",
-                "vllm is not installed; install the optional extra (pip install "
-                "'ppoflow[vllm]') on a CUDA machine, or use actor_rollout_ref.rollout.name=hf",
-            )
-        )
-    elif not vllm_version_supported(version):
-        errors.append(
-            (
-                f"{key}.name",
-                f"vllm {version} is installed but rollout.name=vllm needs "
-                f"vllm>={VLLM_MIN_VERSION} (logprobs_mode); upgrade it or use rollout.name=hf",
-            )
-        )
-    if local and not torch.cuda.is_available():
-        errors.append(
-            (
-                f"{key}.name",
-                "vllm generates on CUDA GPUs but torch.cuda.is_available() is false on "
-                "this machine; use actor_rollout_ref.rollout.name=hf",
-            )
-        )
-    gpus, tp = rollout.resources.num_gpus, rollout.tensor_model_parallel_size
-    if gpus == 0:
-        errors.append(
-            (
-                f"{key}.resources.num_gpus",
-                "rollout.name=vllm runs on GPUs; reserve them with "
-                f"{key}.resources.num_gpus > 0 (= tensor_model_parallel_size), or use rollout.name=hf",
-            )
-        )
-    elif tp > 1 and gpus < tp:
-        errors.append(
-            (
-                f"{key}.tensor_model_parallel_size",
-                f"{tp} GPUs of tensor parallelism but the rollout worker reserves {key}.resources.num_gpus={gpus:g}",
-            )
-        )
-    if rollout.weight_sync.backend != "object_store":
-        errors.append(
-            (
-                f"{key}.weight_sync.backend",
-                f"{rollout.weight_sync.backend} is not supported with "
-                "rollout.name=vllm (the engine's GPU workers are outside the Ray collective group); "
-                "use object_store",
-            )
-        )
-    return errors
 
 
 def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:

@@ -19,19 +19,10 @@ def _ranks_text(cfg: PPOConfig) -> str:
 
 
 def data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """What running each training role as W = ``data_parallel_size`` ranks needs: a rollout of its own, mini-batches
-    that split evenly over the ranks, and offloading only from GPUs."""
+    """What running each training role as W = ``data_parallel_size`` ranks needs: mini-batches that split evenly over
+    the ranks, and offloading only from GPUs."""
     errors: list[tuple[str, str]] = []
     arr, ranks = cfg.actor_rollout_ref, cfg.data_parallel_size
-    if ranks > 1 and arr.hybrid_engine:
-        errors.append(
-            (
-                "actor_rollout_ref.hybrid_engine",
-                f"a colocated rollout needs one training rank, but the "
-                f"training roles run as {ranks} ranks ({_ranks_text(cfg)}); use hybrid_engine=false (a "
-                "separate rollout) or null",
-            )
-        )
     minis = {"actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size}
     if cfg.use_critic:
         minis["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size
@@ -64,7 +55,7 @@ def data_parallel_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
 
 
 def resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
-    """verl's pool rules: training roles fit the trainer pool, the rollout fits its own pool."""
+    """verl's pool rules: training roles fit the trainer pool, a rollout that is not colocated fits its own pool."""
     errors: list[tuple[str, str]] = []
     arr = cfg.actor_rollout_ref
     trainer_gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -87,7 +78,7 @@ def resource_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
             )
         )
     replicas = arr.rollout.num_replicas if arr.rollout.mode == "async" else 1  # each on rollout.resources
-    if replicas * arr.rollout.resources.num_gpus > rollout_gpus:
+    if not cfg.colocated and replicas * arr.rollout.resources.num_gpus > rollout_gpus:  # colocated: the actor's
         reserved = f"actor_rollout_ref.rollout.resources.num_gpus={arr.rollout.resources.num_gpus:g}"
         if replicas > 1:
             reserved = (

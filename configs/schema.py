@@ -166,16 +166,16 @@ class PPOConfig(Section):
 
     @property
     def colocated(self) -> bool:
-        """Whether the actor's worker also serves generation (``actor_rollout_ref.hybrid_engine``, resolved). null
-        resolves to True only for a run of an on-policy trainer mode (:attr:`ModeNeeds.on_policy`), hf and
-        object_store, with actor and rollout on the same kind of device and one training rank
-        (``data_parallel_size`` = 1): a sharded actor cannot generate on each rank independently."""
+        """Whether the actor's ranks also serve generation (``actor_rollout_ref.hybrid_engine``, resolved; verl's
+        default layout, at any number of ranks). null resolves to True for a run of an on-policy trainer mode
+        (:attr:`ModeNeeds.on_policy`) with hf, batch generation (``rollout.mode=sync``; the rollout service keeps
+        replicas of its own unless hybrid_engine=true) and object_store, actor and rollout on the same kind of
+        device."""
         arr = self.actor_rollout_ref
         if arr.hybrid_engine is not None:
             return arr.hybrid_engine
         return (
-            self.data_parallel_size == 1
-            and needs_of(self.trainer.mode).on_policy
+            needs_of(self.trainer.mode).on_policy
             and arr.rollout.name == "hf"
             and arr.rollout.mode == "sync"
             and arr.rollout.weight_sync.backend == "object_store"

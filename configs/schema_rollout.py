@@ -142,11 +142,12 @@ class RolloutConfig(Section):
 
 class ActorRolloutRefConfig(Section):
     hybrid_engine: bool | None = Field(
-        description="Colocate: the actor's worker also generates, with its own model, so there are no weights to "
-        f"sync. null = wherever that works ({on_policy_modes()}, rollout.name=hf, "
-        "weight_sync.backend=object_store, actor and rollout on the same kind of device, one training rank: "
-        "PPOConfig.data_parallel_size = 1, as a sharded actor cannot generate on each rank independently). "
-        "Colocated, the rollout runs on the actor's resources; rollout.resources is unused."
+        description="Colocate (verl's hybrid engine): every actor rank also hosts a rollout engine that samples "
+        "its share of the prompts with the weights it trains (gathered from its FSDP2 shards in process) and sleeps, "
+        "its memory freed, while the ranks train; with rollout.mode=async the ranks' engines are the rollout "
+        f"service's replicas. null = wherever that works ({on_policy_modes()}, rollout.name=hf, "
+        "rollout.mode=sync, weight_sync.backend=object_store, actor and rollout on the same kind of device). "
+        "Colocated, the rollout runs on the actor's resources; rollout.resources and num_replicas are unused."
     )
     model: ModelConfig
     actor: ActorConfig

@@ -144,7 +144,7 @@ def test_cancelled_groups_end_with_their_replica_requests(ray_local, tiny_model)
         fresh = RequestSampling(
             temperature=1.0, top_p=1.0, top_k=-1, greedy=False, max_new_tokens=8, seed=5, ignore_eos=True
         )
-        assert len(ray_local.get(replica.generate.remote("fresh", [4, 5, 6], fresh)).token_ids) == 8
+        assert len(ray_local.get(replica.generate_tokens.remote("fresh", [4, 5, 6], fresh)).token_ids) == 8
         stats = ray_local.get(replica.stats.remote())  # a woken request would have generated beside it
         assert stats["tokens_generated"] == 8 and stats["running"] == stats["waiting"] == 0, stats
     finally:

@@ -83,12 +83,6 @@ from tests.config_helpers import only_problem, problems_of
             "Input should be greater than or equal to 1 (got 0)",
         ),
         (
-            ["trainer.n_cpu_ranks_per_node=2", "actor_rollout_ref.hybrid_engine=true"],
-            "actor_rollout_ref.hybrid_engine",
-            "a colocated rollout needs one training rank, but the training roles run as 2 ranks (W = 2 from "
-            "trainer.nnodes=1 x trainer.n_cpu_ranks_per_node=2); use hybrid_engine=false (a separate rollout) or null",
-        ),
-        (
             ["trainer.nnodes=3", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             "mini-batches of 4 x rollout.n=8 = 32 trajectories cannot be split evenly over 3 training ranks "
@@ -158,9 +152,9 @@ def test_data_parallel_size_and_the_colocated_layout():
     assert demo.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype is None
     assert demo.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "float32"
     assert demo.actor_rollout_ref.rollout.resources.custom == {}
-    # on CPUs: nnodes x n_cpu_ranks_per_node; a sharded actor cannot generate, so null resolves to a separate rollout
+    # on CPUs: nnodes x n_cpu_ranks_per_node; null resolves to verl's layout, every rank colocated
     cpus = load_config("grpo_tiny", ["trainer.nnodes=2", "trainer.n_cpu_ranks_per_node=2"])
-    assert cpus.data_parallel_size == 4 and cpus.colocated is False
+    assert cpus.data_parallel_size == 4 and cpus.colocated is True
     # on GPUs n_cpu_ranks_per_node is unused: nnodes x n_gpus_per_node
     gpus = load_config(
         "grpo_tiny",
@@ -172,7 +166,7 @@ def test_data_parallel_size_and_the_colocated_layout():
             "rollout.n_gpus_per_node=1",
         ],
     )
-    assert gpus.data_parallel_size == 2 and gpus.colocated is False
+    assert gpus.data_parallel_size == 2 and gpus.colocated is True
     assert (
         load_config("grpo_tiny", ["trainer.n_cpu_ranks_per_node=2", "actor_rollout_ref.hybrid_engine=false"]).colocated
         is False

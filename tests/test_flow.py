@@ -116,7 +116,8 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
         for role in ("actor", "ref", "critic"):  # the rollout is the actor's worker (colocated)
             assert 0.05 < row[f"perf/{role}/max_rss_gb"] < total, role
         assert row["perf/actor/max_rss_gb"] < row["perf/cpu_memory_used_gb"] < total
-        assert not any("rollout" in name or "max_memory_" in name for name in row if name.startswith("perf/"))
+        assert not any(name.startswith("perf/rollout/") or "max_memory_" in name for name in row)
+        assert row["perf/actor/rollout_sleep_after_gb"] > 0  # its engine, asleep while the actor trains
 
 
 @pytest.mark.slow
@@ -184,7 +185,7 @@ def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_serv
     assert result.returncode == 2, result.stderr[-3000:]
     assert (
         "\nppoflow: invalid configuration (1 problem):\n  actor_rollout_ref.actor.resources.num_cpus: the roles "
-        "need 5 CPU but the Ray cluster has 2" in result.stderr
+        "need 4 CPU but the Ray cluster has 2" in result.stderr
     )
     assert "Traceback" not in result.stderr
 
@@ -193,12 +194,12 @@ def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_serv
     "override, message",
     [
         ("actor_rollout_ref.actor.resources.num_cpus=64", "the roles need"),
-        # eight actor ranks of one CPU each, on a Ray of four: the error names the ranks and the cluster's total
+        # eight actor ranks of one CPU each (each hosting its rollout engine), on a Ray of four: the error names
+        # the ranks and the cluster's total
         (
             "trainer.n_cpu_ranks_per_node=8",
-            r"actor_rollout_ref.actor.resources.num_cpus: the roles need 9 CPU but the Ray "
-            r"cluster has 4 \(actor_rollout_ref.actor \(8 ranks\): 8, "
-            r"actor_rollout_ref.rollout: 1\)",
+            r"actor_rollout_ref.actor.resources.num_cpus: the roles need 8 CPU but the Ray "
+            r"cluster has 4 \(actor_rollout_ref.actor \(8 ranks\): 8\)",
         ),
         ("data.max_response_length=80", "max_position_embeddings"),
         # a run started from the UI or a deployment fails with the preflight's message, naming the key

@@ -21,9 +21,10 @@ from ppoflow.workers.resources import role_resources
 from ppoflow.workers.roles import ActorBaseRole
 from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
 from ppoflow.workers.rollout.sampling import SamplingParams
+from ppoflow.workers.training.colocated import ColocatedActorWorker
 from ppoflow.workers.training.learner import unique_state_names
 from ppoflow.workers.training.lora import ADAPTER_DIR
-from ppoflow.workers.training.policy import ActorWorker, ColocatedActorWorker, ReferenceWorker
+from ppoflow.workers.training.policy import ActorWorker, ReferenceWorker
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
 FAST = ["actor_rollout_ref.actor.optim.lr=5e-2"]  # a step that moves the adapter well away from B = 0

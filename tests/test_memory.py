@@ -25,7 +25,7 @@ from ppoflow.workers.memory_estimate import estimate_memory, parameter_count
 from ppoflow.workers.models import load_value_model
 from ppoflow.workers.roles import RayObjects, RayRole
 from ppoflow.workers.rollout.sampling import SamplingParams
-from ppoflow.workers.training.policy import ColocatedActorWorker
+from ppoflow.workers.training.colocated import ColocatedActorWorker
 from tests.conftest import model_config
 from tests.preflight_helpers import assert_user_error, run_cli
 
@@ -236,6 +236,17 @@ def test_the_estimate_counts_every_copy(tmp_path):
     shard = -(-p // 2)
     assert ranks["actor"].parts == {"weights": 4 * shard, "gradients": 4 * shard, "AdamW state": 8 * shard}
     assert ranks["actor"].processes == 2 and ranks["rollout"].processes == 1
+    # every rank colocated: sampling, a rank holds the full weights in float32 where it held its gradients' shard
+    sampling = _estimates(path, "trainer.n_cpu_ranks_per_node=4", "actor_rollout_ref.rollout.dtype=float32")
+    quarter = -(-p // 4)
+    assert set(sampling) == {"actor"} and sampling["actor"].processes == 4
+    assert sampling["actor"].parts == {
+        "weights": 4 * quarter,
+        "gradients": 4 * quarter,
+        "AdamW state": 8 * quarter,
+        "sampling copy": 4 * p - 4 * quarter,
+    }
+    assert "sampling copy" not in _estimates(path, "trainer.n_cpu_ranks_per_node=2")["actor"].parts  # 2p <= 2p
     kept = _estimates(
         path,
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",

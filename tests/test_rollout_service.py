@@ -181,6 +181,16 @@ def test_the_service_spreads_a_batch_over_agent_workers_in_prompt_order(ray_loca
             marks=pytest.mark.slow,
         ),
         ("vault_tool", ["data.synthetic.copy_share=0"]),  # vault rows only: every trajectory may call the tool
+        pytest.param(  # verl's layout: the replicas are the engines of the actor's two ranks, asleep while they train
+            "vault_tool",
+            [
+                "data.synthetic.copy_share=0",
+                "actor_rollout_ref.hybrid_engine=true",
+                "trainer.n_cpu_ranks_per_node=2",
+                "actor_rollout_ref.actor.resources.num_cpus=0.5",
+            ],
+            id="vault_tool-colocated-2-ranks",
+        ),
     ],
 )
 def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_path, preset, words):
@@ -211,6 +221,9 @@ def test_a_run_with_the_rollout_service(prefect_api, ray_local, tiny_model, tmp_
         assert row["response_length/mean"] > 0
         # scored while generating: no reward stage, the scorer's extras still reported
         assert "timing_s/reward" not in row and "reward/exact/mean" in row
+        assert row["training/off_policy/trajectory_staleness/max"] == 0  # every turn from the weights trained now
+    if "actor_rollout_ref.hybrid_engine=true" in words:  # each rank's engine woke to generate and slept to train
+        assert all(row["perf/actor/rollout_sleep_after_gb"] > 0 for row in rows)
     if preset == "vault_tool":
         assert sum(row["agent/tool_calls/mean"] for row in rows) > 0
         assert max(row["agent/num_turns/max"] for row in rows) >= 3  # call, answer, another turn
@@ -277,7 +290,6 @@ def test_a_tool_whose_function_does_not_import_is_a_config_error(tiny_model, tmp
     "words, key",
     [
         (["actor_rollout_ref.rollout.weight_sync.backend=gloo"], "actor_rollout_ref.rollout.weight_sync.backend"),
-        (["actor_rollout_ref.hybrid_engine=true"], "actor_rollout_ref.hybrid_engine"),
         (
             ["actor_rollout_ref.rollout.multi_turn.format=question_mark"],
             "actor_rollout_ref.rollout.multi_turn.tool_config_path",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppoflow.configs import ConfigError, load_config, rules
+from ppoflow.configs import ConfigError, load_config, rules_vllm
 from ppoflow.workers.rollout.hf_worker import HFRolloutWorker
 from ppoflow.workers.rollout.sampling import SamplingParams, rollout_batch, step_seed
 from ppoflow.workers.rollout.vllm_worker import (
@@ -49,14 +49,14 @@ def problems_of(overrides: list[str]) -> list[tuple[str, str]]:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """Pretend a supported vLLM and a CUDA GPU are present, for the config rules only (nothing runs)."""
-    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.11.0")
+    monkeypatch.setattr(rules_vllm, "installed_vllm_version", lambda: "0.11.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
 # ------------------------------------------------------------------------------ config rules (CPU)
 
 
-@pytest.mark.skipif(rules.installed_vllm_version() is not None, reason="vllm is installed here")
+@pytest.mark.skipif(rules_vllm.installed_vllm_version() is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_installed_fails_at_config_time():
     problems = problems_of(GPU_OVERRIDES)
     assert any(
@@ -66,7 +66,7 @@ def test_vllm_without_vllm_installed_fails_at_config_time():
 
 
 def test_vllm_without_a_cuda_gpu_fails_at_config_time(monkeypatch):
-    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.11.0")
+    monkeypatch.setattr(rules_vllm, "installed_vllm_version", lambda: "0.11.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert problems_of(GPU_OVERRIDES) == [
         (
@@ -91,7 +91,7 @@ def test_vllm_config_rules_on_version_parallelism_and_weight_sync(fake_vllm, mon
     assert key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and "num_gpus=1" in message
     ((key, message),) = problems_of(GPU_OVERRIDES + ["actor_rollout_ref.rollout.weight_sync.backend=gloo"])
     assert key == "actor_rollout_ref.rollout.weight_sync.backend" and "object_store" in message
-    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.9.2")
+    monkeypatch.setattr(rules_vllm, "installed_vllm_version", lambda: "0.9.2")
     ((key, message),) = problems_of(GPU_OVERRIDES)
     assert key == "actor_rollout_ref.rollout.name" and "vllm>=0.10.2" in message
 
@@ -198,13 +198,14 @@ def test_conversion_reproduces_the_transformers_engine_batch(cpu_cfg, cpu_prompt
 
 
 def test_request_seeds_give_every_row_its_own_seed_from_seed_and_step():
-    seeds = request_seeds(seed=7, step=3, prompts=4, n=3)
+    seeds = request_seeds(seed=7, step=3, positions=range(4), n=3)
     base = step_seed(7, 3) % SEED_SPACE
     assert seeds == [base, base + 3, base + 6, base + 9]
     rows = [seed + j for seed in seeds for j in range(3)]  # vLLM seeds sample j of a request with seed + j
     assert rows == [base + row for row in range(12)] and max(rows) < 2**63
-    assert request_seeds(7, 3, 4, 3) == seeds and request_seeds(7, 4, 4, 3) != seeds
-    assert request_seeds(8, 3, 4, 3) != seeds
+    assert request_seeds(7, 3, range(4), 3) == seeds and request_seeds(7, 4, range(4), 3) != seeds
+    assert request_seeds(8, 3, range(4), 3) != seeds
+    assert request_seeds(7, 3, [3, 1], 3) == [seeds[3], seeds[1]]  # a colocated rank's share: the batch's seeds
 
 
 def test_sampling_arguments_map_the_config():
@@ -298,3 +299,81 @@ def test_collective_weight_sync_is_refused_with_a_clear_message():
         worker.join_weight_group("group")
     with pytest.raises(NotImplementedError, match="object_store"):
         worker.apply_weights(WeightUpdate(1, [[TensorSlot("x", "float32", (1,), 0, 4)]]))
+
+
+# ------------------------------------------------- a colocated vLLM engine (config rules, call protocol)
+
+COLOCATED = [
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.hybrid_engine=true",
+    "actor_rollout_ref.actor.resources.num_gpus=1",
+    "trainer.n_gpus_per_node=1",
+]
+
+
+def test_sleep_mode_is_read_from_vllms_source_without_importing_it(tmp_path):
+    source = tmp_path / "llm.py"
+    source.write_text("class LLM:\n    def sleep(self, level: int = 1): ...\n    def wake_up(self, tags=None): ...\n")
+    assert rules_vllm.sleep_mode_problem(source) is None
+    source.write_text("class LLM:\n    def sleep(self, level: int = 1): ...\n    def wake_up(self): ...\n")
+    assert "no wake_up() with sleep mode's arguments" in rules_vllm.sleep_mode_problem(source)
+    source.write_text("class LLM:\n    def generate(self): ...\n")
+    assert "no sleep() or wake_up()" in rules_vllm.sleep_mode_problem(source)
+
+
+def test_a_colocated_vllm_engine_needs_the_actors_gpu_one_device_and_sleep_mode(fake_vllm, monkeypatch):
+    monkeypatch.setattr(rules_vllm, "sleep_mode_problem", lambda: None)
+    cfg = load_config("grpo_tiny", COLOCATED)
+    assert cfg.colocated and cfg.actor_rollout_ref.rollout.resources.num_gpus == 0  # the actor's GPU serves it
+    problems = dict(problems_of([*COLOCATED, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    assert "set it to 1" in problems["actor_rollout_ref.rollout.tensor_model_parallel_size"]
+    problems = dict(problems_of([*COLOCATED[:2]]))
+    assert "runs on the actor's GPU" in problems["actor_rollout_ref.actor.resources.num_gpus"]
+    monkeypatch.setattr(rules_vllm, "sleep_mode_problem", lambda: "the installed vLLM's LLM has no sleep()")
+    ((key, message),) = problems_of(COLOCATED)
+    assert key == "actor_rollout_ref.hybrid_engine" and "sleeps while the ranks train" in message
+
+
+def test_a_colocated_vllm_engine_sleeps_and_wakes_around_each_generation(monkeypatch, tiny_model):
+    """The call protocol only, against a stand-in ``vllm`` module that records calls (no vLLM runs on a CPU): built
+    with sleep mode and asleep at once; woken weights first, the rank's weights streamed in this process, the
+    prefix cache reset, then the KV cache; asleep again after sampling. The real engine is unverified here."""
+    import types
+
+    from ppoflow.workers.rollout import vllm_worker
+
+    calls = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls.append(("init", kwargs["enable_sleep_mode"]))
+
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", tuple(tags)))
+
+        def collective_rpc(self, method, args):
+            calls.append((method, [name for name, _ in args[0]]))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(vllm_worker, "vllm_problem", lambda: None)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tiny_model}", "data.train_files=x.parquet"])
+    engine = vllm_worker.ColocatedVLLMEngine(cfg)
+    assert os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # the engine core in the rank's process
+    engine.wake(iter([("a", torch.zeros(1)), ("b", torch.ones(1))]))
+    engine.sleep()
+    assert calls == [
+        ("init", True),
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("ppoflow_load_tensors", ["a", "b"]),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+        ("sleep", 1),
+    ]

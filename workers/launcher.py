@@ -89,7 +89,8 @@ def rollout_worker_class(cfg: PPOConfig) -> type:
 
 def actor_worker_class(cfg: PPOConfig) -> type:
     """The actor's worker: one that also generates when the rollout is colocated with it."""
-    from ppoflow.workers.training.policy import ActorWorker, ColocatedActorWorker
+    from ppoflow.workers.training.colocated import ColocatedActorWorker
+    from ppoflow.workers.training.policy import ActorWorker
 
     return ColocatedActorWorker if cfg.colocated else ActorWorker
 
@@ -105,6 +106,7 @@ def start_workers(cfg: PPOConfig) -> Workers:
     """Join (or start) Ray, check the roles fit, start the actors of every role and wait until all loaded."""
     import ray
 
+    from ppoflow.workers.training.colocated import ColocatedActorWorker
     from ppoflow.workers.training.critic import CriticWorker
     from ppoflow.workers.training.policy import ReferenceWorker
 
@@ -117,8 +119,11 @@ def start_workers(cfg: PPOConfig) -> Workers:
 
     def actor_of(cls, resources: ResourcesConfig, *args, restartable: bool = False, **options):
         env = {**worker_env(), "OMP_NUM_THREADS": str(resources.num_threads)}
+        groups = {}
+        if cls is ColocatedActorWorker:  # its engine's requests wait on threads beside the training calls
+            groups = {cls.SERVING: cfg.actor_rollout_ref.rollout.max_num_seqs}
         return (
-            ray.remote(cls)
+            ray.remote(concurrency_groups=groups)(cls)
             .options(
                 num_cpus=resources.num_cpus,
                 num_gpus=resources.num_gpus,
@@ -153,10 +158,12 @@ def start_workers(cfg: PPOConfig) -> Workers:
         placement_groups.append(placement_group)
     service = None
     if arr.rollout.mode == "async":
-        service = _start_rollout_service(cfg, actor_of, objects)
+        service = _start_rollout_service(cfg, actor_of, objects, ranks=groups["actor"] if cfg.colocated else None)
     elif not cfg.colocated:
         handles["rollout"] = actor_of(rollout_worker_class(cfg), arr.rollout.resources, restartable=True)
-    service_handles = service.replicas + service.judge_replicas + service.agents if service else []
+    service_handles = service.judge_replicas + service.agents if service else []
+    if service is not None and not cfg.colocated:
+        service_handles += service.replicas
     every_handle = [*handles.values(), *(handle for group in groups.values() for handle in group), *service_handles]
     ray.get([handle.__ray_ready__.remote() for handle in every_handle])  # surfaces constructor errors
     backend = cfg.actor_rollout_ref.rollout.weight_sync.backend
@@ -180,10 +187,10 @@ def start_workers(cfg: PPOConfig) -> Workers:
     if service is not None:
         roles_served["rollout"] = service
     placement = {role: _node_ids(group) for role, group in groups.items()}
-    if service is not None:
+    if service is not None and not cfg.colocated:  # colocated, the replicas are the actor's ranks
         placement["rollout"] = _node_ids(service.replicas)
-        if service.judge_replicas:
-            placement["judge"] = _node_ids(service.judge_replicas)
+    if service is not None and service.judge_replicas:
+        placement["judge"] = _node_ids(service.judge_replicas)
     placement.update({role: _node_ids([handle]) for role, handle in handles.items()})
     return Workers(
         **roles_served,
@@ -262,10 +269,11 @@ def streams_reward(cfg: PPOConfig) -> bool:
     return cfg.actor_rollout_ref.rollout.mode == "async" and not scored_apart
 
 
-def _start_rollout_service(cfg: PPOConfig, actor_of, objects: RayObjects):
-    """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources), the
-    judge model's replicas when it has one (on ``reward_model.judge.resources``), and ``agent.num_workers``
-    agent-loop workers (asyncio actors that reserve no CPU) that call them."""
+def _start_rollout_service(cfg: PPOConfig, actor_of, objects: RayObjects, *, ranks: list | None = None):
+    """``rollout.mode=async``: ``num_replicas`` generation replicas (restartable, on rollout.resources), or the
+    actor's ``ranks`` when the rollout is colocated with it; the judge model's replicas when it has one (on
+    ``reward_model.judge.resources``), and ``agent.num_workers`` agent-loop workers (asyncio actors that reserve
+    no CPU) that call them."""
     import secrets
 
     import ray
@@ -273,10 +281,12 @@ def _start_rollout_service(cfg: PPOConfig, actor_of, objects: RayObjects):
     from ppoflow.workers.models import load_tokenizer
     from ppoflow.workers.service.agent_worker import AgentLoopWorker
     from ppoflow.workers.service.replicas import JudgeReplica, RolloutReplica
-    from ppoflow.workers.service.rollout_service import RolloutService
+    from ppoflow.workers.service.rollout_service import ColocatedRolloutService, RolloutService
 
     rollout, judge = cfg.actor_rollout_ref.rollout, cfg.reward_model.judge
-    replicas = [actor_of(RolloutReplica, rollout.resources, restartable=True) for _ in range(rollout.num_replicas)]
+    replicas = ranks or [
+        actor_of(RolloutReplica, rollout.resources, restartable=True) for _ in range(rollout.num_replicas)
+    ]
     judges = []
     if cfg.judge_model is not None:
         judges = [actor_of(JudgeReplica, judge.resources, restartable=True) for _ in range(judge.num_replicas)]
@@ -288,7 +298,8 @@ def _start_rollout_service(cfg: PPOConfig, actor_of, objects: RayObjects):
         for _ in range(rollout.agent.num_workers)
     ]
     pad_token_id = load_tokenizer(cfg.actor_rollout_ref.model).pad_token_id
-    return RolloutService(replicas, agents, pad_token_id=pad_token_id, objects=objects, judge_replicas=judges)
+    service = ColocatedRolloutService if ranks else RolloutService
+    return service(replicas, agents, pad_token_id=pad_token_id, objects=objects, judge_replicas=judges)
 
 
 def start_local_workers(cfg: PPOConfig) -> Workers:

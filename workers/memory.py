@@ -59,6 +59,16 @@ def process_memory() -> dict[str, float]:
     return {**stats, "max_rss_gb": peak * 1024 / GIB, NODE_MEMORY: used * 1024 / GIB}
 
 
+def memory_in_use_gb(device: torch.device) -> float:
+    """What this process holds now: torch's allocated CUDA memory on a GPU device, else its resident memory
+    (VmRSS; 0 where there is no ``/proc``). Read around a colocated engine's sleep and wake."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / GIB
+    if not os.path.exists("/proc/self/status"):
+        return 0.0
+    return proc_kib("/proc/self/status", "VmRSS") * 1024 / GIB
+
+
 def release_freed_memory() -> bool:
     """Give the pages of memory this process has freed back to the system; False where the allocator offers no
     way. Why: freed memory stays with the allocator (glibc's heap keeps what torch's CPU tensors under 32 MiB

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -118,6 +118,16 @@ def _trained(
     return RoleMemory(role, key, parts, ranks, on_gpu, min(resources.num_gpus, 1.0) or 1.0, keys)
 
 
+def _with_sampling_copy(actor: RoleMemory, copy: int) -> RoleMemory:
+    """A sharded actor whose ranks generate (colocated): while it samples, each rank also holds the full weights in
+    ``rollout.dtype`` (``copy`` bytes), and no gradients; the copy is freed before the update. A rank's peak is the
+    larger of the two phases, so the part counts what the copy holds beyond the gradients."""
+    beyond = copy - actor.parts.get("gradients", 0)
+    if beyond <= 0:
+        return actor
+    return replace(actor, parts={**actor.parts, "sampling copy": beyond})
+
+
 def estimate_memory(cfg: PPOConfig) -> tuple[list[RoleMemory], list[str]]:
     """Every role's foreseen memory (:class:`RoleMemory`), and the roles not estimated (their model is still to
     be built, or transformers cannot build its config)."""
@@ -128,18 +138,19 @@ def estimate_memory(cfg: PPOConfig) -> tuple[list[RoleMemory], list[str]]:
         missing += ["actor"] + (["ref"] if cfg.use_reference else []) + ([] if cfg.colocated else ["rollout"])
     else:
         lora = () if arr.model.lora else ("actor_rollout_ref.model.lora_rank",)
-        estimates.append(
-            _trained(
-                "actor",
-                "actor_rollout_ref.actor",
-                arr.model,
-                policy,
-                arr.actor,
-                ranks,
-                trains=not arr.model.lora,
-                remedies=lora,
-            )
+        actor = _trained(
+            "actor",
+            "actor_rollout_ref.actor",
+            arr.model,
+            policy,
+            arr.actor,
+            ranks,
+            trains=not arr.model.lora,
+            remedies=lora,
         )
+        if cfg.colocated and ranks > 1:
+            actor = _with_sampling_copy(actor, policy * _itemsize(arr.rollout.dtype))
+        estimates.append(actor)
         if cfg.use_reference and not arr.model.lora:  # with LoRA the reference is the base model, adapter off
             kl = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
             estimates.append(

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.workers.rollout.requests import RequestSampling
+from ppoflow.workers.rollout.requests import RequestSampling, TokenOutput
 from ppoflow.workers.rollout.serving import ContinuousBatchingEngine
 
 
@@ -103,12 +103,32 @@ def sample_responses(
     """Sample ``sampling.n`` responses per prompt on the continuous-batching engine; the rollout part of the step
     batch, rows prompt-major (p0 s0..s(n-1), p1 ...), stamped with ``weight_version``. Trajectory ``(p, s)``
     samples with :func:`trajectory_seed` (greedy: argmax, log-probs at temperature 1 as the engine's)."""
+    ids = prompt_token_ids(prompts)
+    outputs = sample_trajectories(
+        model, ids, range(len(ids)), step=step, sampling=sampling, eos_token_id=tokenizer.eos_token_id, device=device
+    )
+    return outputs_batch(prompts, sampling, outputs, weight_version=weight_version, tokenizer=tokenizer)
+
+
+def sample_trajectories(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    positions: Sequence[int],
+    *,
+    step: int,
+    sampling: SamplingParams,
+    eos_token_id: int,
+    device: torch.device,
+) -> list[TokenOutput]:
+    """The ``sampling.n`` trajectories of each prompt, prompt-major, sampled together on the continuous-batching
+    engine. ``prompt_ids[i]`` stands at ``positions[i]`` of the step's batch, which seeds its trajectories
+    (:func:`trajectory_seed`): a share of the batch samples the tokens the whole batch would (a colocated rank's)."""
     from peft import PeftModel
 
     if isinstance(model, PeftModel):  # its LoRA layers live in the base model, which the engine drives
         model = model.get_base_model()
     engine = ContinuousBatchingEngine(
-        model, eos_token_id=tokenizer.eos_token_id, device=device, max_num_seqs=max(1, len(prompts) * sampling.n)
+        model, eos_token_id=eos_token_id, device=device, max_num_seqs=max(1, len(prompt_ids) * sampling.n)
     )
     futures = [
         engine.submit(
@@ -123,12 +143,18 @@ def sample_responses(
                 seed=trajectory_seed(sampling.seed, step, position, sample),
             ),
         )
-        for position, ids in enumerate(prompt_token_ids(prompts))
+        for position, ids in zip(positions, prompt_ids)
         for sample in range(sampling.n)
     ]
     while engine.step():
         pass
-    outputs = [future.result() for future in futures]
+    return [future.result() for future in futures]
+
+
+def outputs_batch(
+    prompts: TensorDict, sampling: SamplingParams, outputs: Sequence[TokenOutput], *, weight_version: int, tokenizer
+) -> TensorDict:
+    """:func:`sampled_batch` of the engine's outputs (``sampling.n`` per prompt, prompt-major)."""
     return sampled_batch(
         prompts,
         sampling,

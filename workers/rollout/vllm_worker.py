@@ -12,16 +12,23 @@ How it drives vLLM's ``LLM`` API (prompts, sampling, seeds, log-probs, weights):
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from tensordict import TensorDict
 
-from ppoflow.configs.rules import VLLM_MIN_VERSION, installed_vllm_version, vllm_version_supported
+from ppoflow.configs.rules_vllm import (
+    VLLM_MIN_VERSION,
+    installed_vllm_version,
+    sleep_mode_problem,
+    vllm_version_supported,
+)
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import gpu_memory, largest, process_memory
 from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
+from ppoflow.workers.rollout.requests import TokenOutput
 from ppoflow.workers.rollout.sampling import SamplingParams, prompt_token_ids, sampled_batch, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
@@ -35,11 +42,12 @@ SEED_SPACE = 2**62
 """Request seeds stay below ``SEED_SPACE + rows`` (well inside torch's 64-bit generator seeds)."""
 
 
-def request_seeds(seed: int, step: int, prompts: int, n: int) -> list[int]:
-    """One vLLM request seed per prompt; vLLM seeds sample ``j`` of a request with ``seed + j``, so
-    trajectory row ``r`` (prompt-major) samples with ``base + r``, ``base`` depending only on (seed, step)."""
+def request_seeds(seed: int, step: int, positions: Sequence[int], n: int) -> list[int]:
+    """One vLLM request seed per prompt, by its position in the step's batch; vLLM seeds sample ``j`` of a request
+    with ``seed + j``, so trajectory row ``r`` (prompt-major) samples with ``base + r``, ``base`` depending only on
+    (seed, step): a share of the batch (a colocated rank's) samples with the seeds the whole batch would."""
     base = step_seed(seed, step) % SEED_SPACE
-    return [base + prompt * n for prompt in range(prompts)]
+    return [base + position * n for position in positions]
 
 
 def sampling_kwargs(sampling: SamplingParams, *, eos_token_id: int) -> dict:
@@ -108,36 +116,13 @@ class VLLMRolloutWorker:
 
     def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        count = prompts.batch_size[0]
-        requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids(prompts)]
-        kwargs = sampling_kwargs(sampling, eos_token_id=self.eos_token_id)
-        if sampling.greedy:
-            params = [VLLMSamplingParams(**kwargs) for _ in range(count)]
-        else:
-            params = [
-                VLLMSamplingParams(**kwargs, seed=seed)
-                for seed in request_seeds(sampling.seed, step, count, sampling.n)
-            ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if count else []
-        if len(outputs) != count:
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {count} prompts")
-        token_ids, log_probs = [], []
-        for output in outputs:
-            completions = sorted(output.outputs, key=lambda completion: completion.index)
-            if sampling.greedy:
-                completions = completions * sampling.n
-            if len(completions) != sampling.n:
-                raise RuntimeError(f"vLLM returned {len(completions)} completions for n={sampling.n}")
-            for completion in completions:
-                token_ids.append(list(completion.token_ids))
-                log_probs.append(_sampled_log_probs(completion))
+        ids = prompt_token_ids(prompts)
+        outputs = sample_with_vllm(self.llm, ids, range(len(ids)), step=step, sampling=sampling, eos=self.eos_token_id)
         return sampled_batch(
             prompts,
             sampling,
-            token_ids,
-            log_probs,
+            [output.token_ids for output in outputs],
+            [output.log_probs for output in outputs],
             weight_version=self.weight_version,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -171,6 +156,87 @@ class VLLMRolloutWorker:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+
+
+def sample_with_vllm(
+    llm, prompt_ids: Sequence[Sequence[int]], positions: Sequence[int], *, step: int, sampling: SamplingParams, eos: int
+) -> list[TokenOutput]:
+    """``sampling.n`` trajectories of each prompt from a vLLM ``LLM``, prompt-major, seeded by the prompts' positions
+    in the step's batch (:func:`request_seeds`)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    count = len(prompt_ids)
+    kwargs = sampling_kwargs(sampling, eos_token_id=eos)
+    if sampling.greedy:
+        params = [VLLMSamplingParams(**kwargs) for _ in range(count)]
+    else:
+        params = [
+            VLLMSamplingParams(**kwargs, seed=seed)
+            for seed in request_seeds(sampling.seed, step, positions, sampling.n)
+        ]
+    requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+    outputs = llm.generate(requests, params, use_tqdm=False) if count else []
+    if len(outputs) != count:
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {count} prompts")
+    trajectories = []
+    for output in outputs:
+        completions = sorted(output.outputs, key=lambda completion: completion.index)
+        if sampling.greedy:
+            completions = completions * sampling.n
+        if len(completions) != sampling.n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for n={sampling.n}")
+        for completion in completions:
+            finish = "length" if completion.finish_reason == "length" else "stop"
+            trajectories.append(TokenOutput(list(completion.token_ids), _sampled_log_probs(completion), finish, (0, 0)))
+    return trajectories
+
+
+class ColocatedVLLMEngine:
+    """vLLM as a colocated rank's engine (``hybrid_engine`` with ``rollout.name=vllm``), the way verl runs it: the
+    engine core in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU, no tensor parallelism),
+    built with ``enable_sleep_mode`` and put to sleep at once. :meth:`wake` wakes its weights' memory, loads the
+    rank's full weights tensor by tensor through the model's ``load_weights`` in this process (no copy between
+    processes) and wakes the KV cache; :meth:`sleep` sleeps at :data:`SLEEP_LEVEL`. Not run on any machine of the
+    project yet: docs/vllm.md says what is unverified."""
+
+    SLEEP_LEVEL = 1
+    """vLLM's level 1: the weights offloaded to the CPU, the KV cache discarded (level 2 also drops buffers that
+    some models keep outside their state dict, which a weight load does not restore)."""
+
+    def __init__(self, cfg: PPOConfig, **overrides):
+        problem = vllm_problem()
+        if problem:
+            raise ImportError(f"actor_rollout_ref.hybrid_engine with rollout.name=vllm: {problem}")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights load in place
+        from vllm import LLM
+
+        self.eos_token_id = load_tokenizer(cfg.actor_rollout_ref.model).eos_token_id
+        self.llm = LLM(**{**engine_kwargs(cfg), "enable_sleep_mode": True, **overrides})
+        self.llm.sleep(level=self.SLEEP_LEVEL)
+
+    def wake(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Serve ``weights`` (the rank's full state dict, one tensor at a time)."""
+        self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("ppoflow_load_tensors", args=(weights,))
+        self.llm.reset_prefix_cache()  # KV blocks cached under the old weights must not be reused
+        self.llm.wake_up(tags=["kv_cache"])
+
+    def sample(
+        self, prompt_ids: Sequence[Sequence[int]], positions: Sequence[int], *, step: int, sampling: SamplingParams
+    ) -> list[TokenOutput]:
+        return sample_with_vllm(self.llm, prompt_ids, positions, step=step, sampling=sampling, eos=self.eos_token_id)
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=self.SLEEP_LEVEL)
+
+
+def vllm_problem() -> str | None:
+    """Why the installed vLLM cannot be a colocated engine (None when it can): it is missing or too old, or its
+    ``LLM`` lacks ``sleep(level)`` and ``wake_up(tags)``."""
+    version = installed_vllm_version()
+    if version is None or not vllm_version_supported(version):
+        return f"needs vllm>={VLLM_MIN_VERSION} (found {version or 'none'}); install 'ppoflow[vllm]'"
+    return sleep_mode_problem()
 
 
 _COLLECTIVE_UNSUPPORTED = (
@@ -236,6 +302,15 @@ class VLLMWeightLoader:
         loaded = model.load_weights(weights=bucket_tensors(device_bucket, slots))
         torch.cuda.synchronize(self.device)
         return len(loaded) if loaded is not None else len(slots)
+
+    def ppoflow_load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load ``(name, tensor)`` pairs handed over in this process (a colocated engine: :class:`ColocatedVLLMEngine`),
+        each copied to the GPU as it comes; returns how many it wrote."""
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        loaded = model.load_weights(weights=((name, tensor.to(self.device)) for name, tensor in weights))
+        torch.cuda.synchronize(self.device)
+        return len(loaded) if loaded is not None else 0
 
     def ppoflow_memory_stats(self) -> dict[str, float]:
         """This GPU worker's allocator peaks since the last call (:func:`~ppoflow.workers.memory.gpu_memory`)."""

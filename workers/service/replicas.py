@@ -45,7 +45,7 @@ class RolloutReplica:
         self.awake = asyncio.Event()
         self.awake.set()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
+    async def generate_tokens(self, request_id: str, prompt_ids: list[int], sampling: RequestSampling) -> TokenOutput:
         """Generate one request's tokens (batched with whatever else is in flight on this replica); while the
         replica sleeps, the request waits for it to wake."""
         await self.awake.wait()
@@ -151,7 +151,9 @@ class LoadBalancer:
             self.requests += 1
             self.in_flight[index] += 1
             try:
-                return await self.replicas[index].generate.remote(f"{session_id}#{self.requests}", prompt_ids, sampling)
+                return await self.replicas[index].generate_tokens.remote(
+                    f"{session_id}#{self.requests}", prompt_ids, sampling
+                )
             except ray.exceptions.RayActorError as error:
                 logger.warning(
                     "rollout replica %d failed a request (%s); retrying on another", index, type(error).__name__

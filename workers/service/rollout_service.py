@@ -151,6 +151,24 @@ class RolloutService:
             ray.get([self.replicas[index].apply_weights.remote(self.last_update) for index in stale])
 
 
+class ColocatedRolloutService(RolloutService):
+    """The rollout service on the actor's ranks (``hybrid_engine`` with ``rollout.mode=async``): each rank's engine
+    is a replica (:class:`~ppoflow.workers.training.policy.ColocatedActorWorker`). A batch wakes every rank (each
+    takes its weights from the shards it trains), runs the agent loops against them and puts them to sleep once
+    its trajectories are in, so the ranks train with the engines' memory freed. No weights are pushed, and a
+    training rank is never restarted, so there is none to re-sync."""
+
+    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
+        self.objects.get([rank.wake.remote(serve=True) for rank in self.replicas])
+        try:
+            return super().generate(prompts, step=step, sampling=sampling)
+        finally:
+            self.objects.get([rank.sleep.remote() for rank in self.replicas])
+
+    def resync_restarted(self) -> None:
+        """Nothing to re-sync: the engines serve the ranks' own weights."""
+
+
 def _replica_memory(replica) -> dict[str, float]:
     """Run inside a replica (``__ray_call__``): its process's memory figures."""
     return process_memory()

@@ -18,7 +18,7 @@ import re
 import socket
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +154,29 @@ class DataParallel:
             out[torch.as_tensor(part_rows)] = part_values
         return out
 
+    def prompt_shares(self, prompts: TensorDict) -> list[list[int]]:
+        """Every rank's prompts of a step to generate from (a colocated rollout): equal counts, balanced prompt
+        tokens (the responses' lengths are not known yet), so a prompt's group of samples stays on one rank."""
+        if not self.sharded:
+            return [list(range(prompts.batch_size[0]))]
+        return balanced_partition(prompts["prompt_mask"].sum(dim=1).tolist(), self.world_size)
+
+    def gather_rows(self, rows: Sequence[int], items: Sequence, total: int) -> list | None:
+        """Rank 0: a list of ``total`` items holding every rank's ``items`` at its ``rows``; others: None."""
+        parts = [(list(rows), list(items))]
+        if self.sharded:
+            import torch.distributed as dist
+
+            mine, parts = parts[0], [None] * self.world_size if self.is_rank_zero else None
+            dist.gather_object(mine, parts, dst=0)
+            if not self.is_rank_zero:
+                return None
+        out: list = [None] * total
+        for part_rows, part_items in parts:
+            for row, item in zip(part_rows, part_items):
+                out[row] = item
+        return out
+
     def sum_metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """Each metric summed over the ranks (every rank reports the same names)."""
         if not self.sharded:
@@ -180,6 +203,13 @@ class DataParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every entry of ``model.state_dict()`` unsharded on every rank, one tensor at a time (each rank gathers
+        each sharded tensor from the others in the same order): what a rank's colocated rollout samples with,
+        built without the whole unsharded state dict ever held at once."""
+        for name, tensor in model.state_dict().items():
+            yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
     def full_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state of an unsharded model, keyed by parameter name (not position), so that data-

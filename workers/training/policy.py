@@ -1,7 +1,8 @@
 """The actor and reference workers: the policy's log-probs, its PPO update, and its weights.
 
 Both hold a causal LM in a long-lived Ray actor; the reference is a frozen copy of the initial
-policy that only computes log-probs (for KL terms), and the colocated actor also generates. The
+policy that only computes log-probs (for KL terms); the colocated actor, which also generates, is in
+:mod:`ppoflow.workers.training.colocated`. The
 update follows verl's actor: for each PPO epoch, for each mini-batch, accumulate the loss of its
 micro-batches (normalised by the whole mini-batch, so micro-batching does not change the gradient),
 clip, step.
@@ -23,7 +24,6 @@ from ppoflow.storage.batch import StageResult
 from ppoflow.storage.fs import join
 from ppoflow.workers.memory import ReportsMemory
 from ppoflow.workers.models import (
-    copy_in_dtype,
     keep_attention_off_cudnn_if_padded,
     load_causal_lm,
     load_tokenizer,
@@ -32,7 +32,6 @@ from ppoflow.workers.models import (
     with_gradient_checkpointing,
 )
 from ppoflow.workers.profiler import Profiles
-from ppoflow.workers.rollout.sampling import SamplingParams, sample_responses
 from ppoflow.workers.stage import worker_stage
 from ppoflow.workers.training.data_parallel import DataParallel, RankInfo
 from ppoflow.workers.training.learner import (
@@ -356,40 +355,3 @@ class ActorWorker(PolicyModel):
         if self.parallel.is_rank_zero:
             join_group(self.sender.sync.backend, group, rank=0)
             self.sender.group = group
-
-
-class ColocatedActorWorker(ActorWorker):
-    """The actor that also generates (``actor_rollout_ref.hybrid_engine``): it samples with the model it trains,
-    so the rollout always serves the actor's current weights and weight_sync moves nothing. In a
-    ``rollout.dtype`` other than ``model.dtype`` it samples with a copy of them cast for the call (with LoRA:
-    merged), which generation then reads at that dtype's width; the copy is gone before the update, so it
-    does not add to the update's peak memory."""
-
-    PROFILE_ROLES = ("actor", "rollout")
-
-    def __init__(self, cfg: PPOConfig):
-        super().__init__(cfg)
-        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
-        self.rollout_dtype = rollout.dtype if rollout.dtype != model.dtype else None
-
-    @worker_stage("rollout_generate")
-    def generate(self, prompts: TensorDict, *, step: int, sampling: SamplingParams) -> TensorDict:
-        """The rollout worker's ``generate``, on the actor's weights, stamped with its weight version."""
-        return sample_responses(
-            self._rollout_model(),
-            self.tokenizer,
-            prompts,
-            step=step,
-            sampling=sampling,
-            weight_version=self.weight_version,
-            device=self.device,
-        )
-
-    def _rollout_model(self) -> torch.nn.Module:
-        """The model to sample with: the actor's own, or a copy of its weights in ``rollout.dtype``."""
-        if self.rollout_dtype is None:
-            return self.model
-        if self.adapter is not None:
-            return copy_in_dtype(self.adapter.base, self.adapter.merged_items(), self.rollout_dtype)
-        return copy_in_dtype(self.model, self.parallel.full_state_dict(self.model).items(), self.rollout_dtype)
