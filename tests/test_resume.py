@@ -105,16 +105,9 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
         checkpoint.read_trainer_state(str(run_dir / "global_step_3"))
 
 
-@pytest.mark.slow
-def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path, capsys):
-    """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
-    that was being generated for step 3) and reproduces the uninterrupted run."""
-    (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
-    common = overrides + [
-        f"custom_reward_function.path={tmp_path}/slow_scorer.py",
-        "trainer.mode=one_step_off",
-        "trainer.save_freq=1",
-    ]
+def kill_after_step_2_and_restart(ray_local, common: list[str], tmp_path, capsys) -> tuple[dict, dict]:
+    """Run ``common`` straight, then as ``ppoflow train`` killed with SIGKILL once its step-2 checkpoint is
+    committed (during step 3) and started again; both runs' metrics by step."""
     ppo_train(config="grpo_tiny", overrides=common + [f"trainer.default_local_dir={tmp_path}/straight"])
 
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
@@ -143,13 +136,48 @@ def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_loc
     )  # started again (here in-process; a UI retry does the same)
     assert second.is_completed(), second
     assert "global_step_2: continuing at step 3" in capsys.readouterr().out  # resumed, not started over
-    resumed = rows_by_step(tmp_path / "killed")
+    return rows_by_step(tmp_path / "straight"), rows_by_step(tmp_path / "killed")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_then_restart_resumes_one_step_off(prefect_api, ray_local, overrides, tmp_path, capsys):
+    """A one_step_off run killed with SIGKILL during step 3 restarts from checkpoint 2 (with the batch
+    that was being generated for step 3) and reproduces the uninterrupted run."""
+    (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
+    common = overrides + [
+        f"custom_reward_function.path={tmp_path}/slow_scorer.py",
+        "trainer.mode=one_step_off",
+        "trainer.save_freq=1",
+    ]
+    straight, resumed = kill_after_step_2_and_restart(ray_local, common, tmp_path, capsys)
     assert sorted(resumed) == [1, 2, 3, 4]
-    assert_same_steps(rows_by_step(tmp_path / "straight"), resumed, [1, 2, 3, 4])
+    assert_same_steps(straight, resumed, [1, 2, 3, 4])
+    marker = tmp_path / "killed" / "global_step_2" / checkpoint.MARKER
     state = json.loads((tmp_path / "killed" / "global_step_2" / "trainer_state.json").read_text())
     in_flight = "mode.in_flight.3.safetensors"  # the batch generated for step 3, written beside the state
     assert state["global_step"] == 2 and in_flight in json.loads(marker.read_text())["files"]
     assert state["mode"]["in_flight"]["3"] == {"batch_file": in_flight}
+
+
+@pytest.mark.slow
+def test_sigkill_of_two_colocated_ranks_then_restart_resumes_bit_for_bit(
+    prefect_api, ray_local, overrides, tmp_path, capsys
+):
+    """verl's layout at W=2 (each actor rank generating its share, asleep while they train) killed with SIGKILL
+    during step 3: restarted from the shards both ranks wrote at step 2, it reproduces the uninterrupted run."""
+    (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
+    common = overrides + [
+        f"custom_reward_function.path={tmp_path}/slow_scorer.py",
+        "trainer.n_cpu_ranks_per_node=2",
+        "actor_rollout_ref.hybrid_engine=true",
+        "actor_rollout_ref.actor.resources.num_cpus=0.5",
+        "trainer.save_freq=1",
+    ]
+    straight, resumed = kill_after_step_2_and_restart(ray_local, common, tmp_path, capsys)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert_same_steps(straight, resumed, [1, 2, 3, 4])
+    files = json.loads((tmp_path / "killed" / "global_step_2" / checkpoint.MARKER).read_text())["files"]
+    assert "actor/shard-00002-model-00001-of-00001.safetensors" in files  # written by the second rank
 
 
 @pytest.mark.slow
