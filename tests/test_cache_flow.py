@@ -104,6 +104,25 @@ def test_replay_is_prefect_cached_and_bit_identical(prefect_api, ray_local, gold
 
 
 @pytest.mark.slow
+def test_two_colocated_ranks_record_and_replay_their_steps(prefect_api, ray_local, overrides, tmp_path):
+    """Steps that two colocated ranks generated (each rank its share) are recorded and replayed as any others:
+    Cached, and the updates bit for bit."""
+    ranks = overrides + [
+        "trainer.n_cpu_ranks_per_node=2",
+        "actor_rollout_ref.hybrid_engine=true",
+        "actor_rollout_ref.actor.resources.num_cpus=0.5",
+    ]
+    dump = tmp_path / "dump"
+    recorded, states = train(ranks, tmp_path / "recorded", 2, rollout_skip(dump, [1, 2]))
+    assert states == ["Completed", "Completed"] and cached_steps(dump) == [1, 2]
+    replayed, states = train(ranks, tmp_path / "replayed", 2, rollout_skip(dump, [1, 2]))
+    assert states == ["Cached", "Cached"] and [row["skip/rollout/hit"] for row in replayed] == [1, 1]
+    for before, after in zip(recorded, replayed):
+        for name in UPDATE_METRICS:
+            assert before[name] == after[name], (name, before["step"])
+
+
+@pytest.mark.slow
 def test_repeat_from_empty_dumps_the_first_step_and_reuses_it(prefect_api, ray_local, overrides, tmp_path):
     dump = tmp_path / "dump"
     rows, states = train(overrides, tmp_path / "run", 5, rollout_skip(dump, [1, 3, 5], "repeat"))
