@@ -69,7 +69,14 @@ def run_layout(args, label: str, model_dir: Path, prompts_file: Path, run_dir: P
     from ppoflow.flows.tracking import read_metrics
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a leftover run dir would resume, not rerun
-    command = [*PPOFLOW, "train", *overrides(args, model_dir, prompts_file, run_dir), *LAYOUTS[label]]
+    command = [
+        *PPOFLOW,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *overrides(args, model_dir, prompts_file, run_dir),
+        *LAYOUTS[label],
+    ]
     log = run_dir.with_suffix(".log")
     with open(log, "w") as output:
         code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env).returncode

@@ -199,7 +199,13 @@ def run_ppoflow(args, model_dir: Path, prompts_file: Path, variant: str, run_dir
     from ppoflow.flows.tracking import read_metrics
 
     env = side_env(args.threads) | {"PREFECT_API_URL": PREFECT_API_URL.value()} | dict(args.env)
-    command = [*PPOFLOW, "train", *ppoflow_overrides(args, model_dir, prompts_file, variant, run_dir)]
+    command = [
+        *PPOFLOW,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *ppoflow_overrides(args, model_dir, prompts_file, variant, run_dir),
+    ]
     peak, wall = watched("ppoflow train", command, env, run_dir.with_suffix(".log"), {server_pid: "prefect server"})
     rows = [row for row in read_metrics(str(run_dir)) if row["step"] > args.warmup]
     return {

@@ -10,6 +10,8 @@ from ppoflow.configs.loader import (
     DEMO_NAME,
     config_as_dict,
     load_config,
+    preset_for,
+    preset_line,
     preset_names,
     tool_config_file,
 )
@@ -23,6 +25,8 @@ __all__ = [
     "ConfigError",
     "config_as_dict",
     "load_config",
+    "preset_for",
+    "preset_line",
     "preset_names",
     "reference_table",
     "tool_config_file",

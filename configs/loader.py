@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
-from ppoflow.configs.modes import DEFAULT_MODE
+from ppoflow.configs.normalize import normalize, parent_of
 from ppoflow.configs.problems import UNION_TAG, ConfigError, validation_problems
 from ppoflow.configs.rules import cross_field_errors
 from ppoflow.configs.schema import PPOConfig
-from ppoflow.storage.fs import normalize_url, path_problem
+from ppoflow.storage.fs import path_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULTS_NAME = "ppo_trainer"
@@ -49,6 +49,30 @@ def preset_names() -> list[str]:
     return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
 
 
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+
+
+def preset_for(config: str | None, overrides: Sequence[str]) -> str:
+    """The preset a run's overrides are merged over: ``config`` when one is named; else verl's defaults alone
+    (:data:`DEFAULTS_NAME`) for a command line that names its own model - a verl script's, which must get verl's
+    defaults for every key it leaves out, never the demo's - and the demo (:data:`DEMO_NAME`) for one that does
+    not (``ppoflow train`` alone)."""
+    if config:
+        return config
+    keys = {_without_hydra_prefix(word).partition("=")[0] for word in overrides}
+    return DEFAULTS_NAME if MODEL_PATH_KEY in keys else DEMO_NAME
+
+
+def preset_line(config: str | None, overrides: Sequence[str]) -> str:
+    """What a run says first: the preset its overrides apply to (:func:`preset_for`)."""
+    name, count = preset_for(config, overrides), len(overrides)
+    given = f"{count} override{'s' if count != 1 else ''}"
+    if name == DEFAULTS_NAME:
+        return f"config: verl's defaults (configs/{DEFAULTS_NAME}.yaml) and {given}"
+    demo = f" (the demo; a command line that sets {MODEL_PATH_KEY} gets verl's defaults)" if name == DEMO_NAME else ""
+    return f"config: the {name} preset{demo} and {given}"
+
+
 def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPOConfig:
     """Build and validate a run config from a preset name or YAML path plus ``key=value`` overrides.
 
@@ -57,7 +81,7 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     """
     overrides = [_without_hydra_prefix(word) for word in overrides]
     defaults = read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
-    preset = read_yaml(_preset_path(config or DEMO_NAME))
+    preset = read_yaml(_preset_path(preset_for(config, overrides)))
     given = _parse_overrides(overrides)
     merged = OmegaConf.merge(defaults, preset, given)
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail
@@ -73,7 +97,7 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     except OmegaConfBaseException as error:
         raise ConfigError([(getattr(error, "full_key", None) or "?", f"cannot resolve: {error.msg}")]) from None
     skip_defaults = OmegaConf.to_container(defaults.skip.rollout)
-    problems = _normalize(container, skip_defaults)
+    problems = normalize(container, skip_defaults)
     _drop_recipes_of_replaced_paths(container, given, [word.partition("=")[0] for word in overrides])
     try:
         cfg = PPOConfig.model_validate(container)
@@ -87,13 +111,6 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-def _normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
-    """What every resolved config gets before validation: each cache's defaults, one trainer mode, absolute
-    paths; returns the problems found on the way."""
-    _fill_skip_defaults(container, skip_defaults)
-    return _unify_trainer_mode(container) + _make_paths_absolute(container)
 
 
 _FALLBACKS: dict[tuple, tuple[tuple[DictConfig, ...], dict | None]] = {}
@@ -122,7 +139,7 @@ def _resolved_fallback(sources: tuple[DictConfig, ...]) -> dict | None:
         container = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException:
         return None
-    _normalize(container, OmegaConf.to_container(sources[0].skip.rollout))
+    normalize(container, OmegaConf.to_container(sources[0].skip.rollout))
     return container
 
 
@@ -290,82 +307,9 @@ def _drop_recipes_of_replaced_paths(container: dict, given, override_keys: Seque
             continue
         if any(key == recipe_key or key.startswith(f"{recipe_key}.") for key in override_keys):
             continue
-        section, leaf = _parent(container, recipe_key)
+        section, leaf = parent_of(container, recipe_key)
         if section is not None:
             section[leaf] = None
-
-
-PATH_KEYS = (
-    "data.train_files",
-    "data.val_files",
-    "actor_rollout_ref.model.path",
-    "actor_rollout_ref.model.tokenizer_path",
-    "critic.model.path",
-    "critic.model.tokenizer_path",
-    "trainer.default_local_dir",
-    "trainer.resume_from_path",
-)
-"""Keys holding local paths or URLs; relative local paths are resolved against the caller's working
-directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
-
-
-def _make_paths_absolute(container: dict) -> list[tuple[str, str]]:
-    """Resolve the local paths of :data:`PATH_KEYS`; returns a problem for each value that is no path at all."""
-    keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
-    problems = []
-    for key in keys:
-        node, leaf = _parent(container, key)
-        if node is None or node.get(leaf) is None:
-            continue
-        value = node[leaf]
-        try:
-            if isinstance(value, str):
-                node[leaf] = normalize_url(value)
-            elif isinstance(value, list):
-                node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
-        except ValueError as error:  # os.path refuses a NUL byte
-            problems.append((key, f"is not a path: {error} (got {value!r})"))
-    return problems
-
-
-def _parent(container: dict, key: str) -> tuple[dict | None, str]:
-    """The mapping holding dotted ``key`` in ``container`` (None when a section on the way is not one), and
-    the key's last part."""
-    *parents, leaf = key.split(".")
-    node = container
-    for parent in parents:
-        node = node.get(parent) if isinstance(node, dict) else None
-    return (node if isinstance(node, dict) else None), leaf
-
-
-def _unify_trainer_mode(container: dict) -> list[tuple[str, str]]:
-    """``trainer.mode`` and verl's ``trainer.v1.trainer_mode`` are one setting: whichever is given sets both
-    (neither: :data:`~ppoflow.configs.modes.DEFAULT_MODE`); both given and different is a problem naming both
-    (``trainer.mode`` then wins)."""
-    trainer = container.get("trainer")
-    if not isinstance(trainer, dict) or not isinstance(trainer.get("v1"), dict):
-        return []  # the schema reports the malformed section
-    mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
-    problems = []
-    if mode is not None and v1_mode is not None and mode != v1_mode:
-        problems.append(
-            (
-                "trainer.v1.trainer_mode",
-                f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are one setting; set one of them",
-            )
-        )
-    trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or DEFAULT_MODE
-    return problems
-
-
-def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
-    """Give every ``skip.<stage>`` section the defaults of ``skip.rollout`` in ``ppo_trainer.yaml``
-    (verl's role defaults, the same for every stage) for the keys it does not set."""
-    skip = container.get("skip")
-    if isinstance(skip, dict):
-        for stage, section in skip.items():
-            if isinstance(section, dict):
-                skip[stage] = {**stage_defaults, **section}
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:

@@ -70,11 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="run the training flow")
-    train.add_argument("--config", default=None, help="preset name in configs/ or a YAML path (default: grpo_tiny)")
+    train.add_argument(
+        "--config",
+        default=None,
+        help="preset name in configs/ or a YAML path (default: grpo_tiny, the demo; verl's defaults when the command "
+        "line sets actor_rollout_ref.model.path)",
+    )
     train.add_argument("overrides", nargs="*", help="key=value overrides, lists as key=[1,2,3]")
 
     config = commands.add_parser("config", help="print the merged config, or the key reference")
-    config.add_argument("--config", default=None, help="preset name or YAML path (default: grpo_tiny)")
+    config.add_argument("--config", default=None, help="preset name or YAML path (default: as for train)")
     config.add_argument("--reference", action="store_true", help="print every key with its type, default and meaning")
     config.add_argument("overrides", nargs="*")
 
@@ -200,10 +205,11 @@ def _train(args) -> int:
     Prefect server stops as the process exits. One line says where a rerun of the same command resumes.
     However the process ends, a SIGKILL included, the processes it started (the temporary server, a Ray it
     started) are stopped after it (:func:`~ppoflow.flows.reaper.reap_on_exit`)."""
-    from ppoflow.configs import load_config
+    from ppoflow.configs import load_config, preset_for, preset_line
     from ppoflow.flows.reaper import reap_on_exit
 
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
+    print(preset_line(args.config, args.overrides), flush=True)
     for name, value in RAY_SIGNAL_ENV.items():  # before Ray is imported: it reads the setting then
         os.environ.setdefault(name, value)
     reap_on_exit()  # before the first process this run starts
@@ -218,7 +224,7 @@ def _train(args) -> int:
     hide_user_error_tracebacks()  # bad input found once Ray runs (resources) is reported like the rest
     previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPT_EXIT_CODES}
     try:
-        run_ppo_train(args.config or "grpo_tiny", args.overrides, cfg)
+        run_ppo_train(preset_for(args.config, args.overrides), args.overrides, cfg)
         return 0
     except run_failures() as failure:
         if args.debug:

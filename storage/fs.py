@@ -47,6 +47,17 @@ def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face hub id: ``organisation/name``."""
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether a model path means a Hugging Face hub model, as transformers reads it: ``org/name`` where no such
+    file or directory exists here (``Qwen/Qwen3-8B`` is a hub id, ``./Qwen/Qwen3-8B`` or an existing ``Qwen/``
+    folder a path)."""
+    return bool(HUB_ID.fullmatch(path)) and not os.path.exists(path)
+
+
 _SPECIAL_FILES = {
     stat.S_IFIFO: "a FIFO",
     stat.S_IFSOCK: "a socket",

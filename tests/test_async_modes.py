@@ -285,7 +285,10 @@ def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp
     overrides = run_overrides(tiny_model, tmp_path, *words)
     overrides[overrides.index("trainer.total_training_steps=3")] = "trainer.total_training_steps=2"
     done = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *overrides], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

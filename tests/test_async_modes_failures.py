@@ -35,7 +35,15 @@ def test_an_async_run_whose_scorer_fails_scores_on(prefect_server, tiny_model, t
     (tmp_path / "scorer.py").write_text(failing)
     words = ["trainer.v1.trainer_mode=colocate_async", f"custom_reward_function.path={tmp_path}/scorer.py"]
     done = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "--config",
+            "grpo_tiny",
+            *run_overrides(tiny_model, tmp_path, *words),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,7 +106,15 @@ def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_mo
     ]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "--config",
+            "grpo_tiny",
+            *run_overrides(tiny_model, tmp_path, *words),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

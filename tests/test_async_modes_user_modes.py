@@ -149,7 +149,7 @@ def test_a_users_mode_that_needs_the_rollout_service_is_refused_without_it(tmp_p
 
     module = a_mode_file(tmp_path, "needy_cli")
     words = [f"trainer.v1.trainer_module={module}", "trainer.mode=needy_cli", f"trainer.default_local_dir={tmp_path}"]
-    code, stderr = run_cli(capsys, "train", *words)
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *words)
     assert_user_error(code, stderr, "trainer.mode: needy_cli generates with the rollout service", "mode=async")
     with pytest.raises(ConfigError) as raised:  # now that the mode is registered, the config itself refuses it
         load_config("grpo_tiny", words)

@@ -291,7 +291,7 @@ def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides,
         + [f"skip.{key}={value}" for key, value in skip.items()]
     )
     result = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
         env=env,
         capture_output=True,
         text=True,

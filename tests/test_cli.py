@@ -146,7 +146,7 @@ def test_path_keys_name_loops_fifos_and_dangling_links(capsys, tmp_path, tiny_ov
         ),
     ]
     for override, key, message in cases:
-        code, stderr = run_cli(capsys, "train", *tiny_overrides, override)
+        code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, override)
         assert_user_error(code, stderr, f"{key}: ", message)
     os.mkfifo(tmp_path / "fifo.yaml")
     code, stderr = run_cli(capsys, "config", "--config", str(tmp_path / "fifo.yaml"))
@@ -170,6 +170,8 @@ def test_a_signalled_train_stops_cleanly_and_its_rerun_resumes(
         "-m",
         "ppoflow.flows.cli",
         "train",
+        "--config",
+        "grpo_tiny",
         *words,
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",

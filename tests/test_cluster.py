@@ -132,7 +132,7 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(
 
     def train(*more: str) -> subprocess.CompletedProcess:
         result = subprocess.run(
-            [sys.executable, "-m", "ppoflow.flows.cli", "train", *words, *more],
+            [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words, *more],
             env=env,
             capture_output=True,
             text=True,

@@ -135,7 +135,9 @@ def test_the_command_line_refuses_it_before_ray_starts(capsys, monkeypatch, tmp_
         raise AssertionError("Ray was started for a config that does not load")
 
     monkeypatch.setattr(ray, "init", no_ray)
-    code, stderr = run_cli(capsys, "train", word(key, value), f"trainer.default_local_dir={tmp_path}/run")
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", word(key, value), f"trainer.default_local_dir={tmp_path}/run"
+    )
     assert_user_error(code, stderr, f"  {key}: ", f"(got {value})")
     assert not (tmp_path / "run").exists()
 

@@ -128,6 +128,8 @@ def test_cli_rejects_bad_config_before_starting_anything():
             "-m",
             "ppoflow.flows.cli",
             "train",
+            "--config",
+            "grpo_tiny",
             "actor_rollout_ref.rollout.temprature=0.5",
             "data.train_batch_size=0",
         ],
@@ -153,7 +155,15 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
     env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "8"}
     result = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", f"trainer.default_local_dir={tmp_path}/run"],
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "--config",
+            "grpo_tiny",
+            f"trainer.default_local_dir={tmp_path}/run",
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -173,6 +183,8 @@ def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_serv
             "-m",
             "ppoflow.flows.cli",
             "train",
+            "--config",
+            "grpo_tiny",
             *tiny_overrides,
             "trainer.n_cpu_ranks_per_node=4",
             "ray.num_cpus=2",

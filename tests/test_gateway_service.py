@@ -193,7 +193,15 @@ def test_an_async_run_evicts_and_refills_the_groups_whose_agent_failed(prefect_s
         "actor_rollout_ref.rollout.agent.agent_function.name=agent",
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *run_overrides(tiny_model, tmp_path, *words)],
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "--config",
+            "grpo_tiny",
+            *run_overrides(tiny_model, tmp_path, *words),
+        ],
         capture_output=True,
         text=True,
         timeout=400,

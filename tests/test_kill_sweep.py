@@ -108,7 +108,16 @@ def straight(prefect_server, ray_local, tiny_model, tmp_path_factory):
 def kill_at(moment: Callable[[Path], bool], words: list[str], run: Path, env: dict) -> bool:
     """Start ``ppoflow train`` and SIGKILL it at ``moment``; whether the moment came before the run ended."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words, f"trainer.default_local_dir={run}"],
+        [
+            sys.executable,
+            "-m",
+            "ppoflow.flows.cli",
+            "train",
+            "--config",
+            "grpo_tiny",
+            *words,
+            f"trainer.default_local_dir={run}",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

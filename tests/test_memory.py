@@ -279,6 +279,8 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_keys(capsys, tmp_path, t
     code, stderr = run_cli(
         capsys,
         "train",
+        "--config",
+        "grpo_tiny",
         *tiny_overrides,
         f"actor_rollout_ref.model.path={huge}",
         f"actor_rollout_ref.model.tokenizer_path={tiny_model}",

@@ -167,7 +167,7 @@ def test_the_cli_exits_non_zero_with_the_one_line_reason(prefect_server, ray_loc
     words = run_words(tiny_overrides, scorers, "inf")
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     result = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
         env=env,
         capture_output=True,
         text=True,

@@ -64,7 +64,7 @@ def running_train(words: list[str], env: dict) -> Iterator[tuple[subprocess.Pope
     """``ppoflow train`` in a session of its own with a fresh marker; killed on the way out if it still runs."""
     marker = uuid.uuid4().hex
     process = subprocess.Popen(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", *words],
+        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
         env={**env, TREE_ENV: marker},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

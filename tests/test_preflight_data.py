@@ -21,11 +21,42 @@ pytestmark = pytest.mark.reliability
 # ------------------------------------------------------------------------------------ models, data
 
 
+def test_a_hub_id_loads_from_the_hub_cache_and_one_absent_offline_says_so(capsys, monkeypatch, tmp_path, tiny_model):
+    """``org/name`` is a Hugging Face hub id, as transformers reads it: never made into ``<cwd>/org/name``; with
+    HF_HUB_OFFLINE it loads from the hub cache (a layout built here), and one absent from it is bad input."""
+    from huggingface_hub import constants
+
+    from ppoflow.workers.models import load_causal_lm, load_tokenizer
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(tiny_model, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # a folder tiny-org/ here would make it a path
+    words = ["actor_rollout_ref.model.build=null", run_dir(tmp_path)]
+    cfg = load_config("grpo_tiny", ["actor_rollout_ref.model.path=tiny-org/tiny-llama", *words])
+    model = cfg.actor_rollout_ref.model
+    assert model.path == "tiny-org/tiny-llama"
+    preflight(cfg)
+    assert load_tokenizer(model).eos_token_id is not None and load_causal_lm(model).config.model_type == "llama"
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", "actor_rollout_ref.model.path=tiny-org/absent", *words
+    )
+    assert_user_error(
+        code,
+        stderr,
+        "actor_rollout_ref.model.path: 'tiny-org/absent' is a Hugging Face hub id, and HF_HUB_OFFLINE is set but "
+        f"the hub cache ({tmp_path}/hub) has no snapshot of it",
+    )
+
+
 def test_a_missing_model_path_is_an_error_unless_building_is_asked_for(capsys, tmp_path, tiny_overrides):
     typo = tmp_path / "modle"
     words = [word for word in tiny_overrides if not word.startswith("actor_rollout_ref.model.path")]
     code, stderr = run_cli(
-        capsys, "train", f"actor_rollout_ref.model.path={typo}", run_dir(tmp_path)
+        capsys, "train", "--config", "grpo_tiny", f"actor_rollout_ref.model.path={typo}", run_dir(tmp_path)
     )  # the demo preset
     assert_user_error(
         code,
@@ -50,7 +81,13 @@ def test_a_missing_model_path_is_an_error_unless_building_is_asked_for(capsys, t
 
 def test_a_missing_critic_model(capsys, tmp_path, tiny_overrides):
     code, stderr = run_cli(
-        capsys, "train", *tiny_overrides, "algorithm.adv_estimator=gae", f"critic.model.path={tmp_path}/no_critic"
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *tiny_overrides,
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={tmp_path}/no_critic",
     )
     assert_user_error(code, stderr, "critic.model.path: ", "critic.model.build.seed=0")
 
@@ -65,7 +102,9 @@ def test_a_missing_critic_model(capsys, tmp_path, tiny_overrides):
 def test_a_garbage_config_json(capsys, tmp_path, tiny_model, tiny_overrides, content, message):
     shutil.copytree(tiny_model, tmp_path / "model")
     (tmp_path / "model/config.json").write_text(content)
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"actor_rollout_ref.model.path={tmp_path}/model")
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"actor_rollout_ref.model.path={tmp_path}/model"
+    )
     assert_user_error(code, stderr, "actor_rollout_ref.model.path: ", f"{tmp_path}/model/config.json", message)
 
 
@@ -74,6 +113,8 @@ def test_a_missing_data_file_is_an_error_unless_generating_is_asked_for(capsys, 
     code, stderr = run_cli(
         capsys,
         "train",
+        "--config",
+        "grpo_tiny",
         f"actor_rollout_ref.model.path={tiny_model}",
         f"data.train_files={typo}",
         f"data.val_files={tmp_path}/val.parquet",
@@ -84,7 +125,9 @@ def test_a_missing_data_file_is_an_error_unless_generating_is_asked_for(capsys, 
 
 def test_a_zero_byte_parquet(capsys, tmp_path, tiny_overrides):
     (tmp_path / "zero.parquet").write_bytes(b"")
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"data.train_files={tmp_path}/zero.parquet")
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"data.train_files={tmp_path}/zero.parquet"
+    )
     assert_user_error(code, stderr, f"data.train_files: '{tmp_path}/zero.parquet' is not a readable parquet file")
 
 
@@ -94,7 +137,9 @@ def test_rows_are_tokenized_and_every_source_has_a_scorer(capsys, tmp_path, tiny
         {"data_source": "synthetic/copy", "prompt": "123456789012>", "reward_model": {"ground_truth": "1"}},
     ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"data.train_files={tmp_path}/rows.jsonl")
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"data.train_files={tmp_path}/rows.jsonl"
+    )
     assert_user_error(
         code,
         stderr,
@@ -104,6 +149,8 @@ def test_rows_are_tokenized_and_every_source_has_a_scorer(capsys, tmp_path, tiny
     code, stderr = run_cli(
         capsys,
         "train",
+        "--config",
+        "grpo_tiny",
         *tiny_overrides,
         f"data.train_files={tmp_path}/rows.jsonl",
         "data.filter_overlong_prompts=true",
@@ -115,7 +162,14 @@ def test_rows_are_tokenized_and_every_source_has_a_scorer(capsys, tmp_path, tiny
 
 def test_a_reward_module_that_raises_on_import(capsys, tmp_path, tiny_overrides):
     (tmp_path / "my_reward.py").write_text("raise RuntimeError('SANDBOX_URL is not set')\n")
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
+    code, stderr = run_cli(
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *tiny_overrides,
+        f"custom_reward_function.path={tmp_path}/my_reward.py",
+    )
     assert_user_error(
         code,
         stderr,
@@ -141,7 +195,14 @@ def test_a_custom_scorer_is_called_on_the_first_row(capsys, tmp_path, tiny_overr
         "data_source, solution_str" if name == "signature" else "data_source, solution_str, ground_truth, extra_info"
     )
     (tmp_path / "my_reward.py").write_text(f"def compute_score({signature}):\n    {body}\n")
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
+    code, stderr = run_cli(
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *tiny_overrides,
+        f"custom_reward_function.path={tmp_path}/my_reward.py",
+    )
     assert_user_error(
         code,
         stderr,
@@ -163,6 +224,8 @@ def test_a_custom_scorer_that_hangs_on_the_first_row(capsys, tmp_path, tiny_over
     code, stderr = run_cli(
         capsys,
         "train",
+        "--config",
+        "grpo_tiny",
         *tiny_overrides,
         f"custom_reward_function.path={tmp_path}/my_reward.py",
         "custom_reward_function.timeout_s=1",
@@ -181,7 +244,14 @@ def test_a_custom_scorer_that_hangs_on_the_first_row(capsys, tmp_path, tiny_over
 
 def test_a_custom_scorer_that_exits_while_imported(capsys, tmp_path, tiny_overrides):
     (tmp_path / "my_reward.py").write_text("import os\nos._exit(3)\n")
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"custom_reward_function.path={tmp_path}/my_reward.py")
+    code, stderr = run_cli(
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *tiny_overrides,
+        f"custom_reward_function.path={tmp_path}/my_reward.py",
+    )
     assert_user_error(
         code, stderr, "custom_reward_function.path: the custom scorer", "exited with code 3 while importing"
     )

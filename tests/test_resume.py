@@ -116,6 +116,8 @@ def kill_after_step_2_and_restart(ray_local, common: list[str], tmp_path, capsys
         "-m",
         "ppoflow.flows.cli",
         "train",
+        "--config",
+        "grpo_tiny",
         *common,
         f"trainer.default_local_dir={tmp_path}/killed",
     ]

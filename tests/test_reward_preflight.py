@@ -16,25 +16,31 @@ pytestmark = pytest.mark.reliability
 
 def test_a_reward_model_path_without_a_model(capsys, tiny_overrides, tmp_path):
     words = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}/nothing"]
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, *words)
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
     assert_user_error(code, stderr, "reward_model.model.path: ", f"{tmp_path}/nothing")
 
 
 def test_a_model_without_a_reward_head(capsys, tiny_overrides, tiny_model):
     code, stderr = run_cli(
-        capsys, "train", *tiny_overrides, "reward_model.enable=true", f"reward_model.model.path={tiny_model}"
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        *tiny_overrides,
+        "reward_model.enable=true",
+        f"reward_model.model.path={tiny_model}",
     )
     assert_user_error(code, stderr, f"reward_model.model.path: {tiny_model} holds a LlamaForCausalLM, neither")
 
 
 def test_a_reward_model_needs_its_path(capsys, tiny_overrides):
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, "reward_model.enable=true")
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, "reward_model.enable=true")
     assert_user_error(code, stderr, "reward_model.model.path: needed when reward_model.enable=true")
 
 
 def test_a_reward_service_nobody_answers_at(capsys, tiny_overrides):
     url = f"http://127.0.0.1:{free_port()}/score"
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"reward_model.remote.url={url}")
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"reward_model.remote.url={url}")
     assert_user_error(code, stderr, f"reward_model.remote.url: no reward service answers at {url}")
 
 
@@ -42,7 +48,7 @@ def test_a_reward_service_key_that_is_not_set(capsys, monkeypatch, tiny_override
     monkeypatch.delenv("TEST_REWARD_KEY", raising=False)
     with RewardServer() as server:
         words = [f"reward_model.remote.url={server.url}", "reward_model.remote.api_key_env=TEST_REWARD_KEY"]
-        code, stderr = run_cli(capsys, "train", *tiny_overrides, *words)
+        code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
     assert_user_error(code, stderr, "reward_model.remote.api_key_env: $TEST_REWARD_KEY is not set")
 
 
@@ -72,13 +78,13 @@ def judge_words(tmp_path, model_path: str) -> list[str]:
 def test_a_judge_model_that_does_not_generate(capsys, tiny_overrides, tmp_path):
     path = str(tmp_path / "rm")
     build_tiny_reward_model(path, SPEC)
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, *judge_words(tmp_path, path))
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *judge_words(tmp_path, path))
     assert_user_error(code, stderr, f"reward_model.judge.model.path: {path} holds a LlamaForSequenceClassification")
 
 
 def test_a_judge_model_whose_context_is_too_short(capsys, tiny_overrides, tiny_model, tmp_path):
     words = judge_words(tmp_path, tiny_model) + ["reward_model.judge.max_tokens=60"]
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, *words)
+    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
     assert_user_error(
         code,
         stderr,
@@ -88,7 +94,9 @@ def test_a_judge_model_whose_context_is_too_short(capsys, tiny_overrides, tiny_m
 
 
 def test_a_judge_model_path_without_a_judge(capsys, tiny_overrides, tiny_model):
-    code, stderr = run_cli(capsys, "train", *tiny_overrides, f"reward_model.judge.model.path={tiny_model}")
+    code, stderr = run_cli(
+        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"reward_model.judge.model.path={tiny_model}"
+    )
     assert_user_error(code, stderr, "reward_model.judge.model.path: a judge model without a judge")
 
 

@@ -158,7 +158,14 @@ def test_an_unknown_logger_or_unreadable_uri_is_a_config_error(word, key):
 
 
 def test_unknown_logger_ends_the_cli_with_exit_2_naming_it(capsys, tmp_path):
-    code, stderr = run_cli(capsys, "train", "trainer.logger=[console,swanlab]", f"trainer.default_local_dir={tmp_path}")
+    code, stderr = run_cli(
+        capsys,
+        "train",
+        "--config",
+        "grpo_tiny",
+        "trainer.logger=[console,swanlab]",
+        f"trainer.default_local_dir={tmp_path}",
+    )
     assert_user_error(code, stderr, "trainer.logger", "swanlab")
 
 

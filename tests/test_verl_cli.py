@@ -136,3 +136,45 @@ def test_hydra_prefixes_set_the_key():
     """verl's scripts add keys with Hydra's ``+key=value`` / ``++key=value``: here every key has a default."""
     plain = load_config("grpo_tiny", ["data.seed=7"])
     assert load_config("grpo_tiny", ["+data.seed=7"]) == plain == load_config("grpo_tiny", ["++data.seed=7"])
+
+
+PPO_SCRIPT = [  # the shape of verl's examples/ppo_trainer scripts: a model, a critic, data, and little else
+    "algorithm.adv_estimator=gae",
+    "data.train_files=/home/user/data/gsm8k/train.parquet",
+    "data.val_files=/home/user/data/gsm8k/test.parquet",
+    "data.train_batch_size=256",
+    "actor_rollout_ref.model.path=/home/user/models/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "critic.model.path=/home/user/models/Qwen2.5-0.5B-Instruct",
+    "critic.optim.lr=1e-5",
+    "trainer.total_epochs=15",
+]
+
+
+def test_a_command_line_naming_its_model_gets_verls_defaults_not_the_demos(capsys):
+    """The demo is what ``ppoflow train`` runs alone; a verl script's command line (it names its own model) gets
+    verl's defaults for every key it leaves out, and the run's first line says which preset applies."""
+    from ppoflow.configs import DEFAULTS_NAME, preset_for, preset_line
+
+    cfg = load_config(None, PPO_SCRIPT)
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert (actor.entropy_coeff, rollout.n) == (0.0, 1)
+    assert (tuple(actor.optim.betas), actor.optim.weight_decay) == ((0.9, 0.999), 0.01)
+    assert cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs == 15  # the epochs count
+    assert cfg.actor_rollout_ref.model.build is None and cfg.data.synthetic is None  # no demo recipes either
+    assert preset_for(None, PPO_SCRIPT) == DEFAULTS_NAME and preset_line(None, PPO_SCRIPT).startswith(
+        "config: verl's defaults (configs/ppo_trainer.yaml) and 10 overrides"
+    )
+    assert (
+        load_config(
+            None, ["+actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
+        ).actor_rollout_ref.rollout.n
+        == 1
+    )  # Hydra's +
+    demo = load_config(None, ["trainer.total_training_steps=3"])
+    assert demo.actor_rollout_ref.rollout.n == 8 and demo.actor_rollout_ref.actor.entropy_coeff == 0.05
+    assert (
+        preset_line("grpo_tiny", PPO_SCRIPT) == "config: the grpo_tiny preset (the demo; a command line that "
+        "sets actor_rollout_ref.model.path gets verl's defaults) and 10 overrides"
+    )

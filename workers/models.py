@@ -21,8 +21,9 @@ import torch
 
 from ppoflow.configs import ConfigError
 from ppoflow.configs.schema import ModelConfig, ResourcesConfig, TinyModelConfig
-from ppoflow.storage.fs import path_problem
+from ppoflow.storage.fs import is_hub_id, path_problem
 from ppoflow.storage.safetensors_stream import write_safetensors
+from ppoflow.workers.hub import hub_absent, hub_cache, hub_snapshot
 from ppoflow.workers.transport import send_batches_as_plain_values
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -53,13 +54,16 @@ def keep_attention_off_cudnn_if_padded(device: torch.device, remove_padding: boo
 
 
 def holds_model(path: str) -> bool:
-    """Whether ``path`` (local or fsspec URL) contains a Hugging Face model (a ``config.json``)."""
+    """Whether ``path`` (local, an fsspec URL or a hub id) contains a Hugging Face model (a ``config.json``)."""
     fs, config_path = _config_json(path)
     return fs.exists(config_path)
 
 
 def _config_json(path: str):
-    """The filesystem of model directory ``path`` and the path of its ``config.json`` inside it."""
+    """The filesystem of model directory ``path`` and the path of its ``config.json`` inside it (a hub id's: in its
+    snapshot in the hub cache, or where none is)."""
+    if is_hub_id(path):
+        path = hub_snapshot(path) or os.path.join(hub_cache(), path)  # absent: a path that holds nothing
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(path))
     return fs, f"{root.rstrip('/')}/config.json"
 
@@ -97,6 +101,8 @@ def model_config(model: ModelConfig, key: str) -> dict:
     try:
         config = json.loads(fs.cat_file(config_path))
     except FileNotFoundError:
+        if is_hub_id(model.path):
+            raise ConfigError([(key, hub_absent(model.path))]) from None
         hint = _build_key(key)
         raise ConfigError(
             [
@@ -265,7 +271,13 @@ def tiny_llama_config(spec: TinyModelConfig, tokenizer, **extra):
 
 
 def local_model_dir(path: str) -> str:
-    """A local directory holding the files of ``path``; remote URLs are copied once into a cache."""
+    """A local directory holding the files of ``path``: a hub id's snapshot in the hub cache (:func:`hub_snapshot`);
+    remote URLs are copied once into a cache."""
+    if is_hub_id(path):
+        snapshot = hub_snapshot(path)
+        if snapshot is None:
+            raise FileNotFoundError(hub_absent(path))
+        return snapshot
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(path))
     if "file" in fs.protocol:
         return root

@@ -1,0 +1,93 @@
+"""What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults, one
+trainer mode, absolute local paths (Hugging Face hub ids left as they are), so that Ray workers, which may run
+elsewhere, see the same files. Part of :func:`~ppoflow.configs.loader.load_config`.
+"""
+
+from __future__ import annotations
+
+from ppoflow.configs.modes import DEFAULT_MODE
+from ppoflow.storage.fs import is_hub_id, normalize_url
+
+
+def normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
+    """What every resolved config gets before validation: each cache's defaults, one trainer mode, absolute
+    paths; returns the problems found on the way."""
+    _fill_skip_defaults(container, skip_defaults)
+    return _unify_trainer_mode(container) + _make_paths_absolute(container)
+
+
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+)
+"""Keys holding local paths or URLs; relative local paths are resolved against the caller's working
+directory here, once, so that Ray workers (which may run elsewhere) see the same files."""
+MODEL_PATH_KEYS = {key for key in PATH_KEYS if key.endswith(("model.path", "tokenizer_path"))}
+"""Those that may hold a Hugging Face hub id instead (:func:`~ppoflow.storage.fs.is_hub_id`)."""
+
+
+def _make_paths_absolute(container: dict) -> list[tuple[str, str]]:
+    """Resolve the local paths of :data:`PATH_KEYS`; returns a problem for each value that is no path at all."""
+    keys = list(PATH_KEYS) + [f"skip.{stage}.dump_dir" for stage in (container.get("skip") or {})]
+    problems = []
+    for key in keys:
+        node, leaf = parent_of(container, key)
+        if node is None or node.get(leaf) is None:
+            continue
+        value = node[leaf]
+        if key in MODEL_PATH_KEYS and isinstance(value, str) and is_hub_id(value):
+            continue  # a hub id stays one (workers.models resolves it in the hub cache)
+        try:
+            if isinstance(value, str):
+                node[leaf] = normalize_url(value)
+            elif isinstance(value, list):
+                node[leaf] = [normalize_url(v) if isinstance(v, str) else v for v in value]
+        except ValueError as error:  # os.path refuses a NUL byte
+            problems.append((key, f"is not a path: {error} (got {value!r})"))
+    return problems
+
+
+def parent_of(container: dict, key: str) -> tuple[dict | None, str]:
+    """The mapping holding dotted ``key`` in ``container`` (None when a section on the way is not one), and
+    the key's last part."""
+    *parents, leaf = key.split(".")
+    node = container
+    for parent in parents:
+        node = node.get(parent) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
+def _unify_trainer_mode(container: dict) -> list[tuple[str, str]]:
+    """``trainer.mode`` and verl's ``trainer.v1.trainer_mode`` are one setting: whichever is given sets both
+    (neither: :data:`~ppoflow.configs.modes.DEFAULT_MODE`); both given and different is a problem naming both
+    (``trainer.mode`` then wins)."""
+    trainer = container.get("trainer")
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("v1"), dict):
+        return []  # the schema reports the malformed section
+    mode, v1_mode = trainer.get("mode"), trainer["v1"].get("trainer_mode")
+    problems = []
+    if mode is not None and v1_mode is not None and mode != v1_mode:
+        problems.append(
+            (
+                "trainer.v1.trainer_mode",
+                f"{v1_mode!r} disagrees with trainer.mode={mode!r}: they are one setting; set one of them",
+            )
+        )
+    trainer["mode"] = trainer["v1"]["trainer_mode"] = mode or v1_mode or DEFAULT_MODE
+    return problems
+
+
+def _fill_skip_defaults(container: dict, stage_defaults: dict) -> None:
+    """Give every ``skip.<stage>`` section the defaults of ``skip.rollout`` in ``ppo_trainer.yaml``
+    (verl's role defaults, the same for every stage) for the keys it does not set."""
+    skip = container.get("skip")
+    if isinstance(skip, dict):
+        for stage, section in skip.items():
+            if isinstance(section, dict):
+                skip[stage] = {**stage_defaults, **section}
