@@ -1,9 +1,18 @@
-"""Shared by the tests of bad input on the command line (tests/test_preflight*.py and others): ``ppoflow``
-run in this process, and the check that it ended as a user error (exit 2, one message, no traceback)."""
+"""Shared by the tests of the command line (tests/test_preflight*.py and others): ``ppoflow`` run in this process,
+the check that it ended as a user error (exit 2, one message, no traceback), and the demo's ``ppoflow train`` as a
+subprocess command."""
 
 from __future__ import annotations
 
+import sys
+
 from ppoflow.flows.cli import main
+
+DEMO = ("train", "--config", "grpo_tiny")
+"""``ppoflow train`` on the demo preset: tests pass their own tiny model, which without ``--config`` would select
+verl's defaults."""
+DEMO_TRAIN = [sys.executable, "-m", "ppoflow.flows.cli", *DEMO]
+"""The same in a process of its own."""
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

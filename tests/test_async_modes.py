@@ -16,6 +16,7 @@ from ppoflow.flows.tracking import read_metrics
 from ppoflow.workers.rollout.requests import RequestSampling
 from tests.async_modes_helpers import LEDGER_MODE, run_overrides
 from tests.flow_runs import task_runs_by_name
+from tests.preflight_helpers import DEMO_TRAIN
 
 
 def problems(words: list[str]) -> list[tuple[str, str]]:
@@ -272,7 +273,6 @@ def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp
     so groups are in flight when training ends; they are ended before the actors are killed, and the
     run's output has no failed task, no dead actor, no unhandled error."""
     import subprocess
-    import sys
 
     words = [
         "trainer.v1.trainer_mode=separate_async",
@@ -285,7 +285,7 @@ def test_an_async_run_ends_without_failure_lines(prefect_server, tiny_model, tmp
     overrides = run_overrides(tiny_model, tmp_path, *words)
     overrides[overrides.index("trainer.total_training_steps=3")] = "trainer.total_training_steps=2"
     done = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *overrides],
+        [*DEMO_TRAIN, *overrides],
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.async_modes_helpers import run_overrides
+from tests.preflight_helpers import DEMO_TRAIN
 
 PASSES_THE_PREFLIGHT_ONLY = """
 import time
@@ -27,7 +28,6 @@ def test_an_async_run_whose_scorer_fails_scores_on(prefect_server, tiny_model, t
     """A custom scorer failing in the rollout service (async scoring) on every response: each scores
     custom_reward_function.error_score, counted in reward/scorer_errors, and the run ends as a success."""
     import subprocess
-    import sys
 
     from ppoflow.flows.tracking import read_metrics
 
@@ -36,12 +36,7 @@ def test_an_async_run_whose_scorer_fails_scores_on(prefect_server, tiny_model, t
     words = ["trainer.v1.trainer_mode=colocate_async", f"custom_reward_function.path={tmp_path}/scorer.py"]
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             *run_overrides(tiny_model, tmp_path, *words),
         ],
         capture_output=True,
@@ -93,7 +88,6 @@ def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_mo
     batches' worth have failed in a row; then the run stops with one line and exit 1, naming the last error."""
     import os
     import subprocess
-    import sys
 
     (tmp_path / "broken_loops.py").write_text(BROKEN_LOOP)
     (tmp_path / "loops.yaml").write_text("- name: broken_agent\n  _target_: broken_loops.Broken\n")
@@ -107,12 +101,7 @@ def test_an_async_run_whose_every_generation_fails_stops(prefect_server, tiny_mo
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             *run_overrides(tiny_model, tmp_path, *words),
         ],
         capture_output=True,

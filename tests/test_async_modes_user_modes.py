@@ -145,11 +145,11 @@ def test_a_users_mode_is_in_the_forms_choices_and_fills_its_mode_field(tmp_path)
 
 
 def test_a_users_mode_that_needs_the_rollout_service_is_refused_without_it(tmp_path, capsys):
-    from tests.preflight_helpers import assert_user_error, run_cli
+    from tests.preflight_helpers import DEMO, assert_user_error, run_cli
 
     module = a_mode_file(tmp_path, "needy_cli")
     words = [f"trainer.v1.trainer_module={module}", "trainer.mode=needy_cli", f"trainer.default_local_dir={tmp_path}"]
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *words)
+    code, stderr = run_cli(capsys, *DEMO, *words)
     assert_user_error(code, stderr, "trainer.mode: needy_cli generates with the rollout service", "mode=async")
     with pytest.raises(ConfigError) as raised:  # now that the mode is registered, the config itself refuses it
         load_config("grpo_tiny", words)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 
@@ -33,6 +32,7 @@ from tests.flow_runs import (
     train,
     train_run,
 )
+from tests.preflight_helpers import DEMO_TRAIN
 
 
 @pytest.fixture
@@ -291,7 +291,7 @@ def test_s3_cache_replayed_by_a_fresh_process(prefect_api, ray_local, overrides,
         + [f"skip.{key}={value}" for key, value in skip.items()]
     )
     result = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
+        [*DEMO_TRAIN, *words],
         env=env,
         capture_output=True,
         text=True,

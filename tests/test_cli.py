@@ -23,7 +23,7 @@ import pytest
 
 from ppoflow.flows.cli import main
 from ppoflow.storage.step_cache import StepCache, config_dir
-from tests.preflight_helpers import assert_user_error, run_cli
+from tests.preflight_helpers import DEMO, DEMO_TRAIN, assert_user_error, run_cli
 from tests.step_cache_helpers import make_batch
 
 HEAVY = ("torch", "prefect", "ray", "transformers")
@@ -146,7 +146,7 @@ def test_path_keys_name_loops_fifos_and_dangling_links(capsys, tmp_path, tiny_ov
         ),
     ]
     for override, key, message in cases:
-        code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, override)
+        code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, override)
         assert_user_error(code, stderr, f"{key}: ", message)
     os.mkfifo(tmp_path / "fifo.yaml")
     code, stderr = run_cli(capsys, "config", "--config", str(tmp_path / "fifo.yaml"))
@@ -166,12 +166,7 @@ def test_a_signalled_train_stops_cleanly_and_its_rerun_resumes(
 
     words = [word for word in small_run(tiny_model, tmp_path) if not word.startswith("trainer.total_training")]
     command = [
-        sys.executable,
-        "-m",
-        "ppoflow.flows.cli",
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO_TRAIN,
         *words,
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",

@@ -21,6 +21,7 @@ import boto3
 import pytest
 
 from tests.conftest import S3_TEST_BUCKET, free_port, small_run
+from tests.preflight_helpers import DEMO_TRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,7 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(
 
     def train(*more: str) -> subprocess.CompletedProcess:
         result = subprocess.run(
-            [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words, *more],
+            [*DEMO_TRAIN, *words, *more],
             env=env,
             capture_output=True,
             text=True,

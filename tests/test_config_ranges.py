@@ -129,15 +129,13 @@ def test_every_numeric_field_has_its_range_tried():
 def test_the_command_line_refuses_it_before_ray_starts(capsys, monkeypatch, tmp_path, key, value):
     import ray
 
-    from tests.preflight_helpers import assert_user_error, run_cli
+    from tests.preflight_helpers import DEMO, assert_user_error, run_cli
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started for a config that does not load")
 
     monkeypatch.setattr(ray, "init", no_ray)
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", word(key, value), f"trainer.default_local_dir={tmp_path}/run"
-    )
+    code, stderr = run_cli(capsys, *DEMO, word(key, value), f"trainer.default_local_dir={tmp_path}/run")
     assert_user_error(code, stderr, f"  {key}: ", f"(got {value})")
     assert not (tmp_path / "run").exists()
 

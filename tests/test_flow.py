@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
+from tests.preflight_helpers import DEMO_TRAIN
 
 STEP_METRICS = [
     "training/global_step",
@@ -124,12 +124,7 @@ def test_ppo_with_critic_and_kl_terms(prefect_api, ray_local, tiny_overrides, tm
 def test_cli_rejects_bad_config_before_starting_anything():
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             "actor_rollout_ref.rollout.temprature=0.5",
             "data.train_batch_size=0",
         ],
@@ -156,12 +151,7 @@ def test_cli_explains_a_temporary_server_that_cannot_start(tmp_path):
     env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "8"}
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             f"trainer.default_local_dir={tmp_path}/run",
         ],
         capture_output=True,
@@ -179,12 +169,7 @@ def test_the_cli_reports_roles_the_cluster_cannot_hold_as_bad_input(prefect_serv
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             *tiny_overrides,
             "trainer.n_cpu_ranks_per_node=4",
             "ray.num_cpus=2",

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from ppoflow.configs import ConfigError, load_config
 from ppoflow.storage.batch import non_tensor_column, with_non_tensor_columns
 from ppoflow.workers.rollout.sampling import SamplingParams
+from tests.preflight_helpers import DEMO_TRAIN
 
 AGENT = """
 import openai
@@ -179,7 +180,6 @@ def test_an_async_run_evicts_and_refills_the_groups_whose_agent_failed(prefect_s
     """colocate_async with the openai_agent loop, its agent failing on the prompts that start with 0-3: those
     groups are evicted and refilled (training/rollout_failure/evicted_samples), the run trains on to the end."""
     import subprocess
-    import sys
 
     from ppoflow.flows.tracking import read_metrics
     from tests.async_modes_helpers import run_overrides
@@ -194,12 +194,7 @@ def test_an_async_run_evicts_and_refills_the_groups_whose_agent_failed(prefect_s
     ]
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             *run_overrides(tiny_model, tmp_path, *words),
         ],
         capture_output=True,

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ppoflow.flows.train import ppo_train
+from tests.preflight_helpers import DEMO_TRAIN
 from tests.test_resume import SLOW_SCORER, assert_same_steps, rows_by_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
@@ -109,12 +109,7 @@ def kill_at(moment: Callable[[Path], bool], words: list[str], run: Path, env: di
     """Start ``ppoflow train`` and SIGKILL it at ``moment``; whether the moment came before the run ended."""
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "ppoflow.flows.cli",
-            "train",
-            "--config",
-            "grpo_tiny",
+            *DEMO_TRAIN,
             *words,
             f"trainer.default_local_dir={run}",
         ],

@@ -27,7 +27,7 @@ from ppoflow.workers.roles import RayObjects, RayRole
 from ppoflow.workers.rollout.sampling import SamplingParams
 from ppoflow.workers.training.colocated import ColocatedActorWorker
 from tests.conftest import model_config
-from tests.preflight_helpers import assert_user_error, run_cli
+from tests.preflight_helpers import DEMO, assert_user_error, run_cli
 
 TINY = {"vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
 """A Llama small enough to count by hand (tied embeddings, no biases):
@@ -278,9 +278,7 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_keys(capsys, tmp_path, t
     )
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"actor_rollout_ref.model.path={huge}",
         f"actor_rollout_ref.model.tokenizer_path={tiny_model}",

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from ppoflow.flows.train import train
 from ppoflow.storage.checkpoint import read_trainer_state
 from ppoflow.workers.training.data_parallel import DataParallel
 from ppoflow.workers.training.learner import Learner
+from tests.preflight_helpers import DEMO_TRAIN
 
 pytestmark = pytest.mark.reliability
 
@@ -167,7 +167,7 @@ def test_the_cli_exits_non_zero_with_the_one_line_reason(prefect_server, ray_loc
     words = run_words(tiny_overrides, scorers, "inf")
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     result = subprocess.run(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
+        [*DEMO_TRAIN, *words],
         env=env,
         capture_output=True,
         text=True,

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.preflight_helpers import DEMO_TRAIN
+
 TREE_ENV = "PPOFLOW_TEST_TREE"
 """The test's own marker; ``PPOFLOW_`` variables are forwarded to Ray workers, on a joined cluster too."""
 
@@ -64,7 +66,7 @@ def running_train(words: list[str], env: dict) -> Iterator[tuple[subprocess.Pope
     """``ppoflow train`` in a session of its own with a fresh marker; killed on the way out if it still runs."""
     marker = uuid.uuid4().hex
     process = subprocess.Popen(
-        [sys.executable, "-m", "ppoflow.flows.cli", "train", "--config", "grpo_tiny", *words],
+        [*DEMO_TRAIN, *words],
         env={**env, TREE_ENV: marker},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -22,7 +22,7 @@ from ppoflow.flows.cli import main
 from ppoflow.flows.preflight import preflight
 from ppoflow.storage.step_cache import StepCache, config_dir
 from tests.conftest import free_port
-from tests.preflight_helpers import assert_user_error, run_cli, run_dir
+from tests.preflight_helpers import DEMO, assert_user_error, run_cli, run_dir
 from tests.test_caching import sample_batch
 
 pytestmark = pytest.mark.reliability
@@ -44,7 +44,7 @@ RAY_STARTED = ("Started a local Ray instance", "Connecting to existing Ray clust
     ],
 )
 def test_bad_values(capsys, tmp_path, word, key):
-    assert_user_error(*run_cli(capsys, "train", "--config", "grpo_tiny", word, run_dir(tmp_path)), f"  {key}: ")
+    assert_user_error(*run_cli(capsys, *DEMO, word, run_dir(tmp_path)), f"  {key}: ")
 
 
 def test_build_tiny_model_refuses_heads_that_do_not_divide(capsys, tmp_path):
@@ -73,20 +73,18 @@ def test_the_debug_switch_shows_the_traceback(monkeypatch):
 
 def test_an_unwritable_run_directory(capsys, tmp_path, tiny_overrides):
     (tmp_path / "file").write_text("a regular file")
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"trainer.default_local_dir={tmp_path}/file/run"
-    )
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"trainer.default_local_dir={tmp_path}/file/run")
     assert_user_error(code, stderr, f"trainer.default_local_dir: {tmp_path}/file/run cannot be used: Not a directory")
 
 
 def test_a_checkpoint_to_resume_from_must_be_complete(capsys, tmp_path, tiny_overrides):
     resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/old/global_step_3"]
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *resume)
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *resume)
     assert_user_error(
         code, stderr, f"trainer.resume_from_path: no such checkpoint directory {tmp_path}/old/global_step_3"
     )
     (tmp_path / "old/global_step_3").mkdir(parents=True)  # a crash mid-save: no marker
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *resume)
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *resume)
     assert_user_error(
         code, stderr, f"trainer.resume_from_path: {tmp_path}/old/global_step_3 is not a complete checkpoint"
     )
@@ -98,9 +96,7 @@ def test_an_unreachable_cache_endpoint(capsys, monkeypatch, tiny_overrides):
     endpoint = f"http://127.0.0.1:{free_port()}"
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         "skip.rollout.enable=true",
         "skip.rollout.steps=[1]",
@@ -131,15 +127,15 @@ def test_a_reachable_cache_passes(s3_server, tiny_overrides):
 
 def test_an_unreachable_ray_address(capsys, monkeypatch, tiny_overrides):
     address = f"127.0.0.1:{free_port()}"
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"ray.address={address}")
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"ray.address={address}")
     assert_user_error(code, stderr, f"ray.address: no Ray cluster answers at {address}")
     monkeypatch.setenv("RAY_ADDRESS", f"ray://{address}")
     assert_user_error(
-        *run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides),
+        *run_cli(capsys, *DEMO, *tiny_overrides),
         f"RAY_ADDRESS: no Ray cluster answers at ray://{address}",
     )
     assert_user_error(
-        *run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, "ray.address=somewhere"),
+        *run_cli(capsys, *DEMO, *tiny_overrides, "ray.address=somewhere"),
         "ray.address: 'somewhere' is not host:port or ray://host:port",
     )
 
@@ -150,12 +146,10 @@ def test_a_tcp_listener_that_is_not_ray(capsys, tiny_overrides):
     address = f"127.0.0.1:{server.server_address[1]}"
     try:
         started = time.monotonic()
-        code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"ray.address={address}")
+        code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"ray.address={address}")
         assert_user_error(code, stderr, f"ray.address: {address} accepts connections but is not a Ray cluster")
         assert time.monotonic() - started < 60  # bounded: ray.init would retry against it for minutes
-        code, stderr = run_cli(
-            capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"ray.address=ray://{address}"
-        )
+        code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"ray.address=ray://{address}")
         assert_user_error(code, stderr, f"ray.address: ray://{address} accepts connections but is not a Ray client")
     finally:
         server.shutdown()

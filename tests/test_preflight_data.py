@@ -13,7 +13,7 @@ import pytest
 from ppoflow.configs import load_config
 from ppoflow.flows.preflight import preflight
 from ppoflow.workers.models import ensure_model, holds_model
-from tests.preflight_helpers import assert_user_error, run_cli, run_dir
+from tests.preflight_helpers import DEMO, assert_user_error, run_cli, run_dir
 
 pytestmark = pytest.mark.reliability
 
@@ -41,9 +41,7 @@ def test_a_hub_id_loads_from_the_hub_cache_and_one_absent_offline_says_so(capsys
     assert model.path == "tiny-org/tiny-llama"
     preflight(cfg)
     assert load_tokenizer(model).eos_token_id is not None and load_causal_lm(model).config.model_type == "llama"
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", "actor_rollout_ref.model.path=tiny-org/absent", *words
-    )
+    code, stderr = run_cli(capsys, *DEMO, "actor_rollout_ref.model.path=tiny-org/absent", *words)
     assert_user_error(
         code,
         stderr,
@@ -55,9 +53,7 @@ def test_a_hub_id_loads_from_the_hub_cache_and_one_absent_offline_says_so(capsys
 def test_a_missing_model_path_is_an_error_unless_building_is_asked_for(capsys, tmp_path, tiny_overrides):
     typo = tmp_path / "modle"
     words = [word for word in tiny_overrides if not word.startswith("actor_rollout_ref.model.path")]
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", f"actor_rollout_ref.model.path={typo}", run_dir(tmp_path)
-    )  # the demo preset
+    code, stderr = run_cli(capsys, *DEMO, f"actor_rollout_ref.model.path={typo}", run_dir(tmp_path))  # the demo preset
     assert_user_error(
         code,
         stderr,
@@ -82,9 +78,7 @@ def test_a_missing_model_path_is_an_error_unless_building_is_asked_for(capsys, t
 def test_a_missing_critic_model(capsys, tmp_path, tiny_overrides):
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         "algorithm.adv_estimator=gae",
         f"critic.model.path={tmp_path}/no_critic",
@@ -102,9 +96,7 @@ def test_a_missing_critic_model(capsys, tmp_path, tiny_overrides):
 def test_a_garbage_config_json(capsys, tmp_path, tiny_model, tiny_overrides, content, message):
     shutil.copytree(tiny_model, tmp_path / "model")
     (tmp_path / "model/config.json").write_text(content)
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"actor_rollout_ref.model.path={tmp_path}/model"
-    )
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"actor_rollout_ref.model.path={tmp_path}/model")
     assert_user_error(code, stderr, "actor_rollout_ref.model.path: ", f"{tmp_path}/model/config.json", message)
 
 
@@ -112,9 +104,7 @@ def test_a_missing_data_file_is_an_error_unless_generating_is_asked_for(capsys, 
     typo = f"{tmp_path}/trian.parquet"
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         f"actor_rollout_ref.model.path={tiny_model}",
         f"data.train_files={typo}",
         f"data.val_files={tmp_path}/val.parquet",
@@ -125,9 +115,7 @@ def test_a_missing_data_file_is_an_error_unless_generating_is_asked_for(capsys, 
 
 def test_a_zero_byte_parquet(capsys, tmp_path, tiny_overrides):
     (tmp_path / "zero.parquet").write_bytes(b"")
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"data.train_files={tmp_path}/zero.parquet"
-    )
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"data.train_files={tmp_path}/zero.parquet")
     assert_user_error(code, stderr, f"data.train_files: '{tmp_path}/zero.parquet' is not a readable parquet file")
 
 
@@ -137,9 +125,7 @@ def test_rows_are_tokenized_and_every_source_has_a_scorer(capsys, tmp_path, tiny
         {"data_source": "synthetic/copy", "prompt": "123456789012>", "reward_model": {"ground_truth": "1"}},
     ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"data.train_files={tmp_path}/rows.jsonl"
-    )
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"data.train_files={tmp_path}/rows.jsonl")
     assert_user_error(
         code,
         stderr,
@@ -148,9 +134,7 @@ def test_rows_are_tokenized_and_every_source_has_a_scorer(capsys, tmp_path, tiny
     )
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"data.train_files={tmp_path}/rows.jsonl",
         "data.filter_overlong_prompts=true",
@@ -164,9 +148,7 @@ def test_a_reward_module_that_raises_on_import(capsys, tmp_path, tiny_overrides)
     (tmp_path / "my_reward.py").write_text("raise RuntimeError('SANDBOX_URL is not set')\n")
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"custom_reward_function.path={tmp_path}/my_reward.py",
     )
@@ -197,9 +179,7 @@ def test_a_custom_scorer_is_called_on_the_first_row(capsys, tmp_path, tiny_overr
     (tmp_path / "my_reward.py").write_text(f"def compute_score({signature}):\n    {body}\n")
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"custom_reward_function.path={tmp_path}/my_reward.py",
     )
@@ -223,9 +203,7 @@ def test_a_custom_scorer_that_hangs_on_the_first_row(capsys, tmp_path, tiny_over
     )
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"custom_reward_function.path={tmp_path}/my_reward.py",
         "custom_reward_function.timeout_s=1",
@@ -246,9 +224,7 @@ def test_a_custom_scorer_that_exits_while_imported(capsys, tmp_path, tiny_overri
     (tmp_path / "my_reward.py").write_text("import os\nos._exit(3)\n")
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         f"custom_reward_function.path={tmp_path}/my_reward.py",
     )

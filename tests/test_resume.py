@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import ppo_train
 from ppoflow.storage import checkpoint
+from tests.preflight_helpers import DEMO_TRAIN
 
 pytestmark = pytest.mark.reliability
 
@@ -112,12 +112,7 @@ def kill_after_step_2_and_restart(ray_local, common: list[str], tmp_path, capsys
 
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     command = [
-        sys.executable,
-        "-m",
-        "ppoflow.flows.cli",
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO_TRAIN,
         *common,
         f"trainer.default_local_dir={tmp_path}/killed",
     ]

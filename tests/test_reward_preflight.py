@@ -7,7 +7,7 @@ from ppoflow.configs import load_config
 from ppoflow.flows.preflight import preflight
 from ppoflow.workers.reward_model import build_tiny_reward_model
 from tests.conftest import free_port
-from tests.preflight_helpers import assert_user_error, run_cli
+from tests.preflight_helpers import DEMO, assert_user_error, run_cli
 from tests.reward_server_helpers import RewardServer
 from tests.test_reward_model import SPEC
 
@@ -16,16 +16,14 @@ pytestmark = pytest.mark.reliability
 
 def test_a_reward_model_path_without_a_model(capsys, tiny_overrides, tmp_path):
     words = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}/nothing"]
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *words)
     assert_user_error(code, stderr, "reward_model.model.path: ", f"{tmp_path}/nothing")
 
 
 def test_a_model_without_a_reward_head(capsys, tiny_overrides, tiny_model):
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         *tiny_overrides,
         "reward_model.enable=true",
         f"reward_model.model.path={tiny_model}",
@@ -34,13 +32,13 @@ def test_a_model_without_a_reward_head(capsys, tiny_overrides, tiny_model):
 
 
 def test_a_reward_model_needs_its_path(capsys, tiny_overrides):
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, "reward_model.enable=true")
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, "reward_model.enable=true")
     assert_user_error(code, stderr, "reward_model.model.path: needed when reward_model.enable=true")
 
 
 def test_a_reward_service_nobody_answers_at(capsys, tiny_overrides):
     url = f"http://127.0.0.1:{free_port()}/score"
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"reward_model.remote.url={url}")
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"reward_model.remote.url={url}")
     assert_user_error(code, stderr, f"reward_model.remote.url: no reward service answers at {url}")
 
 
@@ -48,7 +46,7 @@ def test_a_reward_service_key_that_is_not_set(capsys, monkeypatch, tiny_override
     monkeypatch.delenv("TEST_REWARD_KEY", raising=False)
     with RewardServer() as server:
         words = [f"reward_model.remote.url={server.url}", "reward_model.remote.api_key_env=TEST_REWARD_KEY"]
-        code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
+        code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *words)
     assert_user_error(code, stderr, "reward_model.remote.api_key_env: $TEST_REWARD_KEY is not set")
 
 
@@ -78,13 +76,13 @@ def judge_words(tmp_path, model_path: str) -> list[str]:
 def test_a_judge_model_that_does_not_generate(capsys, tiny_overrides, tmp_path):
     path = str(tmp_path / "rm")
     build_tiny_reward_model(path, SPEC)
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *judge_words(tmp_path, path))
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *judge_words(tmp_path, path))
     assert_user_error(code, stderr, f"reward_model.judge.model.path: {path} holds a LlamaForSequenceClassification")
 
 
 def test_a_judge_model_whose_context_is_too_short(capsys, tiny_overrides, tiny_model, tmp_path):
     words = judge_words(tmp_path, tiny_model) + ["reward_model.judge.max_tokens=60"]
-    code, stderr = run_cli(capsys, "train", "--config", "grpo_tiny", *tiny_overrides, *words)
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, *words)
     assert_user_error(
         code,
         stderr,
@@ -94,9 +92,7 @@ def test_a_judge_model_whose_context_is_too_short(capsys, tiny_overrides, tiny_m
 
 
 def test_a_judge_model_path_without_a_judge(capsys, tiny_overrides, tiny_model):
-    code, stderr = run_cli(
-        capsys, "train", "--config", "grpo_tiny", *tiny_overrides, f"reward_model.judge.model.path={tiny_model}"
-    )
+    code, stderr = run_cli(capsys, *DEMO, *tiny_overrides, f"reward_model.judge.model.path={tiny_model}")
     assert_user_error(code, stderr, "reward_model.judge.model.path: a judge model without a judge")
 
 

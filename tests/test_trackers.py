@@ -19,7 +19,7 @@ from ppoflow.flows.tracking import read_metrics
 from ppoflow.flows.train import train
 from tests.conftest import free_port, small_run
 from tests.outage_proxy import OutageProxy
-from tests.preflight_helpers import assert_user_error, run_cli
+from tests.preflight_helpers import DEMO, assert_user_error, run_cli
 from tests.servers import adopt_or_start, start_mlflow_server
 
 
@@ -160,9 +160,7 @@ def test_an_unknown_logger_or_unreadable_uri_is_a_config_error(word, key):
 def test_unknown_logger_ends_the_cli_with_exit_2_naming_it(capsys, tmp_path):
     code, stderr = run_cli(
         capsys,
-        "train",
-        "--config",
-        "grpo_tiny",
+        *DEMO,
         "trainer.logger=[console,swanlab]",
         f"trainer.default_local_dir={tmp_path}",
     )
