@@ -1,11 +1,13 @@
-"""What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults, one
-trainer mode, absolute local paths (Hugging Face hub ids left as they are), so that Ray workers, which may run
-elsewhere, see the same files. Part of :func:`~ppoflow.configs.loader.load_config`.
+"""What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults, verl's
+keys set to values that change nothing dropped, one trainer mode, absolute local paths (Hugging Face hub ids left as
+they are), so that Ray workers, which may run elsewhere, see the same files. Part of
+:func:`~ppoflow.configs.loader.load_config`.
 """
 
 from __future__ import annotations
 
 from ppoflow.configs.modes import DEFAULT_MODE
+from ppoflow.configs.verl_keys import ANY, NO_OPS
 from ppoflow.storage.fs import is_hub_id, normalize_url
 
 
@@ -13,7 +15,32 @@ def normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
     """What every resolved config gets before validation: each cache's defaults, one trainer mode, absolute
     paths; returns the problems found on the way."""
     _fill_skip_defaults(container, skip_defaults)
+    drop_no_op_verl_values(container)
     return _unify_trainer_mode(container) + _make_paths_absolute(container)
+
+
+def drop_no_op_verl_values(container: dict) -> None:
+    """Take out each key of verl's set to a value that changes nothing here (:data:`~ppoflow.configs.verl_keys.NO_OPS`:
+    ``trainer.critic_warmup=0``, an FSDP1 offload switch off, ...), and any section of verl's it leaves empty."""
+    for key in NO_OPS:
+        node, leaf = parent_of(container, key)
+        if node is None or leaf not in node or not changes_nothing(key, node[leaf]):
+            continue
+        del node[leaf]
+        parts = key.split(".")[:-1]
+        while parts and (section := parent_of(container, ".".join(parts)))[0] is not None:
+            parent, name = section
+            if parent.get(name) != {}:
+                break
+            del parent[name]
+            parts.pop()
+
+
+def changes_nothing(key: str, value) -> bool:
+    """Whether verl's ``key`` set to ``value`` changes nothing here (:data:`~ppoflow.configs.verl_keys.NO_OPS`; a
+    bool only equals a bool: YAML's ``0`` is not ``false``)."""
+    values = NO_OPS.get(key)
+    return values is not None and (values is ANY or any(type(value) is type(v) and value == v for v in values))
 
 
 PATH_KEYS = (

@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ppoflow.configs import ConfigError, load_config, reference_table
+from ppoflow.configs.normalize import changes_nothing
 from ppoflow.configs.verl_keys import RENAMED, UNSUPPORTED
 from ppoflow.data.datasets import load_prompt_dataset, write_rows
 from tests.conftest import model_config
@@ -71,7 +73,9 @@ def test_every_key_of_verls_config_with_its_default_gets_its_own_answer():
     generic = [(key, why) for key, why in problems if why.startswith("unknown key") and key not in TABLE]
     assert generic == []
     answered = {key for key, why in problems if key in TABLE}
-    assert answered == {table_entry(key) for key in VERL_KEYS if key not in OUR_KEYS}
+    no_ops = {key for key, value in VERL_KEYS.items() if changes_nothing(key, yaml.safe_load(value))}  # accepted
+    assert answered == {table_entry(key) for key in VERL_KEYS if key not in OUR_KEYS and key not in no_ops}
+    assert {"trainer.critic_warmup", "actor_rollout_ref.actor.fsdp_config.param_offload"} <= no_ops
     for key in answered:
         why = dict(problems)[key]
         assert why.startswith("unknown key; did you mean" if key in RENAMED else "unknown key; verl's key, not "), key
@@ -178,3 +182,30 @@ def test_a_command_line_naming_its_model_gets_verls_defaults_not_the_demos(capsy
         preset_line("grpo_tiny", PPO_SCRIPT) == "config: the grpo_tiny preset (the demo; a command line that "
         "sets actor_rollout_ref.model.path gets verl's defaults) and 10 overrides"
     )
+
+
+def test_verls_no_op_values_are_accepted_and_other_values_say_what_is():
+    """Values of verl's keys that leave the run as it is (15 of 21 verl scripts set trainer.critic_warmup=0) load;
+    one that would change what runs is refused, saying what verl would do and which value is accepted."""
+    no_ops = [
+        "trainer.critic_warmup=0",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+        "critic.model.fsdp_config.param_offload=False",
+        "trainer.use_legacy_worker_impl=auto",
+        "actor_rollout_ref.rollout.load_format=safetensors",
+        "actor_rollout_ref.rollout.layered_summon=True",
+        "ray_kwargs.timeline_json_file=null",
+    ]
+    assert load_config("grpo_tiny", no_ops) == load_config("grpo_tiny")
+    problems = dict(problems_of(["trainer.critic_warmup=5", "actor_rollout_ref.ref.fsdp_config.param_offload=True"]))
+    assert problems["trainer.critic_warmup"].endswith(
+        "verl would update only the critic for that many steps; here the actor trains from the first step; 0 changes "
+        "nothing here and is accepted"
+    )
+    assert (
+        "'actor_rollout_ref.ref.fsdp_config.offload_policy'"
+        in problems["actor_rollout_ref.ref.fsdp_config.param_offload"]
+    )
+    assert problems_of(["trainer.critic_warmup=false"]) != []  # a bool is not the count 0

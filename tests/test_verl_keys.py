@@ -7,7 +7,7 @@ import re
 import pytest
 
 from ppoflow.configs import ConfigError, load_config, reference_table
-from ppoflow.configs.verl_keys import RENAMED, UNSUPPORTED
+from ppoflow.configs.verl_keys import ANY, NO_OPS, RENAMED, UNSUPPORTED
 from tests.preflight_helpers import assert_user_error, run_cli
 
 OUR_KEYS = set(re.findall(r"^\| `([^`]+)` \|", reference_table(), re.MULTILINE))
@@ -34,14 +34,16 @@ def test_the_table_holds_only_keys_the_schema_lacks_and_no_entry_inside_another(
 
 
 def test_every_entry_is_answered_in_one_round():
+    """Every entry set to 1: refused by name in one round, but where any value changes nothing (accepted)."""
     problems = load_problems([f"{key}=1" for key in TABLE])
-    assert len(problems) == len(TABLE)
+    accepted = {key for key, values in NO_OPS.items() if values is ANY}
+    assert len(problems) == len(set(TABLE) - accepted)
     answers = dict(problems)
     for key, ours in RENAMED.items():
         named = " and ".join(repr(target) for target in ([ours] if isinstance(ours, str) else ours))
         assert answers[key].startswith(f"unknown key; did you mean {named}?"), key
     for key, why in UNSUPPORTED.items():
-        assert answers[key] == f"unknown key; verl's key, {why}", key
+        assert key in accepted or answers[key].startswith(f"unknown key; verl's key, {why}"), key
 
 
 @pytest.mark.reliability
@@ -68,7 +70,7 @@ def test_the_command_line_answers_verls_keys_by_meaning(capsys, word, answer):
 def test_a_key_inside_an_unknown_section_gets_its_own_answer():
     problems = load_problems(
         [
-            "critic.fsdp.param_offload=False",
+            "critic.fsdp.param_offload=True",
             "critic.fsdp.fsdp_size=-1",
             "ray_kwargs.ray_init.num_cpus=4",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model]",
