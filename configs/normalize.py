@@ -1,13 +1,13 @@
-"""What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults, verl's
-keys set to values that change nothing dropped, one trainer mode, absolute local paths (Hugging Face hub ids left as
-they are), so that Ray workers, which may run elsewhere, see the same files. Part of
-:func:`~ppoflow.configs.loader.load_config`.
+"""What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults; verl's
+keys set to values that change nothing dropped, and verl's values spelled as ours; one trainer mode; absolute local
+paths (Hugging Face hub ids left as they are), so that Ray workers, which may run elsewhere, see the same files.
+Part of :func:`~ppoflow.configs.loader.load_config`.
 """
 
 from __future__ import annotations
 
 from ppoflow.configs.modes import DEFAULT_MODE
-from ppoflow.configs.verl_keys import ANY, NO_OPS
+from ppoflow.configs.verl_keys import ANY, NO_OPS, VERL_VALUES
 from ppoflow.storage.fs import is_hub_id, normalize_url
 
 
@@ -16,6 +16,7 @@ def normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
     paths; returns the problems found on the way."""
     _fill_skip_defaults(container, skip_defaults)
     drop_no_op_verl_values(container)
+    _translate_verl_values(container)
     return _unify_trainer_mode(container) + _make_paths_absolute(container)
 
 
@@ -34,6 +35,18 @@ def drop_no_op_verl_values(container: dict) -> None:
                 break
             del parent[name]
             parts.pop()
+
+
+def _translate_verl_values(container: dict) -> None:
+    """verl's values that mean one of ours (:data:`~ppoflow.configs.verl_keys.VERL_VALUES`) become it, and one
+    logger given as a string (verl's ``trainer.logger=console``) a list of it."""
+    for key, values in VERL_VALUES.items():
+        node, leaf = parent_of(container, key)
+        if node is not None and isinstance(node.get(leaf), str) and node[leaf] in values:
+            node[leaf] = values[node[leaf]]
+    trainer = container.get("trainer")
+    if isinstance(trainer, dict) and isinstance(trainer.get("logger"), str):
+        trainer["logger"] = [trainer["logger"]]
 
 
 def changes_nothing(key: str, value) -> bool:

@@ -295,8 +295,10 @@ def _correction_errors(cfg: PPOConfig) -> list[tuple[str, str]]:
         errors.append(
             (
                 f"{key}.bypass_mode",
-                "bypass mode uses the rollout's log-probs as old log-probs, so "
-                "rollout_is / rollout_rs (old vs rollout) have nothing to correct; set bypass_mode=false",
+                "bypass mode with rollout_is / rollout_rs is not supported yet: verl then weights and masks the "
+                "loss by the current policy against the rollout's (its bypass_mode loss); here set "
+                "bypass_mode=false (decoupled: old log-probs against the rollout's), or leave out rollout_is and "
+                "rollout_rs",
             )
         )
     return errors

@@ -71,6 +71,12 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
         f"reward_model.overlong_buffer.{key}": f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}"
         for key in ("enable", "len", "penalty_factor", "log")
     },
+    # verl's fully async entry (trainer.mode=separate_async here)
+    "async_training.trigger_parameter_sync_step": "trainer.v1.separate_async.parameter_sync_step",
+    "async_training.use_rollout_log_probs": "algorithm.rollout_correction.bypass_mode",
+    "async_training.partial_rollout": "trainer.v1.colocate_async.partial_rollout",
+    "rollout.total_epochs": "trainer.total_epochs",
+    "rollout.test_freq": "trainer.test_freq",
     # ray
     "ray_kwargs.ray_init.num_cpus": "ray.num_cpus",
     # verl's older profiler key
@@ -78,6 +84,7 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
 }
 """verl key -> the key(s) of the same setting here (several: verl's one key sets them all)."""
 
+_FULLY_ASYNC = "verl's fully async entry is trainer.mode=separate_async here (with rollout.mode=async)"
 _NO_SCHEDULE = "not supported: the learning rate rises linearly over optim.lr_warmup_steps, then stays constant"
 _NO_PARALLELISM = (
     "not supported: each role is data-parallel over its ranks (FSDP2), with no sequence or model parallelism"
@@ -345,9 +352,37 @@ UNSUPPORTED: dict[str, str] = {
         for key in ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
     },
     "transfer_queue": "not supported: the async modes' replay buffer is ppoflow's own (trainer.v1.sampler)",
+    # verl's fully async entry (verl/experimental/fully_async_policy): trainer.mode=separate_async here
+    "async_training.staleness_threshold": f"not supported as a share of samples: {_FULLY_ASYNC}, whose replay buffer "
+    "bounds staleness in steps (trainer.v1.sampler.max_off_policy_threshold)",
+    "async_training.require_batches": f"not needed: {_FULLY_ASYNC}, which trains on data.train_batch_size prompts a "
+    "step (verl's require_batches x ppo_mini_batch_size x trigger_parameter_sync_step)",
+    "async_training.compute_prox_log_prob": f"not needed: {_FULLY_ASYNC}, which takes each step's old log-probs "
+    "from the weights the step started with",
+    "async_training.use_trainer_do_validate": f"not needed: {_FULLY_ASYNC}, which validates on the rollout service "
+    "every trainer.test_freq steps",
+    "async_training.checkpoint_engine": f"not supported: {_FULLY_ASYNC}, whose weights reach the replicas through "
+    "actor_rollout_ref.rollout.weight_sync",
+    "async_training.compute_advantage_in_rollout": f"not supported: {_FULLY_ASYNC}, which computes advantages in "
+    "the training step",
+    "rollout.total_rollout_steps": f"not supported as a count of samples: {_FULLY_ASYNC}; set "
+    "trainer.total_training_steps (steps of data.train_batch_size prompts)",
+    "filter": "not supported: verl's fully async sample filter; algorithm.filter_groups is DAPO's group filter",
+    "super_sample": "not supported: verl's fully async super-sampling; every prompt is sampled rollout.n times",
+    "actor_rollout_ref.checkpoint_engine": f"not supported: {_FULLY_ASYNC}, whose weights reach the replicas "
+    "through actor_rollout_ref.rollout.weight_sync",
 }
 """verl key (or section) -> why ppoflow has no such setting."""
 
+
+VERL_VALUES: dict[str, dict] = {
+    "reward_model.reward_manager": {"dapo": "naive"},
+    **{f"{role}.strategy": {"fsdp": "fsdp2"} for role in (ACTOR, REF, "critic")},
+}
+"""Our key -> verl's values for it that mean what one of ours means: verl's DAPO reward manager is the rule score
+in the flow (DAPO's overlong shaping applies under any manager here: ``reward_kwargs.overlong_buffer_cfg``); verl's
+FSDP1 engine (``strategy=fsdp``) trains what FSDP2 does. The loader replaces them
+(:func:`~ppoflow.configs.normalize.normalize`)."""
 
 ANY = ("any value",)
 """In :data:`NO_OPS`: every value of the key changes nothing here (a speed setting of an engine of verl's)."""

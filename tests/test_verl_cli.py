@@ -209,3 +209,31 @@ def test_verls_no_op_values_are_accepted_and_other_values_say_what_is():
         in problems["actor_rollout_ref.ref.fsdp_config.param_offload"]
     )
     assert problems_of(["trainer.critic_warmup=false"]) != []  # a bool is not the count 0
+
+
+def test_verls_values_for_our_keys_mean_what_ours_do():
+    cfg = load_config(
+        "grpo_tiny",
+        ["trainer.logger=console", "reward_model.reward_manager=dapo", "actor_rollout_ref.actor.strategy=fsdp"],
+    )
+    assert cfg.trainer.logger == ["console"]  # verl takes one logger as a string
+    assert cfg.reward_model.reward_manager == "naive"  # DAPO's manager: the rule score, its overlong shaping apart
+    assert cfg.actor_rollout_ref.actor.strategy == "fsdp2"  # verl's FSDP1 trains what FSDP2 does
+
+
+def test_verls_fully_async_keys_point_at_separate_async():
+    problems = dict(
+        problems_of(
+            [
+                "async_training.staleness_threshold=0.1",
+                "async_training.trigger_parameter_sync_step=4",
+                "async_training.require_batches=1",
+                "rollout.total_rollout_steps=100",
+                "rollout.total_epochs=2",
+            ]
+        )
+    )
+    assert "'trainer.v1.separate_async.parameter_sync_step'" in problems["async_training.trigger_parameter_sync_step"]
+    assert "'trainer.total_epochs'" in problems["rollout.total_epochs"]
+    for key in ("async_training.staleness_threshold", "async_training.require_batches", "rollout.total_rollout_steps"):
+        assert "verl's fully async entry is trainer.mode=separate_async here" in problems[key], key
