@@ -27,6 +27,7 @@ from ppoflow.configs.normalize import normalize, parent_of
 from ppoflow.configs.problems import UNION_TAG, ConfigError, validation_problems
 from ppoflow.configs.rules import cross_field_errors
 from ppoflow.configs.schema import PPOConfig
+from ppoflow.configs.verl_entries import hydra_preset
 from ppoflow.storage.fs import path_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -81,7 +82,8 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> PPO
     """
     overrides = [_without_hydra_prefix(word) for word in overrides]
     defaults = read_yaml(CONFIG_DIR / f"{DEFAULTS_NAME}.yaml")
-    preset = read_yaml(_preset_path(preset_for(config, overrides)))
+    preset_path = _preset_path(preset_for(config, overrides))
+    preset = hydra_preset(read_yaml(preset_path), preset_path)
     given = _parse_overrides(overrides)
     merged = OmegaConf.merge(defaults, preset, given)
     # Before resolving: an interpolation of a ``???`` key (critic.model.path) would otherwise fail

@@ -76,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         help="preset name in configs/ or a YAML path (default: grpo_tiny, the demo; verl's defaults when the command "
         "line sets actor_rollout_ref.model.path)",
     )
+    _add_verl_flags(train)
     train.add_argument("overrides", nargs="*", help="key=value overrides, lists as key=[1,2,3]")
 
     config = commands.add_parser("config", help="print the merged config, or the key reference")
     config.add_argument("--config", default=None, help="preset name or YAML path (default: as for train)")
+    _add_verl_flags(config)
     config.add_argument("--reference", action="store_true", help="print every key with its type, default and meaning")
     config.add_argument("overrides", nargs="*")
 
@@ -198,6 +200,28 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
+def _add_verl_flags(parser) -> None:
+    """verl's command-line flags, so that its scripts run as they are (configs/verl_entries.py)."""
+    parser.add_argument("--config-path", help="verl's (Hydra's) folder of --config-name")
+    parser.add_argument(
+        "--config-name", help="verl's config (ppo_trainer, dapo_trainer, ...: a trainer mode) or a Hydra YAML there"
+    )
+    parser.add_argument(
+        "--entry",
+        help="the verl entry module the script ran (python3 -m ...), e.g. recipe.one_step_off_policy.main_ppo",
+    )
+
+
+def _verl_command(args) -> list[str]:
+    """Read verl's flags into ``args.config`` and ``args.overrides``; what they stand for (printed by ``train``)."""
+    from ppoflow.configs.verl_entries import verl_command
+
+    args.config, args.overrides, implied = verl_command(
+        args.config, args.config_path, args.config_name, args.entry, args.overrides
+    )
+    return implied
+
+
 def _train(args) -> int:
     """Check, then run the flow. SIGINT and SIGTERM raise :class:`Interrupted` in the flow, which stops
     like any crash: the workers are shut down on the way out (the run's ``finally``), Prefect records the
@@ -208,8 +232,11 @@ def _train(args) -> int:
     from ppoflow.configs import load_config, preset_for, preset_line
     from ppoflow.flows.reaper import reap_on_exit
 
+    implied = _verl_command(args)
     cfg = load_config(args.config, args.overrides)  # fail before Prefect and Ray start
     print(preset_line(args.config, args.overrides), flush=True)
+    if implied:
+        print(f"verl's --entry / --config-name stand for: {' '.join(implied)}", flush=True)
     for name, value in RAY_SIGNAL_ENV.items():  # before Ray is imported: it reads the setting then
         os.environ.setdefault(name, value)
     reap_on_exit()  # before the first process this run starts
@@ -281,6 +308,7 @@ def _config(args) -> int:
     if args.reference:
         print(reference_table())
     else:
+        _verl_command(args)
         print(json.dumps(config_as_dict(load_config(args.config, args.overrides)), indent=2))
     return 0
 

@@ -237,3 +237,48 @@ def test_verls_fully_async_keys_point_at_separate_async():
     assert "'trainer.total_epochs'" in problems["rollout.total_epochs"]
     for key in ("async_training.staleness_threshold", "async_training.require_batches", "rollout.total_rollout_steps"):
         assert "verl's fully async entry is trainer.mode=separate_async here" in problems[key], key
+
+
+def test_verls_hydra_flags_and_entry_points_run_as_they_are(capsys, tmp_path):
+    """``python3 -m <verl entry> --config-path=... --config-name=...`` with ``ppoflow train`` in front: verl's own
+    configs stand for a trainer mode, a Megatron one is refused by name, and a user's own Hydra YAML is read as verl
+    reads it (``hydra:`` dropped, ``defaults:`` first, another file of its folder included)."""
+    from ppoflow.configs.verl_entries import verl_command
+    from tests.preflight_helpers import assert_user_error, run_cli
+
+    words = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
+
+    def loaded(config_path=None, config_name=None, entry=None):
+        config, overrides, _ = verl_command(None, config_path, config_name, entry, words)
+        return load_config(config, overrides)
+
+    assert loaded(config_name="ppo_trainer") == load_config(None, words)
+    assert loaded(config_path="/verl/recipe/dapo/config", config_name="dapo_trainer.yaml").trainer.mode == "sync"
+    one_step_off = loaded(config_path="config", config_name="one_step_off_ppo_trainer")
+    assert one_step_off.trainer.mode == "one_step_off"
+    assert loaded(entry="recipe.one_step_off_policy.main_ppo").trainer.mode == "one_step_off"
+    _, _, implied = verl_command(None, None, None, "verl.experimental.fully_async_policy.fully_async_main", words)
+    assert implied == ["trainer.mode=separate_async", "actor_rollout_ref.rollout.mode=async"]
+
+    (tmp_path / "base.yaml").write_text(
+        "defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n    n: 5\n"
+    )
+    (tmp_path / "my_run.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n"
+        "defaults:\n  - base\n  - _self_\ndata:\n  train_batch_size: 64\n"
+    )
+    mine = loaded(config_path=str(tmp_path), config_name="my_run")
+    assert (mine.actor_rollout_ref.rollout.n, mine.data.train_batch_size) == (5, 64)
+    (tmp_path / "typo.yaml").write_text("defaults:\n  - ppo_trainer\ndata:\n  train_batch_sise: 64\n")
+    assert [key for key, _ in problems_of_loaded(lambda: loaded(str(tmp_path), "typo"))] == ["data.train_batch_sise"]
+
+    code, stderr = run_cli(capsys, "config", "--config-name=ppo_megatron_trainer", *words)
+    assert_user_error(code, stderr, "--config-name: ppo_megatron_trainer: verl's Megatron config: not supported")
+    code, stderr = run_cli(capsys, "config", "--entry", "verl.trainer.main_grpo", *words)
+    assert_user_error(code, stderr, "--entry: 'verl.trainer.main_grpo' is not one of verl's entry points")
+
+
+def problems_of_loaded(load) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as raised:
+        load()
+    return raised.value.problems
