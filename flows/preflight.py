@@ -326,7 +326,8 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
     custom scorer, every data source has a built-in scorer - or a reward model or service scores it."""
     custom = cfg.custom_reward_function
     if custom.path:
-        return _custom_scorer_problems(custom, first_row)
+        problems, extras = _custom_scorer_problems(custom, first_row)
+        return problems + _filter_metric_problems(cfg, extras)
     if cfg.reward_model.model_based:
         return []
     problems: Problems = []
@@ -336,7 +337,28 @@ def _scorer_problems(cfg: PPOConfig, sources: dict[str, set[str]], first_row: di
                 scorer_for(source, None)
             except ValueError as error:
                 problems.append((key, str(error)))
-    return problems
+    if problems or first_row is None:
+        return problems
+    truth = first_row["reward_model"].get("ground_truth")
+    _, extras = score_one(
+        first_row["data_source"], "" if truth is None else str(truth), truth, sample="the first row", extra_info=None
+    )
+    return _filter_metric_problems(cfg, extras)
+
+
+def _filter_metric_problems(cfg: PPOConfig, extras: dict | None) -> Problems:
+    """``algorithm.filter_groups.metric=acc`` needs a scorer that reports ``acc``: checked on the first row's."""
+    filtering = cfg.algorithm.filter_groups
+    if not filtering.enable or filtering.metric != "acc" or extras is None or "acc" in extras:
+        return []
+    reported = ", ".join(sorted(extras)) or "nothing beside its score"
+    return [
+        (
+            "algorithm.filter_groups.metric",
+            f"acc, but the scorer reports no `acc` for the first row of data.train_files (it reports {reported}); "
+            "use score, seq_reward or seq_final_reward",
+        )
+    ]
 
 
 _AS_THE_REWARD_STAGE = (
@@ -344,10 +366,11 @@ _AS_THE_REWARD_STAGE = (
 )
 
 
-def _custom_scorer_problems(custom, row: dict | None) -> Problems:
+def _custom_scorer_problems(custom, row: dict | None) -> tuple[Problems, dict | None]:
     """What keeps the custom scorer from scoring ``row``: a call past ``custom_reward_function.timeout_s`` is that
     key's problem, whatever ``on_timeout`` says (a run whose scorer hangs on a real row would learn nothing), any
-    other failure ``custom_reward_function.path``'s."""
+    other failure ``custom_reward_function.path``'s; and the extra values it reported for the row (None: not
+    scored)."""
     key = "custom_reward_function.path"
     with ScorerProcess(
         custom.path, custom.name, timeout_s=custom.timeout_s, start_timeout_s=SCORER_START_TIMEOUT_S
@@ -355,9 +378,9 @@ def _custom_scorer_problems(custom, row: dict | None) -> Problems:
         try:
             problem = scorer.import_error()
             if problem or row is None:
-                return [(key, problem)] if problem else []
+                return ([(key, problem)] if problem else []), None
             truth = row["reward_model"].get("ground_truth")
-            score_one(
+            _, extras = score_one(
                 row["data_source"],
                 "" if truth is None else str(truth),
                 truth,
@@ -371,7 +394,7 @@ def _custom_scorer_problems(custom, row: dict | None) -> Problems:
                     "custom_reward_function.timeout_s",
                     f"{error}{_AS_THE_REWARD_STAGE}; raise it if the scorer is only slow",
                 )
-            ]
+            ], None
         except ScorerFailed as error:  # a non-finite score too
-            return [(key, f"{error}{_AS_THE_REWARD_STAGE}")]
-    return []
+            return [(key, f"{error}{_AS_THE_REWARD_STAGE}")], None
+    return [], extras

@@ -133,14 +133,18 @@ def test_the_limit_on_generation_batches_fails_the_step_naming_it(prefect_api, r
     assert "max_num_gen_batches=1" in str(state.result(raise_on_failure=False))
 
 
-@pytest.mark.slow  # a run (~7 s); the filter metric's choice is unit-tested above
-def test_acc_from_a_scorer_without_one_fails_the_run_saying_so(prefect_api, ray_local, overrides, tmp_path):
-    from ppoflow.flows.train import ppo_train
+def test_acc_from_a_scorer_without_one_is_refused_before_the_run(overrides, tmp_path):
+    """The preflight scores the first row: a scorer that reports no ``acc`` (the copy task's) is bad input naming
+    the key, before Prefect or Ray start; ``score`` passes."""
+    from ppoflow.flows.preflight import preflight
 
-    words = [*overrides, "algorithm.filter_groups.metric=acc", f"trainer.default_local_dir={tmp_path}/r"]
-    state = ppo_train(config="grpo_tiny", overrides=words, return_state=True)
-    assert state.is_failed()
-    assert "reports no `acc`" in str(state.result(raise_on_failure=False))
+    words = [*overrides, f"trainer.default_local_dir={tmp_path}/r"]
+    preflight(load_config("grpo_tiny", words))
+    with pytest.raises(ConfigError) as raised:
+        preflight(load_config("grpo_tiny", [*words, "algorithm.filter_groups.metric=acc"]))
+    ((key, message),) = raised.value.problems
+    assert key == "algorithm.filter_groups.metric"
+    assert "the scorer reports no `acc` for the first row of data.train_files (it reports exact)" in message
 
 
 @pytest.mark.slow  # a run (~8 s); sync filtering runs by default
