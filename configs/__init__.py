@@ -4,17 +4,8 @@ config can have (:mod:`configs.problems`), the key reference (:mod:`configs.refe
 (:mod:`configs.modes`) have modules of their own.
 """
 
-from ppoflow.configs.loader import (
-    CONFIG_DIR,
-    DEFAULTS_NAME,
-    DEMO_NAME,
-    config_as_dict,
-    load_config,
-    preset_for,
-    preset_line,
-    preset_names,
-    tool_config_file,
-)
+from ppoflow.configs.loader import config_as_dict, load_config, tool_config_file
+from ppoflow.configs.presets import CONFIG_DIR, DEFAULTS_NAME, DEMO_NAME, preset_for, preset_line, preset_names
 from ppoflow.configs.problems import ConfigError, validation_problems
 from ppoflow.configs.reference import reference_table
 

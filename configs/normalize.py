@@ -1,13 +1,15 @@
 """What every merged and resolved config gets before validation (:func:`normalize`): each cache's defaults; verl's
-keys set to values that change nothing dropped, and verl's values spelled as ours; one trainer mode; absolute local
-paths (Hugging Face hub ids left as they are), so that Ray workers, which may run elsewhere, see the same files.
-Part of :func:`~ppoflow.configs.loader.load_config`.
+keys set to values that change nothing dropped, and verl's values spelled as ours; the rollout's dtype, where it is
+left to the hardware; one trainer mode; absolute local paths (Hugging Face hub ids left as they are), so that Ray
+workers, which may run elsewhere, see the same files. Part of :func:`~ppoflow.configs.loader.load_config`.
 """
 
 from __future__ import annotations
 
+import functools
+
 from ppoflow.configs.modes import DEFAULT_MODE
-from ppoflow.configs.verl_keys import ANY, NO_OPS, VERL_VALUES
+from ppoflow.configs.verl_answers import ANY, NO_OPS, VERL_VALUES
 from ppoflow.storage.fs import is_hub_id, normalize_url
 
 
@@ -17,12 +19,14 @@ def normalize(container: dict, skip_defaults: dict) -> list[tuple[str, str]]:
     _fill_skip_defaults(container, skip_defaults)
     drop_no_op_verl_values(container)
     _translate_verl_values(container)
+    _choose_rollout_dtype(container)
     return _unify_trainer_mode(container) + _make_paths_absolute(container)
 
 
 def drop_no_op_verl_values(container: dict) -> None:
-    """Take out each key of verl's set to a value that changes nothing here (:data:`~ppoflow.configs.verl_keys.NO_OPS`:
-    ``trainer.critic_warmup=0``, an FSDP1 offload switch off, ...), and any section of verl's it leaves empty."""
+    """Take out each key of verl's set to a value that changes nothing here
+    (:data:`~ppoflow.configs.verl_answers.NO_OPS`: ``trainer.critic_warmup=0``, an FSDP1 offload switch off, ...),
+    and any section of verl's it leaves empty."""
     for key in NO_OPS:
         node, leaf = parent_of(container, key)
         if node is None or leaf not in node or not changes_nothing(key, node[leaf]):
@@ -38,7 +42,7 @@ def drop_no_op_verl_values(container: dict) -> None:
 
 
 def _translate_verl_values(container: dict) -> None:
-    """verl's values that mean one of ours (:data:`~ppoflow.configs.verl_keys.VERL_VALUES`) become it, and one
+    """verl's values that mean one of ours (:data:`~ppoflow.configs.verl_answers.VERL_VALUES`) become it, and one
     logger given as a string (verl's ``trainer.logger=console``) a list of it."""
     for key, values in VERL_VALUES.items():
         node, leaf = parent_of(container, key)
@@ -49,8 +53,43 @@ def _translate_verl_values(container: dict) -> None:
         trainer["logger"] = [trainer["logger"]]
 
 
+def _choose_rollout_dtype(container: dict) -> None:
+    """``actor_rollout_ref.rollout.dtype: null`` becomes the dtype that samples fast where the rollout runs
+    (:func:`fast_rollout_dtype`): a GPU when the rollout or the training pool reserves one, or vLLM; else this CPU."""
+    node, leaf = parent_of(container, "actor_rollout_ref.rollout.dtype")
+    if node is None or node.get(leaf) is not None:
+        return
+    rollout, trainer = node, container.get("trainer") or {}
+    gpus = (rollout.get("resources") or {}).get("num_gpus") or trainer.get("n_gpus_per_node")
+    node[leaf] = fast_rollout_dtype(on_gpu=bool(gpus) or rollout.get("name") == "vllm")
+
+
+def fast_rollout_dtype(*, on_gpu: bool) -> str:
+    """bfloat16 on GPUs (verl's default) and on a CPU that multiplies it on AMX; float32 on other CPUs, where
+    bfloat16 matmuls are emulated or narrow (AVX512-BF16) and sampling takes up to twice as long."""
+    return "bfloat16" if on_gpu or cpu_has_amx() else "float32"
+
+
+def rollout_dtype_line(rollout_dtype: str, *, on_gpu: bool) -> str:
+    """What a run says of its rollout's dtype at the start: which, and what this hardware makes fast."""
+    fast = fast_rollout_dtype(on_gpu=on_gpu)
+    where = "a GPU" if on_gpu else f"this CPU ({'with' if cpu_has_amx() else 'without'} AMX)"
+    advice = "" if rollout_dtype == fast else f"; {fast} samples faster on it"
+    return f"the rollout samples in {rollout_dtype} (actor_rollout_ref.rollout.dtype) on {where}{advice}"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (``amx_bf16`` among /proc/cpuinfo's flags; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
+
+
 def changes_nothing(key: str, value) -> bool:
-    """Whether verl's ``key`` set to ``value`` changes nothing here (:data:`~ppoflow.configs.verl_keys.NO_OPS`; a
+    """Whether verl's ``key`` set to ``value`` changes nothing here (:data:`~ppoflow.configs.verl_answers.NO_OPS`; a
     bool only equals a bool: YAML's ``0`` is not ``false``)."""
     values = NO_OPS.get(key)
     return values is not None and (values is ANY or any(type(value) is type(v) and value == v for v in values))
@@ -81,8 +120,8 @@ def _make_paths_absolute(container: dict) -> list[tuple[str, str]]:
         if node is None or node.get(leaf) is None:
             continue
         value = node[leaf]
-        if key in MODEL_PATH_KEYS and isinstance(value, str) and is_hub_id(value):
-            continue  # a hub id stays one (workers.models resolves it in the hub cache)
+        if key in MODEL_PATH_KEYS and isinstance(value, str) and is_hub_id(value) and node.get("build") is None:
+            continue  # a hub id stays one (workers.models resolves it in the hub cache); a model to build is a path
         try:
             if isinstance(value, str):
                 node[leaf] = normalize_url(value)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from ppoflow.configs.schema import PATH_NAME_PATTERN, PATH_NAME_RULE, PPOConfig, SkipStageConfig
 from ppoflow.configs.stages import STAGES_WITH_SKIP
-from ppoflow.configs.verl_keys import verl_answer
+from ppoflow.configs.verl_answers import verl_answer
 
 
 class ConfigError(ValueError):

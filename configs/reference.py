@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from ppoflow.configs.loader import CONFIG_DIR, DEFAULTS_NAME, read_yaml
+from ppoflow.configs.presets import CONFIG_DIR, DEFAULTS_NAME, read_yaml
 from ppoflow.configs.problems import section_type
 from ppoflow.configs.schema import PPOConfig, SkipStageConfig
 

@@ -107,10 +107,11 @@ class RolloutConfig(Section):
         "called by agent loops per sample and per turn (multi-turn, tools)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        description="Dtype the rollout samples in (verl's key and default): its copy of the policy, a colocated "
-        "actor's weights cast for each generation, or vLLM's; the actor still trains and computes old log-probs "
-        "in model.dtype. On a CPU, bfloat16 pays where the CPU multiplies it on AMX; without AMX (AVX512-BF16 "
-        "included) float32 samples faster: docs/benchmarks.md, ninth run."
+        description="Dtype the rollout samples in (verl's key): its copy of the policy, a colocated actor's weights "
+        "cast for each generation, or vLLM's; the actor still trains and computes old log-probs in model.dtype. "
+        "null = the dtype that samples fast on the hardware: bfloat16 on GPUs (verl's default) and on CPUs that "
+        "multiply it on AMX, float32 on other CPUs (AVX512-BF16 included: bfloat16 samples slower there, "
+        "docs/benchmarks.md, ninth run); the run's start says which, and the step cache keeps it."
     )
     num_replicas: int = Field(ge=1, description="rollout.mode=async: generation replicas, each on rollout.resources.")
     max_num_seqs: int = Field(ge=1, description="rollout.mode=async: sequences a replica decodes at once.")

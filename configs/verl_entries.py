@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ppoflow.configs.presets import DEFAULTS_NAME, read_yaml
 from ppoflow.configs.problems import ConfigError
 
 ONE_STEP_OFF = ("trainer.mode=one_step_off",)
@@ -57,8 +58,6 @@ def hydra_config(config_path: str | None, config_name: str) -> tuple[str, list[s
     if "megatron" in name:
         raise ConfigError([("--config-name", f"{config_name}: {MEGATRON}")])
     if name in CONFIGS:
-        from ppoflow.configs.loader import DEFAULTS_NAME
-
         return DEFAULTS_NAME, list(CONFIGS[name])
     path = Path(config_path or ".").expanduser() / f"{name}.yaml"
     if not path.is_file():
@@ -86,8 +85,6 @@ def hydra_preset(preset: DictConfig, path: Path) -> DictConfig:
 
 def _default_layer(entry, path: Path) -> DictConfig:
     """The config a ``defaults:`` entry of ``path`` names."""
-    from ppoflow.configs.loader import read_yaml
-
     if not isinstance(entry, str):
         raise ConfigError([("--config", f"{path}: defaults entry {entry!r}: Hydra's config groups are not read here")])
     name = entry.removesuffix(".yaml")

@@ -330,3 +330,24 @@ def test_verl_pool_rule_and_the_mini_batch_split_both_report_indivisible_batches
 def test_verl_pool_rule_accepts_divisible_batches():
     cfg = load_config("grpo_tiny", ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.resources.num_gpus=1"])
     assert cfg.trainer.n_gpus_per_node == 4  # 8 responses per prompt divide 4 GPUs
+
+
+def test_the_rollout_dtype_left_null_fits_the_hardware(monkeypatch):
+    """bfloat16 on GPUs (verl's default) and on a CPU with AMX; float32 on other CPUs, where bfloat16 samples up
+    to twice as slow; a dtype that is set stays; the run's start says which, and the step cache keeps it."""
+    from ppoflow.configs import normalize
+    from ppoflow.flows.stages import RolloutOrigin
+
+    gpu = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.resources.num_gpus=1"]
+    for amx, on_cpu in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(normalize, "cpu_has_amx", lambda amx=amx: amx)
+        assert load_config("grpo_tiny").actor_rollout_ref.rollout.dtype == on_cpu
+        assert load_config("grpo_tiny", gpu).actor_rollout_ref.rollout.dtype == "bfloat16"
+        set_by_hand = load_config("grpo_tiny", ["actor_rollout_ref.rollout.dtype=float16"])
+        assert set_by_hand.actor_rollout_ref.rollout.dtype == "float16"
+    cfg = load_config("grpo_tiny")  # no AMX, as monkeypatched last
+    assert RolloutOrigin.of(cfg, None).dtype == "float32"  # a cached rollout of another dtype is not replayed
+    assert normalize.rollout_dtype_line("float32", on_gpu=False) == (
+        "the rollout samples in float32 (actor_rollout_ref.rollout.dtype) on this CPU (without AMX)"
+    )
+    assert normalize.rollout_dtype_line("bfloat16", on_gpu=False).endswith("; float32 samples faster on it")

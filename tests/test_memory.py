@@ -222,12 +222,16 @@ def test_the_estimate_counts_every_copy(tmp_path):
     assert colocated["actor"].parts == {"weights": 4 * p, "gradients": 4 * p, "AdamW state": 8 * p}
     assert colocated["actor"].processes == 1 and not colocated["actor"].on_gpu
     every = _estimates(
-        path, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.actor.use_kl_loss=true", "critic.enable=true"
+        path,
+        "actor_rollout_ref.hybrid_engine=false",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "critic.enable=true",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
     )
     assert {role: estimate.parts for role, estimate in every.items()} == {
         "actor": {"weights": 4 * p, "gradients": 4 * p, "AdamW state": 8 * p},
         "ref": {"weights": 4 * p},
-        "rollout": {"weights": 2 * p},  # rollout.dtype: bfloat16, verl's default
+        "rollout": {"weights": 2 * p},  # rollout.dtype=bfloat16
         "critic": {"weights": 4 * c, "gradients": 4 * c, "AdamW state": 8 * c},
     }
     half = _estimates(path, "actor_rollout_ref.model.dtype=bfloat16")["actor"]
@@ -246,7 +250,8 @@ def test_the_estimate_counts_every_copy(tmp_path):
         "AdamW state": 8 * quarter,
         "sampling copy": 4 * p - 4 * quarter,
     }
-    assert "sampling copy" not in _estimates(path, "trainer.n_cpu_ranks_per_node=2")["actor"].parts  # 2p <= 2p
+    in_bfloat16 = _estimates(path, "trainer.n_cpu_ranks_per_node=2", "actor_rollout_ref.rollout.dtype=bfloat16")
+    assert "sampling copy" not in in_bfloat16["actor"].parts  # 2p <= 2p
     kept = _estimates(
         path,
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
@@ -254,7 +259,12 @@ def test_the_estimate_counts_every_copy(tmp_path):
         "actor_rollout_ref.hybrid_engine=false",
     )
     assert kept["actor"].parts["gathered weights"] == 4 * p  # FSDP2 keeps the whole model from forward to backward
-    replicas = _estimates(path, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.num_replicas=3")
+    replicas = _estimates(
+        path,
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.num_replicas=3",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+    )
     assert replicas["rollout"].parts == {"weights": 2 * p} and replicas["rollout"].processes == 3
     in_float32 = _estimates(path, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.dtype=float32")
     assert in_float32["rollout"].parts == {"weights": 4 * p}

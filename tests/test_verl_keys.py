@@ -7,7 +7,8 @@ import re
 import pytest
 
 from ppoflow.configs import ConfigError, load_config, reference_table
-from ppoflow.configs.verl_keys import ANY, NO_OPS, RENAMED, UNSUPPORTED
+from ppoflow.configs.verl_answers import ANY, NO_OPS
+from ppoflow.configs.verl_keys import RENAMED, UNSUPPORTED
 from tests.preflight_helpers import assert_user_error, run_cli
 
 OUR_KEYS = set(re.findall(r"^\| `([^`]+)` \|", reference_table(), re.MULTILINE))
