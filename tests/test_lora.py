@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ppoflow.configs import ConfigError, load_config
-from ppoflow.configs.verl_keys import verl_answer
+from ppoflow.configs.verl_answers import verl_answer
 from ppoflow.workers.launcher import start_local_workers
 from ppoflow.workers.models import load_causal_lm
 from ppoflow.workers.resources import role_resources
