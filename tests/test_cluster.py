@@ -121,6 +121,7 @@ def test_a_run_spans_two_nodes_with_s3_checkpoints_and_resumes_with_one_rank(
         "trainer.save_freq=1",
         "trainer.test_freq=-1",
         "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.hybrid_engine=false",  # a rollout of its own, on the other node
         "actor_rollout_ref.actor.resources.custom={trainer_node: 1}",
         "actor_rollout_ref.rollout.resources.custom={rollout_node: 1}",
         "skip.rollout.enable=true",
