@@ -55,13 +55,21 @@ def _translate_verl_values(container: dict) -> None:
 
 def _choose_rollout_dtype(container: dict) -> None:
     """``actor_rollout_ref.rollout.dtype: null`` becomes the dtype that samples fast where the rollout runs
-    (:func:`fast_rollout_dtype`): a GPU when the rollout or the training pool reserves one, or vLLM; else this CPU."""
+    (:func:`fast_rollout_dtype`, :func:`samples_on_gpu`)."""
     node, leaf = parent_of(container, "actor_rollout_ref.rollout.dtype")
     if node is None or node.get(leaf) is not None:
         return
-    rollout, trainer = node, container.get("trainer") or {}
-    gpus = (rollout.get("resources") or {}).get("num_gpus") or trainer.get("n_gpus_per_node")
-    node[leaf] = fast_rollout_dtype(on_gpu=bool(gpus) or rollout.get("name") == "vllm")
+    trainer = container.get("trainer") or {}
+    on_gpu = samples_on_gpu(
+        node.get("name"), (node.get("resources") or {}).get("num_gpus"), trainer.get("n_gpus_per_node")
+    )
+    node[leaf] = fast_rollout_dtype(on_gpu=on_gpu)
+
+
+def samples_on_gpu(engine: str | None, rollout_gpus, trainer_gpus) -> bool:
+    """Whether the rollout samples on a GPU: vLLM, or GPUs reserved for the rollout or the training pool (whose
+    ranks host a colocated engine)."""
+    return engine == "vllm" or bool(rollout_gpus) or bool(trainer_gpus)
 
 
 def fast_rollout_dtype(*, on_gpu: bool) -> str:

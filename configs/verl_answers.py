@@ -5,7 +5,7 @@ meaning from the tables of :mod:`ppoflow.configs.verl_keys` (:func:`verl_answer`
 
 from __future__ import annotations
 
-from ppoflow.configs.verl_keys import _CRITIC_FSDP, _FSDP1_OFFLOAD, ACTOR, MODEL, REF, RENAMED, ROLLOUT, UNSUPPORTED
+from ppoflow.configs.verl_keys import ACTOR, CRITIC_FSDP, FSDP1_OFFLOAD, MODEL, REF, RENAMED, ROLLOUT, UNSUPPORTED
 
 VERL_VALUES: dict[str, dict] = {
     "reward_model.reward_manager": {"dapo": "naive"},
@@ -19,10 +19,10 @@ FSDP1 engine (``strategy=fsdp``) trains what FSDP2 does. The loader replaces the
 ANY = ("any value",)
 """In :data:`NO_OPS`: every value of the key changes nothing here (a speed setting of an engine of verl's)."""
 
-_FSDP_SECTIONS = (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", *_CRITIC_FSDP)
+_FSDP_SECTIONS = (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", *CRITIC_FSDP)
 NO_OPS: dict[str, tuple] = {
     "trainer.critic_warmup": (0,),
-    **{f"{section}.{offload}": (False,) for section in _FSDP_SECTIONS for offload in (*_FSDP1_OFFLOAD, "grad_offload")},
+    **{f"{section}.{offload}": (False,) for section in _FSDP_SECTIONS for offload in (*FSDP1_OFFLOAD, "grad_offload")},
     **{f"{model}.enable_activation_offload": (False,) for model in (MODEL, "critic.model")},
     **{f"{model}.use_shm": (False,) for model in (MODEL, "critic.model", "data")},
     **{f"{MODEL}.{kernels}": (False,) for kernels in ("use_liger", "use_fused_kernels")},

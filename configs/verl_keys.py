@@ -13,8 +13,8 @@ from __future__ import annotations
 
 ACTOR, REF, ROLLOUT, MODEL = (f"actor_rollout_ref.{role}" for role in ("actor", "ref", "rollout", "model"))
 
-_FSDP1_OFFLOAD = ("param_offload", "optimizer_offload")
-_CRITIC_FSDP = ("critic.fsdp", "critic.model.fsdp_config")
+FSDP1_OFFLOAD = ("param_offload", "optimizer_offload")
+CRITIC_FSDP = ("critic.fsdp", "critic.model.fsdp_config")
 """Where verl's critic keeps its FSDP engine settings (older and newer layouts); ours: critic.fsdp_config."""
 """verl's FSDP1-style offload switches; FSDP2's CPUOffloadPolicy (``fsdp_config.offload_policy``) moves
 parameters, gradients and optimizer state together."""
@@ -28,21 +28,21 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     **{
         f"{role}.fsdp_config.{offload}": f"{role}.fsdp_config.offload_policy"
         for role in (ACTOR, REF)
-        for offload in _FSDP1_OFFLOAD
+        for offload in FSDP1_OFFLOAD
     },
     **{
         f"critic.{section}.{offload}": "critic.fsdp_config.offload_policy"
         for section in ("fsdp", "model.fsdp_config")
-        for offload in (*_FSDP1_OFFLOAD, "offload_policy")
+        for offload in (*FSDP1_OFFLOAD, "offload_policy")
     },
-    **{f"{section}.reshard_after_forward": "critic.fsdp_config.reshard_after_forward" for section in _CRITIC_FSDP},
+    **{f"{section}.reshard_after_forward": "critic.fsdp_config.reshard_after_forward" for section in CRITIC_FSDP},
     **{f"{role}.fsdp_config.strategy": f"{role}.strategy" for role in (ACTOR, REF)},
-    **{f"{section}.strategy": "critic.strategy" for section in _CRITIC_FSDP},
+    **{f"{section}.strategy": "critic.strategy" for section in CRITIC_FSDP},
     **{f"{role}.fsdp_config.model_dtype": f"{MODEL}.dtype" for role in (ACTOR, REF)},
-    **{f"{section}.model_dtype": "critic.model.dtype" for section in _CRITIC_FSDP},
+    **{f"{section}.model_dtype": "critic.model.dtype" for section in CRITIC_FSDP},
     # verl's engine ``dtype`` is the compute dtype of mixed precision
     **{f"{role}.fsdp_config.dtype": f"{role}.fsdp_config.mixed_precision.param_dtype" for role in (ACTOR, REF)},
-    **{f"{section}.dtype": "critic.fsdp_config.mixed_precision.param_dtype" for section in _CRITIC_FSDP},
+    **{f"{section}.dtype": "critic.fsdp_config.mixed_precision.param_dtype" for section in CRITIC_FSDP},
     f"{ACTOR}.use_remove_padding": f"{MODEL}.use_remove_padding",
     f"{ACTOR}.optim.clip_grad": f"{ACTOR}.grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",
@@ -201,7 +201,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f"{role}.ulysses_sequence_parallel_size": _NO_PARALLELISM for role in (ACTOR, REF, "critic")},
     **{
         f"{section}.{option}": why
-        for section in (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", *_CRITIC_FSDP)
+        for section in (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", *CRITIC_FSDP)
         for option, why in _ENGINE_OPTIONS.items()
     },
     **{

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from ppoflow.algorithms.scoring import Scorer
 from ppoflow.configs import ConfigError
-from ppoflow.configs.normalize import rollout_dtype_line
+from ppoflow.configs.normalize import rollout_dtype_line, samples_on_gpu
 from ppoflow.configs.schema import PPOConfig
 from ppoflow.data.datasets import PromptDataset
 from ppoflow.flows.cached_stages.planning import stage_caches
@@ -97,9 +97,9 @@ def start_run(cfg: PPOConfig, *, orchestrated: bool = True) -> RunContext:
     reward_chunks = cfg.reward_model.num_workers if cfg.reward_model.reward_manager == "ray" else 0
     caches = stage_caches(cfg)
     note(memory_note(cfg))
-    arr = cfg.actor_rollout_ref
-    sampler = arr.actor if cfg.colocated else arr.rollout  # whose resources the rollout runs on
-    note(rollout_dtype_line(arr.rollout.dtype, on_gpu=sampler.resources.num_gpus > 0 or arr.rollout.name == "vllm"))
+    rollout = cfg.actor_rollout_ref.rollout
+    on_gpu = samples_on_gpu(rollout.name, rollout.resources.num_gpus, cfg.trainer.n_gpus_per_node)
+    note(rollout_dtype_line(rollout.dtype, on_gpu=on_gpu))
     started = time.perf_counter()
     workers = (start_workers if as_tasks else start_workers.fn)(cfg, in_ray=orchestrated)
     placement = workers.placement_note()

@@ -20,6 +20,7 @@ def hub_snapshot(repo_id: str) -> str | None:
 
 
 def hub_cache() -> str:
+    """Where the hub cache is (``HF_HUB_CACHE``, ``~/.cache/huggingface/hub`` by default)."""
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE

@@ -29,7 +29,7 @@ from ppoflow.configs.schema import PPOConfig
 from ppoflow.workers.memory import gpu_memory, largest, process_memory
 from ppoflow.workers.models import load_tokenizer, local_model_dir, set_up_worker_process
 from ppoflow.workers.rollout.requests import TokenOutput
-from ppoflow.workers.rollout.sampling import SamplingParams, prompt_token_ids, sampled_batch, step_seed
+from ppoflow.workers.rollout.sampling import SamplingParams, outputs_batch, prompt_token_ids, step_seed
 from ppoflow.workers.weight_sync import TensorSlot, WeightUpdate, _fetch
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -118,15 +118,7 @@ class VLLMRolloutWorker:
         """Sample ``sampling.n`` responses per prompt; rows come out prompt-major (p0 s0..s(n-1), p1 ...)."""
         ids = prompt_token_ids(prompts)
         outputs = sample_with_vllm(self.llm, ids, range(len(ids)), step=step, sampling=sampling, eos=self.eos_token_id)
-        return sampled_batch(
-            prompts,
-            sampling,
-            [output.token_ids for output in outputs],
-            [output.log_probs for output in outputs],
-            weight_version=self.weight_version,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-        )
+        return outputs_batch(prompts, sampling, outputs, weight_version=self.weight_version, tokenizer=self.tokenizer)
 
     def apply_weights(self, update: WeightUpdate) -> int:
         """Load the actor's weights into the running engine, bucket by bucket (with LoRA the actor sends the

@@ -57,7 +57,7 @@ class ColocatedActorWorker(ActorWorker):
         """Held to start a request or change the engine; notified when it starts serving."""
         self.engine_memory: dict[str, float] = {}
         self.vllm = None
-        """``rollout.name=vllm``: the rank's vLLM engine, asleep but while it generates."""
+        """``rollout.name=vllm``: the rank's vLLM engine, asleep except while it generates."""
         if rollout.name == "vllm":
             from ppoflow.workers.rollout.vllm_worker import ColocatedVLLMEngine
 
